@@ -1,0 +1,116 @@
+// ProcessGroup: the ranks of a job (or a subset) and the collectives they run together.
+//
+// \code
+//   auto pg = dtrain::comm::init();                    // from RANK/WORLD_SIZE/... or a world of one
+//   std::vector<float> grad(1 << 20, 1.0f);
+//   pg->allreduce(grad.data(), grad.size(), DType::f32, ReduceOp::avg)->wait();
+//   auto w = pg->broadcast(params.data(), params.size(), DType::f32, /*root=*/0);  // async
+//   ...                                                 // overlap other work
+//   w->wait();                                          // rethrows the op's error, if any
+// \endcode
+//
+// Every call returns at once with a Work; ops on one group run in the order they were issued, on the
+// group's own thread. Buffers must stay valid until the Work completes. in == out means in place.
+// Every op has a deadline (GroupOptions::timeout, from DTRAIN_TIMEOUT): a dead or stuck peer makes
+// every rank fail with an error naming the op, its sequence number and the peer, never hang. After a
+// failure the group is broken: later ops fail at once with the original error.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/comm/types.h"
+#include "dtrain/comm/work.h"
+
+namespace dtrain::comm {
+
+struct GroupOptions {
+  // Deadline of every op, counted from when it is issued. DTRAIN_TIMEOUT (seconds), default 300.
+  Duration timeout = std::chrono::seconds(300);
+  // "auto" (shared memory when every rank is on this host, else TCP), "tcp" or "shm". DTRAIN_TRANSPORT.
+  std::string transport = "auto";
+  // TCP: the address to listen on and advertise. Default: DTRAIN_IFNAME's address, else the address
+  // that routes to MASTER_ADDR, else 127.0.0.1.
+  std::string listen_host;
+  // Ring capacity of the shm transport per peer pair and staging size of tcp; 0 picks a default.
+  // Tests set it small to reach multi-segment paths. DTRAIN_SEGMENT_BYTES.
+  size_t segment_bytes = 0;
+  // Check each collective's fingerprint (op, dtype, count, root) across ranks first. DTRAIN_DEBUG=detail.
+  bool check_fingerprints = false;
+
+  // Defaults overridden by the DTRAIN_* variables above; a malformed value is an InvalidArgument.
+  static GroupOptions fromEnv();
+};
+
+enum class AllreduceAlgorithm { automatic, ring, recursive_doubling };
+
+// One send or receive of a batch that runs concurrently (like torch.distributed.batch_isend_irecv).
+struct P2POp {
+  enum Kind { kSend, kRecv } kind;
+  void* buf;
+  size_t count;
+  DType dtype;
+  int peer;
+  uint32_t tag = 0;
+};
+
+class ProcessGroup {
+ public:
+  // Collective: all `size` ranks call it with the same store (keys under the store are used for the
+  // rendezvous). size == 1 opens no socket and no shared memory.
+  static std::shared_ptr<ProcessGroup> create(std::shared_ptr<Store> store, int rank, int size,
+                                              GroupOptions opts = GroupOptions::fromEnv());
+  ~ProcessGroup();
+  ProcessGroup(const ProcessGroup&) = delete;
+  ProcessGroup& operator=(const ProcessGroup&) = delete;
+
+  int rank() const;
+  int size() const;
+  // "tcp", "shm" or "local" (a world of one).
+  std::string transportName() const;
+  const GroupOptions& options() const;
+
+  WorkPtr allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op = ReduceOp::sum,
+                    AllreduceAlgorithm algo = AllreduceAlgorithm::automatic);
+  WorkPtr allreduce(void* buf, size_t count, DType t, ReduceOp op = ReduceOp::sum) {
+    return allreduce(buf, buf, count, t, op);
+  }
+  WorkPtr broadcast(void* buf, size_t count, DType t, int root);
+  // out is written on root only (may be null elsewhere).
+  WorkPtr reduce(const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
+  // out holds size() * count elements, rank r's block at r * count.
+  WorkPtr allgather(const void* in, void* out, size_t count, DType t);
+  // Uneven blocks: counts[r] elements from rank r, in rank order; every rank passes the same counts.
+  WorkPtr allgatherv(const void* in, void* out, std::vector<size_t> counts, DType t);
+  // in holds size() * count elements; out receives this rank's reduced block of count elements.
+  WorkPtr reduceScatter(const void* in, void* out, size_t count, DType t, ReduceOp op = ReduceOp::sum);
+  WorkPtr reduceScatterv(const void* in, void* out, std::vector<size_t> counts, DType t,
+                         ReduceOp op = ReduceOp::sum);
+  // Block b (count elements) of in goes to rank b; block b of out comes from rank b.
+  WorkPtr alltoall(const void* in, void* out, size_t count, DType t);
+  // out (size() * count elements) is written on root only.
+  WorkPtr gather(const void* in, void* out, size_t count, DType t, int root);
+  // in (size() * count elements) is read on root only.
+  WorkPtr scatter(const void* in, void* out, size_t count, DType t, int root);
+  WorkPtr barrier();
+  // Point to point. Messages between two ranks are received in the order they were sent, and the tag
+  // and size must match (a mismatch is a ProtocolError). Use sendRecv for simultaneous exchanges.
+  WorkPtr send(const void* buf, size_t count, DType t, int dst, uint32_t tag = 0);
+  WorkPtr recv(void* buf, size_t count, DType t, int src, uint32_t tag = 0);
+  WorkPtr sendRecv(std::vector<P2POp> ops);
+
+  // Collective over this group: every rank calls it with the same ranks (distinct, in range). Members
+  // get the new group (ranks renumbered in the given order); the others get nullptr.
+  std::shared_ptr<ProcessGroup> newGroup(const std::vector<int>& ranks);
+
+  struct Impl;
+
+ private:
+  explicit ProcessGroup(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain::comm

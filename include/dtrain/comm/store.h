@@ -1,0 +1,139 @@
+// Key-value stores used for rendezvous, like c10d's TCPStore and FileStore.
+//
+// \code
+//   // rank 0 (or the launcher) hosts the server; every process is a client.
+//   auto server = std::make_unique<TcpStoreServer>("0.0.0.0", 29500);
+//   TcpStore store("127.0.0.1", server->port(), std::chrono::seconds(30));
+//   store.set("addr/0", bytes);
+//   auto v = store.get("addr/1");           // blocks until set, or TimeoutError
+//   int64_t n = store.add("arrived", 1);    // atomic counter
+// \endcode
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain::comm {
+
+using Bytes = std::vector<uint8_t>;
+using Duration = std::chrono::milliseconds;
+
+Bytes toBytes(const std::string& s);
+std::string toString(const Bytes& b);
+
+// Limits that bound what a store accepts from a peer; a request beyond them is rejected.
+inline constexpr size_t kMaxStoreKeyBytes = 4096;
+inline constexpr size_t kMaxStoreValueBytes = 64u << 20;
+
+class Store {
+ public:
+  virtual ~Store() = default;
+  virtual void set(const std::string& key, const Bytes& value) = 0;
+  // Blocks until key exists (or timeout(): TimeoutError naming the key), then returns its value.
+  virtual Bytes get(const std::string& key) = 0;
+  // Atomically adds delta to the integer stored at key (created as 0) and returns the new value.
+  virtual int64_t add(const std::string& key, int64_t delta) = 0;
+  // Sets key to desired if its current value equals expected (an empty expected matches a missing key).
+  // Returns the value after the operation.
+  virtual Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) = 0;
+  // Returns true if the key existed.
+  virtual bool deleteKey(const std::string& key) = 0;
+  // True when every key exists, without waiting.
+  virtual bool check(const std::vector<std::string>& keys) = 0;
+  // Blocks until every key exists; TimeoutError naming the missing keys after `timeout`.
+  virtual void wait(const std::vector<std::string>& keys, Duration timeout) = 0;
+  void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
+  virtual int64_t numKeys() = 0;
+
+  Duration timeout() const { return timeout_; }
+  void setTimeout(Duration t) { timeout_ = t; }
+
+ protected:
+  explicit Store(Duration timeout) : timeout_(timeout) {}
+  Duration timeout_;
+};
+
+// Serves a TcpStore on host:port (port 0 picks a free one) from a background thread until destroyed.
+// Malformed or oversized requests close that client's connection; the server keeps serving others.
+class TcpStoreServer {
+ public:
+  TcpStoreServer(const std::string& host, uint16_t port);
+  ~TcpStoreServer();
+  TcpStoreServer(const TcpStoreServer&) = delete;
+  TcpStoreServer& operator=(const TcpStoreServer&) = delete;
+  uint16_t port() const;
+  int numClients() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// A client of a TcpStoreServer. Connecting retries until `timeout` (the server may start later).
+// Safe to use from several threads (requests are serialised).
+class TcpStore : public Store {
+ public:
+  TcpStore(const std::string& host, uint16_t port, Duration timeout);
+  ~TcpStore() override;
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Duration timeout) override;
+  using Store::wait;
+  int64_t numKeys() override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// A store in one file on a filesystem every process sees (like c10d's FileStore and the file://
+// rendezvous of the MIL-NCE reference on Slurm). Operations take an exclusive flock on the file.
+class FileStore : public Store {
+ public:
+  FileStore(const std::string& path, Duration timeout);
+  ~FileStore() override;
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Duration timeout) override;
+  using Store::wait;
+  int64_t numKeys() override;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+// Prepends "prefix/" to every key: sub-groups and restarts share one underlying store.
+class PrefixStore : public Store {
+ public:
+  PrefixStore(std::string prefix, std::shared_ptr<Store> base);
+  void set(const std::string& key, const Bytes& value) override;
+  Bytes get(const std::string& key) override;
+  int64_t add(const std::string& key, int64_t delta) override;
+  Bytes compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) override;
+  bool deleteKey(const std::string& key) override;
+  bool check(const std::vector<std::string>& keys) override;
+  void wait(const std::vector<std::string>& keys, Duration timeout) override;
+  using Store::wait;
+  int64_t numKeys() override;
+
+ private:
+  std::string k(const std::string& key) const { return prefix_ + "/" + key; }
+  std::string prefix_;
+  std::shared_ptr<Store> base_;
+};
+
+}  // namespace dtrain::comm

@@ -1,0 +1,25 @@
+// Element types and reduction operators understood by dtrain::comm. Buffers are plain pointers plus a
+// DType and an element count: the comm layer never sees a torch::Tensor.
+#pragma once
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace dtrain::comm {
+
+enum class DType : uint8_t { f32, f64, f16, bf16, i32, i64, u8 };
+enum class ReduceOp : uint8_t { sum, avg, min, max, prod };
+
+inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
+                                       DType::i32, DType::i64, DType::u8};
+inline constexpr ReduceOp kAllReduceOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::min,
+                                             ReduceOp::max, ReduceOp::prod};
+
+size_t dtypeSize(DType t);
+const char* dtypeName(DType t);
+const char* reduceOpName(ReduceOp op);
+bool isFloating(DType t);
+// Parses "f32", "float32", "float", ...; throws InvalidArgument naming the text otherwise.
+DType parseDType(const std::string& s);
+
+}  // namespace dtrain::comm

@@ -1,0 +1,42 @@
+// Work: the handle of one asynchronous operation of a ProcessGroup.
+#pragma once
+#include <chrono>
+#include <condition_variable>
+#include <exception>
+#include <memory>
+#include <mutex>
+#include <string>
+
+namespace dtrain::comm {
+
+class Work {
+ public:
+  Work(std::string what, std::chrono::steady_clock::time_point deadline, int rank)
+      : what_(std::move(what)), deadline_(deadline), rank_(rank) {}
+
+  // Blocks until the op completes and rethrows its error, if any. Bounded: the op has its own deadline;
+  // should it still be running shortly after that, this throws TimeoutError naming the op.
+  void wait();
+  // As wait(), but gives up after `timeout` with a TimeoutError (the op keeps running).
+  void wait(std::chrono::milliseconds timeout);
+  bool isCompleted() const;
+  // "allreduce seq=41 f32 x 6291456"
+  const std::string& describe() const { return what_; }
+
+  // Used by the group that runs the op.
+  void finish(std::exception_ptr error = nullptr);
+
+ private:
+  void waitUntil(std::chrono::steady_clock::time_point until, const std::string& why);
+  std::string what_;
+  std::chrono::steady_clock::time_point deadline_;
+  int rank_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+
+using WorkPtr = std::shared_ptr<Work>;
+
+}  // namespace dtrain::comm

@@ -1,0 +1,76 @@
+// Allreduce: algorithm choice, and recursive doubling for small buffers.
+//
+// Recursive doubling (latency-optimal, log2(size) rounds): with p2 the largest power of two <= size,
+// the `size - p2` extra ranks first fold their data into a partner (rank - p2) and wait. The p2 ranks
+// then run log2(p2) rounds; in round k rank r exchanges its whole buffer with r XOR 2^k and reduces.
+// Finally each partner hands the result back to its extra rank. IEEE addition is commutative, so both
+// sides of an exchange compute the same bits and every rank ends bit-identical.
+#include <cstring>
+
+#include "comm/collectives/collectives.h"
+#include "comm/collectives/kernels.h"
+
+namespace dtrain::comm::algo {
+
+using transport::Op;
+
+const char* allreduceAlgoName(AllreduceAlgo a) {
+  switch (a) {
+    case AllreduceAlgo::kAuto: return "auto";
+    case AllreduceAlgo::kRing: return "ring";
+    case AllreduceAlgo::kRecursiveDoubling: return "rd";
+  }
+  return "?";
+}
+
+void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, ReduceOp op) {
+  const int n = c.size, r = c.rank;
+  const size_t bytes = count * dtypeSize(t);
+  int p2 = 1;
+  while (p2 * 2 <= n) p2 *= 2;
+  const int extra = n - p2;
+  constexpr uint32_t kFoldTag = 1000, kUnfoldTag = 1001;
+  std::vector<Op> ops;
+  if (r >= p2) {  // an extra rank: contribute, then receive the result
+    ops = {transport::sendOp(r - p2, kFoldTag, buf, bytes)};
+    c.run(ops);
+    ops = {transport::recvOp(r - p2, kUnfoldTag, buf, bytes)};
+    c.run(ops);
+    return;
+  }
+  if (r < extra) {
+    ops = {transport::recvReduceOp(r + p2, kFoldTag, buf, bytes, t, op)};
+    c.run(ops);
+  }
+  void* tmp = c.scratch(bytes);
+  for (int mask = 1, round = 0; mask < p2; mask <<= 1, ++round) {
+    int partner = r ^ mask;
+    ops = {transport::sendOp(partner, round, buf, bytes), transport::recvOp(partner, round, tmp, bytes)};
+    c.run(ops);
+    reduceInto(buf, tmp, count, t, op);
+  }
+  if (op == ReduceOp::avg) divideBy(buf, count, t, n);
+  if (r < extra) {
+    ops = {transport::sendOp(r + p2, kUnfoldTag, buf, bytes)};
+    c.run(ops);
+  }
+}
+
+void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {
+  const size_t bytes = count * dtypeSize(t);
+  if (in != out && bytes) std::memmove(out, in, bytes);
+  if (c.size == 1) {
+    return;  // avg over one rank is the identity
+  }
+  if (algo == AllreduceAlgo::kAuto) {
+    algo = (bytes <= kSmallAllreduceBytes || count < static_cast<size_t>(c.size)) ? AllreduceAlgo::kRecursiveDoubling
+                                                                                   : AllreduceAlgo::kRing;
+  }
+  if (algo == AllreduceAlgo::kRing) {
+    allreduceRing(c, out, count, t, op);
+  } else {
+    allreduceRecursiveDoubling(c, out, count, t, op);
+  }
+}
+
+}  // namespace dtrain::comm::algo

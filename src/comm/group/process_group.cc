@@ -1,0 +1,429 @@
+// ProcessGroup: argument checks, the op queue and its worker thread, transport choice, sub-groups,
+// and the DTRAIN_DEBUG=detail fingerprint check.
+#include "dtrain/comm/process_group.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <deque>
+#include <functional>
+#include <map>
+#include <set>
+#include <thread>
+
+#include <fmt/ranges.h>
+
+#include "comm/collectives/collectives.h"
+#include "comm/net/socket.h"
+#include "comm/transport/transport.h"
+#include "dtrain/comm/error.h"
+
+namespace dtrain::comm {
+
+using transport::Clock;
+using transport::OpCode;
+
+namespace {
+
+const char* envOr(const char* name, const char* dflt) {
+  const char* v = std::getenv(name);
+  return v && *v ? v : dflt;
+}
+
+// What a collective is, as compared across ranks under DTRAIN_DEBUG=detail.
+struct Fingerprint {
+  uint16_t opcode = 0;
+  uint8_t dtype = 0;
+  uint8_t rop = 0;
+  int32_t root = -1;
+  uint64_t count = 0;
+  uint64_t seq = 0;
+  bool operator==(const Fingerprint& o) const {
+    return opcode == o.opcode && dtype == o.dtype && rop == o.rop && root == o.root && count == o.count &&
+           seq == o.seq;
+  }
+  std::string str() const {
+    std::string s = fmt::format("{}({} x {}", transport::opName(static_cast<OpCode>(opcode)),
+                                dtypeName(static_cast<DType>(dtype)), count);
+    auto op = static_cast<OpCode>(opcode);
+    if (op == OpCode::allreduce || op == OpCode::reduce || op == OpCode::reduce_scatter)
+      s += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(rop)));
+    if (root >= 0) s += fmt::format(", root {}", root);
+    return s + fmt::format(") seq={}", seq);
+  }
+};
+
+}  // namespace
+
+GroupOptions GroupOptions::fromEnv() {
+  GroupOptions o;
+  if (const char* t = std::getenv("DTRAIN_TIMEOUT"); t && *t) {
+    char* end = nullptr;
+    double secs = std::strtod(t, &end);
+    DTRAIN_CHECK(end && *end == 0 && secs > 0, InvalidArgument,
+                 "DTRAIN_TIMEOUT='{}' is not a positive number of seconds", t);
+    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
+  }
+  o.transport = envOr("DTRAIN_TRANSPORT", "auto");
+  DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm", InvalidArgument,
+               "DTRAIN_TRANSPORT='{}' (expected auto, tcp or shm)", o.transport);
+  if (const char* s = std::getenv("DTRAIN_SEGMENT_BYTES"); s && *s) {
+    char* end = nullptr;
+    long long v = std::strtoll(s, &end, 10);
+    DTRAIN_CHECK(end && *end == 0 && v > 0, InvalidArgument, "DTRAIN_SEGMENT_BYTES='{}' is not a positive integer", s);
+    o.segment_bytes = static_cast<size_t>(v);
+  }
+  o.check_fingerprints = std::string(envOr("DTRAIN_DEBUG", "")) == "detail";
+  if (const char* ifn = std::getenv("DTRAIN_IFNAME"); ifn && *ifn) {
+    o.listen_host = net::interfaceAddress(ifn);
+  } else if (const char* ma = std::getenv("MASTER_ADDR"); ma && *ma) {
+    o.listen_host = net::localAddressFor(ma);
+  }
+  return o;
+}
+
+struct ProcessGroup::Impl {
+  struct Task {
+    WorkPtr work;
+    transport::Label label;
+    transport::Deadline deadline;
+    Fingerprint fp;
+    bool collective = true;
+    std::function<void(algo::Context&)> fn;
+  };
+
+  int rank = 0;
+  int size = 1;
+  GroupOptions opts;
+  std::shared_ptr<Store> store;
+  std::unique_ptr<transport::Transport> tx;
+  uint64_t seq = 0;        // collectives issued (caller side)
+  uint64_t sub_groups = 0; // newGroup calls
+  std::vector<uint8_t> scratch;
+
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<Task> queue;
+  bool stopping = false;
+  std::exception_ptr broken;  // the first failure; later ops fail with it
+  std::thread worker;
+
+  ~Impl() {
+    {
+      std::lock_guard<std::mutex> g(mu);
+      stopping = true;
+    }
+    cv.notify_all();
+    if (worker.joinable()) worker.join();
+  }
+
+  void loop() {
+    for (;;) {
+      Task t;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stopping || !queue.empty(); });
+        if (queue.empty()) return;
+        t = std::move(queue.front());
+        queue.pop_front();
+        if (stopping) {
+          lk.unlock();
+          t.work->finish(std::make_exception_ptr(
+              Error(fmt::format("[rank {}] {} not run: the process group was destroyed", rank, t.label.what))));
+          continue;
+        }
+      }
+      execute(t);
+    }
+  }
+
+  void execute(Task& t) {
+    if (broken) {
+      std::string why;
+      try {
+        std::rethrow_exception(broken);
+      } catch (const std::exception& e) {
+        why = e.what();
+      }
+      t.work->finish(std::make_exception_ptr(
+          Error(fmt::format("[rank {}] {} not run: this group failed earlier: {}", rank, t.label.what, why))));
+      return;
+    }
+    try {
+      algo::Context c{tx.get(), rank, size, t.label, t.deadline, scratch};
+      if (opts.check_fingerprints && t.collective && size > 1) checkFingerprint(c, t.fp);
+      t.fn(c);
+      t.work->finish();
+    } catch (const std::exception& e) {
+      if (tx) tx->abort(e);
+      broken = std::current_exception();
+      t.work->finish(broken);
+    }
+  }
+
+  void checkFingerprint(algo::Context& c, const Fingerprint& mine) {
+    std::vector<Fingerprint> all(size);
+    all[rank] = mine;
+    std::vector<transport::Op> ops;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      ops.push_back(transport::sendOp(p, 0, &all[rank], sizeof(Fingerprint)));
+      ops.push_back(transport::recvOp(p, 0, &all[p], sizeof(Fingerprint)));
+    }
+    transport::Label l = c.label;
+    l.op = OpCode::fingerprint;
+    tx->run(ops, c.deadline, l);
+    bool same = std::all_of(all.begin(), all.end(), [&](const Fingerprint& f) { return f == mine; });
+    if (same) return;
+    // Group ranks by what they called: "ranks 0, 2: allreduce(...); rank 1: broadcast(...)".
+    std::vector<std::pair<std::string, std::vector<int>>> groups;
+    for (int p = 0; p < size; ++p) {
+      std::string s = all[p].str();
+      auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == s; });
+      if (it == groups.end()) groups.push_back({s, {p}});
+      else it->second.push_back(p);
+    }
+    std::string detail;
+    for (auto& [what, ranks] : groups) {
+      std::string rs;
+      for (int r : ranks) rs += (rs.empty() ? "" : ", ") + std::to_string(r);
+      detail += fmt::format("{}{} {} called {}", detail.empty() ? "" : "; ", ranks.size() > 1 ? "ranks" : "rank",
+                            rs, what);
+    }
+    throw ProtocolError(fmt::format("[rank {}] DTRAIN_DEBUG=detail: collective mismatch at seq={}: {}", rank,
+                                    mine.seq, detail));
+  }
+
+  WorkPtr submit(Task t) {
+    t.work = std::make_shared<Work>(t.label.what, t.deadline, rank);
+    WorkPtr w = t.work;
+    if (size == 1) {  // a world of one: run inline, no thread
+      execute(t);
+      return w;
+    }
+    {
+      std::lock_guard<std::mutex> g(mu);
+      queue.push_back(std::move(t));
+    }
+    cv.notify_one();
+    return w;
+  }
+
+  // Builds the task of a collective: label, fingerprint, deadline from now.
+  Task collective(OpCode op, DType dt, size_t count, int root, ReduceOp rop, std::string extra,
+                  std::function<void(algo::Context&)> fn) {
+    Task t;
+    uint64_t s = seq++;
+    t.label.op = op;
+    t.label.seq = static_cast<uint32_t>(s);
+    t.label.what = fmt::format("{} seq={} {} x {}{}", transport::opName(op), s, dtypeName(dt), count, extra);
+    t.label.timeout = opts.timeout;
+    t.deadline = Clock::now() + opts.timeout;
+    t.fp = Fingerprint{static_cast<uint16_t>(op), static_cast<uint8_t>(dt), static_cast<uint8_t>(rop), root,
+                       static_cast<uint64_t>(count), s};
+    t.fn = std::move(fn);
+    return t;
+  }
+
+  void checkRoot(int root, const char* op) const {
+    DTRAIN_CHECK(root >= 0 && root < size, InvalidArgument, "[rank {}] {}: root {} is not a rank of this group (size {})",
+                 rank, op, root, size);
+  }
+  void checkBuf(const void* p, size_t count, const char* what, const char* op) const {
+    DTRAIN_CHECK(p != nullptr || count == 0, InvalidArgument, "[rank {}] {}: {} is null but count is {}", rank, op,
+                 what, count);
+  }
+  void checkCounts(const std::vector<size_t>& counts, const char* op) const {
+    DTRAIN_CHECK(counts.size() == static_cast<size_t>(size), InvalidArgument,
+                 "[rank {}] {}: {} counts given for a group of {} ranks", rank, op, counts.size(), size);
+  }
+};
+
+ProcessGroup::ProcessGroup(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
+ProcessGroup::~ProcessGroup() = default;
+
+std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store, int rank, int size,
+                                                   GroupOptions opts) {
+  DTRAIN_CHECK(size >= 1, InvalidArgument, "process group size must be >= 1, got {}", size);
+  DTRAIN_CHECK(rank >= 0 && rank < size, InvalidArgument, "rank {} is out of range for a group of {}", rank, size);
+  auto impl = std::make_unique<Impl>();
+  impl->rank = rank;
+  impl->size = size;
+  impl->opts = opts;
+  impl->store = store;
+  if (size > 1) {
+    DTRAIN_CHECK(store != nullptr, InvalidArgument, "[rank {}] a process group of {} ranks needs a store", rank, size);
+    std::string kind = opts.transport;
+    if (kind == "auto" || kind == "shm") {
+      store->set(fmt::format("host/{}", rank), toBytes(transport::hostId()));
+      std::string mine = transport::hostId();
+      std::vector<int> elsewhere;
+      for (int r = 0; r < size; ++r)
+        if (toString(store->get(fmt::format("host/{}", r))) != mine) elsewhere.push_back(r);
+      if (kind == "shm" && !elsewhere.empty()) {
+        throw RendezvousError(fmt::format("[rank {}] DTRAIN_TRANSPORT=shm but ranks {} run on another host", rank,
+                                          fmt::join(elsewhere, ", ")));
+      }
+      kind = elsewhere.empty() ? "shm" : "tcp";
+    }
+    transport::TransportOptions to;
+    to.timeout = opts.timeout;
+    to.listen_host = opts.listen_host;
+    to.segment_bytes = opts.segment_bytes;
+    impl->tx = transport::createTransport(kind, *store, rank, size, to);
+    Impl* raw = impl.get();
+    impl->worker = std::thread([raw] { raw->loop(); });
+  }
+  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+}
+
+int ProcessGroup::rank() const { return impl_->rank; }
+int ProcessGroup::size() const { return impl_->size; }
+std::string ProcessGroup::transportName() const { return impl_->tx ? impl_->tx->name() : "local"; }
+const GroupOptions& ProcessGroup::options() const { return impl_->opts; }
+
+WorkPtr ProcessGroup::allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op,
+                                AllreduceAlgorithm algo) {
+  impl_->checkBuf(in, count, "input", "allreduce");
+  impl_->checkBuf(out, count, "output", "allreduce");
+  auto a = algo == AllreduceAlgorithm::ring ? algo::AllreduceAlgo::kRing
+           : algo == AllreduceAlgorithm::recursive_doubling ? algo::AllreduceAlgo::kRecursiveDoubling
+                                                            : algo::AllreduceAlgo::kAuto;
+  return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, fmt::format(" {}", reduceOpName(op)),
+                                         [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, a); }));
+}
+
+WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DType t, int root) {
+  impl_->checkRoot(root, "broadcast");
+  impl_->checkBuf(buf, count, "buffer", "broadcast");
+  return impl_->submit(impl_->collective(OpCode::broadcast, t, count, root, ReduceOp::sum,
+                                         fmt::format(" root={}", root),
+                                         [=](algo::Context& c) { algo::broadcast(c, buf, count, t, root); }));
+}
+
+WorkPtr ProcessGroup::reduce(const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
+  impl_->checkRoot(root, "reduce");
+  impl_->checkBuf(in, count, "input", "reduce");
+  if (impl_->rank == root) impl_->checkBuf(out, count, "output", "reduce");
+  return impl_->submit(impl_->collective(OpCode::reduce, t, count, root, op,
+                                         fmt::format(" {} root={}", reduceOpName(op), root),
+                                         [=](algo::Context& c) { algo::reduce(c, in, out, count, t, op, root); }));
+}
+
+WorkPtr ProcessGroup::allgather(const void* in, void* out, size_t count, DType t) {
+  return allgatherv(in, out, std::vector<size_t>(impl_->size, count), t);
+}
+
+WorkPtr ProcessGroup::allgatherv(const void* in, void* out, std::vector<size_t> counts, DType t) {
+  impl_->checkCounts(counts, "allgather");
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  impl_->checkBuf(in, counts[impl_->rank], "input", "allgather");
+  impl_->checkBuf(out, total, "output", "allgather");
+  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, ReduceOp::sum, "",
+                                         [=](algo::Context& c) { algo::allgatherv(c, in, out, counts, t); }));
+}
+
+WorkPtr ProcessGroup::reduceScatter(const void* in, void* out, size_t count, DType t, ReduceOp op) {
+  return reduceScatterv(in, out, std::vector<size_t>(impl_->size, count), t, op);
+}
+
+WorkPtr ProcessGroup::reduceScatterv(const void* in, void* out, std::vector<size_t> counts, DType t, ReduceOp op) {
+  impl_->checkCounts(counts, "reduce_scatter");
+  size_t total = 0;
+  for (size_t c : counts) total += c;
+  impl_->checkBuf(in, total, "input", "reduce_scatter");
+  impl_->checkBuf(out, counts[impl_->rank], "output", "reduce_scatter");
+  return impl_->submit(impl_->collective(OpCode::reduce_scatter, t, total, -1, op,
+                                         fmt::format(" {}", reduceOpName(op)),
+                                         [=](algo::Context& c) { algo::reduceScatterv(c, in, out, counts, t, op); }));
+}
+
+WorkPtr ProcessGroup::alltoall(const void* in, void* out, size_t count, DType t) {
+  impl_->checkBuf(in, count, "input", "alltoall");
+  impl_->checkBuf(out, count, "output", "alltoall");
+  return impl_->submit(impl_->collective(OpCode::alltoall, t, count, -1, ReduceOp::sum, " per rank",
+                                         [=](algo::Context& c) { algo::alltoall(c, in, out, count, t); }));
+}
+
+WorkPtr ProcessGroup::gather(const void* in, void* out, size_t count, DType t, int root) {
+  impl_->checkRoot(root, "gather");
+  impl_->checkBuf(in, count, "input", "gather");
+  if (impl_->rank == root) impl_->checkBuf(out, count, "output", "gather");
+  return impl_->submit(impl_->collective(OpCode::gather, t, count, root, ReduceOp::sum,
+                                         fmt::format(" root={}", root),
+                                         [=](algo::Context& c) { algo::gather(c, in, out, count, t, root); }));
+}
+
+WorkPtr ProcessGroup::scatter(const void* in, void* out, size_t count, DType t, int root) {
+  impl_->checkRoot(root, "scatter");
+  impl_->checkBuf(out, count, "output", "scatter");
+  if (impl_->rank == root) impl_->checkBuf(in, count, "input", "scatter");
+  return impl_->submit(impl_->collective(OpCode::scatter, t, count, root, ReduceOp::sum,
+                                         fmt::format(" root={}", root),
+                                         [=](algo::Context& c) { algo::scatter(c, in, out, count, t, root); }));
+}
+
+WorkPtr ProcessGroup::barrier() {
+  return impl_->submit(impl_->collective(OpCode::barrier, DType::u8, 0, -1, ReduceOp::sum, "",
+                                         [](algo::Context& c) { algo::barrier(c); }));
+}
+
+WorkPtr ProcessGroup::send(const void* buf, size_t count, DType t, int dst, uint32_t tag) {
+  return sendRecv({P2POp{P2POp::kSend, const_cast<void*>(buf), count, t, dst, tag}});
+}
+
+WorkPtr ProcessGroup::recv(void* buf, size_t count, DType t, int src, uint32_t tag) {
+  return sendRecv({P2POp{P2POp::kRecv, buf, count, t, src, tag}});
+}
+
+WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
+  Impl& m = *impl_;
+  std::string what;
+  for (const auto& o : ops) {
+    DTRAIN_CHECK(o.peer >= 0 && o.peer < m.size && o.peer != m.rank, InvalidArgument,
+                 "[rank {}] {}: peer {} is not another rank of this group (size {})", m.rank,
+                 o.kind == P2POp::kSend ? "send" : "recv", o.peer, m.size);
+    m.checkBuf(o.buf, o.count, "buffer", o.kind == P2POp::kSend ? "send" : "recv");
+    what += fmt::format("{}{} {} x {} {} rank {} tag {}", what.empty() ? "" : ", ",
+                        o.kind == P2POp::kSend ? "send" : "recv", dtypeName(o.dtype), o.count,
+                        o.kind == P2POp::kSend ? "to" : "from", o.peer, o.tag);
+  }
+  Impl::Task t;
+  t.collective = false;
+  t.label.op = OpCode::send;
+  t.label.what = what;
+  t.label.timeout = m.opts.timeout;
+  t.deadline = Clock::now() + m.opts.timeout;
+  t.fn = [ops](algo::Context& c) {
+    std::vector<transport::Op> tops;
+    for (const auto& o : ops) {
+      size_t bytes = o.count * dtypeSize(o.dtype);
+      tops.push_back(o.kind == P2POp::kSend ? transport::sendOp(o.peer, o.tag, o.buf, bytes)
+                                            : transport::recvOp(o.peer, o.tag, o.buf, bytes));
+    }
+    if (!tops.empty()) c.run(tops);
+  };
+  return m.submit(std::move(t));
+}
+
+std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(const std::vector<int>& ranks) {
+  Impl& m = *impl_;
+  DTRAIN_CHECK(!ranks.empty(), InvalidArgument, "[rank {}] newGroup: empty rank list", m.rank);
+  std::set<int> seen;
+  int my_new_rank = -1;
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    int r = ranks[i];
+    DTRAIN_CHECK(r >= 0 && r < m.size, InvalidArgument, "[rank {}] newGroup: rank {} is not in this group (size {})",
+                 m.rank, r, m.size);
+    DTRAIN_CHECK(seen.insert(r).second, InvalidArgument, "[rank {}] newGroup: rank {} listed twice", m.rank, r);
+    if (r == m.rank) my_new_rank = static_cast<int>(i);
+  }
+  uint64_t id = m.sub_groups++;
+  if (my_new_rank < 0) return nullptr;
+  std::shared_ptr<Store> st;
+  if (ranks.size() > 1) st = std::make_shared<PrefixStore>(fmt::format("sub{}", id), m.store);
+  return create(st, my_new_rank, static_cast<int>(ranks.size()), m.opts);
+}
+
+}  // namespace dtrain::comm

@@ -1,0 +1,442 @@
+// Shared-memory transport between the ranks of one host.
+//
+// Rank 0 creates one POSIX shared-memory segment (found by the others through the store) and unlinks
+// it once everyone has mapped it, so nothing is left in /dev/shm if a rank crashes later. The segment
+// holds, per rank, a doorbell word (a futex) and an abort record; and, per ordered pair (src -> dst),
+// a single-producer single-consumer byte ring with a write position and a read position.
+//
+// A message is the same frame the TCP transport sends (Header, payload) padded to 8 bytes, streamed
+// through the ring in pieces of at most kPiece bytes, so the receiver starts copying (or reducing)
+// while the sender is still writing. Every position moves in multiples of 8, so a reduce receive
+// always sees whole elements, even across the ring's wrap-around.
+//
+// Waiting: a rank that can make no progress reads its doorbell, checks once more, then sleeps on the
+// doorbell futex in short slices (after a brief spin when ranks have a core each). Whoever moves data
+// that a peer may wait for rings the peer's doorbell and wakes it only if it is asleep. On each slice
+// a sleeper checks the abort records (a failed rank writes its error there) and whether the peers it
+// waits for are still alive, so a dead peer is named within a fraction of a second, not at the timeout.
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <signal.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cerrno>
+#include <climits>
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "comm/collectives/kernels.h"
+#include "comm/transport/transport.h"
+#include "dtrain/comm/error.h"
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define DTRAIN_CPU_RELAX() _mm_pause()
+#else
+#define DTRAIN_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
+#endif
+
+namespace dtrain::comm::transport {
+namespace {
+
+constexpr uint64_t kSegMagic = 0x4D48535F4E525444ull;  // "DTRN_SHM"
+constexpr size_t kPiece = 64u << 10;                    // publish progress at least this often
+constexpr size_t kMinRing = 4096;
+constexpr auto kSleepSlice = std::chrono::milliseconds(50);
+
+struct alignas(64) RankSlot {
+  std::atomic<uint32_t> doorbell;
+  std::atomic<uint32_t> sleepers;
+  std::atomic<int32_t> pid;
+  std::atomic<uint32_t> aborted;
+  uint32_t abort_kind;
+  char abort_msg[kMaxAbortMessage + 1];
+};
+
+struct alignas(64) RingCtl {
+  alignas(64) std::atomic<uint64_t> head;  // bytes written by the producer
+  alignas(64) std::atomic<uint64_t> tail;  // bytes consumed by the consumer
+};
+
+struct SegHeader {
+  uint64_t magic;
+  uint64_t size;
+  uint64_t ring_bytes;
+  uint64_t total_bytes;
+};
+
+size_t roundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
+size_t pow2Floor(size_t v) {
+  size_t p = 1;
+  while (p * 2 <= v) p *= 2;
+  return p;
+}
+
+long futexWait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::milliseconds d) {
+  timespec ts{static_cast<time_t>(d.count() / 1000), static_cast<long>((d.count() % 1000) * 1000000)};
+  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
+}
+void futexWakeAll(std::atomic<uint32_t>* addr) {
+  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
+class ShmTransport : public Transport {
+ public:
+  ShmTransport(Store& store, int rank, int size, const TransportOptions& opts) : Transport(rank, size) {
+    size_t ring = opts.segment_bytes;
+    if (ring == 0) {
+      // About 64 MiB of rings in all, between 64 KiB and 4 MiB per ordered pair.
+      size_t pairs = static_cast<size_t>(size) * static_cast<size_t>(std::max(size - 1, 1));
+      ring = std::clamp<size_t>((64u << 20) / pairs, 64u << 10, 4u << 20);
+    }
+    ring_ = pow2Floor(std::max(ring, kMinRing));
+    slots_off_ = roundUp(sizeof(SegHeader), 64);
+    ctl_off_ = slots_off_ + roundUp(sizeof(RankSlot), 64) * size;
+    data_off_ = roundUp(ctl_off_ + sizeof(RingCtl) * size * size, 4096);
+    total_ = data_off_ + ring_ * size * size;
+    auto deadline = Clock::now() + opts.timeout;
+    std::string name;
+    if (rank == 0) {
+      std::random_device rd;
+      name = fmt::format("/dtrain-{}-{:x}{:x}", getpid(), rd(), rd());
+      int fd = shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR, 0600);
+      if (fd < 0) throw IoError(fmt::format("[rank 0] shm transport: shm_open({}): {}", name, strerror(errno)));
+      if (ftruncate(fd, static_cast<off_t>(total_)) != 0) {
+        int e = errno;
+        close(fd);
+        shm_unlink(name.c_str());
+        throw IoError(fmt::format("[rank 0] shm transport: cannot size {} to {} bytes: {}", name, total_, strerror(e)));
+      }
+      map(fd, name);
+      auto* h = header();
+      h->size = static_cast<uint64_t>(size);
+      h->ring_bytes = ring_;
+      h->total_bytes = total_;
+      std::atomic_thread_fence(std::memory_order_release);
+      h->magic = kSegMagic;
+      store.set("shm/name", toBytes(name));
+    } else {
+      name = toString(store.get("shm/name"));
+      int fd = shm_open(name.c_str(), O_RDWR, 0600);
+      if (fd < 0) {
+        throw RendezvousError(fmt::format(
+            "[rank {}] shm transport: cannot open rank 0's segment {}: {} (are all ranks on one host? "
+            "set DTRAIN_TRANSPORT=tcp otherwise)", rank, name, strerror(errno)));
+      }
+      map(fd, name);
+      auto* h = header();
+      if (h->magic != kSegMagic || h->size != static_cast<uint64_t>(size) || h->ring_bytes != ring_ ||
+          h->total_bytes != total_) {
+        throw RendezvousError(fmt::format(
+            "[rank {}] shm transport: segment {} does not match this rank's view (size {} ring {} vs {} {}): "
+            "ranks disagree on DTRAIN_SEGMENT_BYTES or the world size", rank, name, h->size, h->ring_bytes, size, ring_));
+      }
+    }
+    slot(rank)->pid.store(getpid());
+    store.set(fmt::format("shm/mapped/{}", rank), toBytes("1"));
+    std::vector<std::string> keys;
+    for (int r = 0; r < size; ++r) keys.push_back(fmt::format("shm/mapped/{}", r));
+    store.wait(keys, std::chrono::duration_cast<std::chrono::milliseconds>(
+                         std::max(deadline - Clock::now(), Clock::duration(0))));
+    if (rank == 0) shm_unlink(name.c_str());
+    for (int r = 0; r < size; ++r) pids_.push_back(slot(r)->pid.load());
+    spin_ = static_cast<unsigned>(size) <= std::thread::hardware_concurrency() ? 4000 : 0;
+  }
+
+  ~ShmTransport() override {
+    if (base_) munmap(base_, total_);
+  }
+
+  const char* name() const override { return "shm"; }
+
+  std::string peerName(int p) const override {
+    return fmt::format("rank {} (pid {})", p, p >= 0 && p < size_ ? pids_[p] : -1);
+  }
+
+  void run(std::vector<Op>& ops, Deadline deadline, const Label& label) override {
+    std::vector<Stream> sends(size_), recvs(size_);
+    // Per peer and direction, ops run in list order: index queues.
+    std::vector<std::vector<Op*>> sq(size_), rq(size_);
+    for (auto& op : ops) {
+      DTRAIN_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, InvalidArgument,
+                   "[rank {}] {}: invalid peer {} (group size {})", rank_, label.what, op.peer, size_);
+      (op.kind == Op::kSend ? sq : rq)[op.peer].push_back(&op);
+    }
+    std::vector<size_t> sqi(size_, 0), rqi(size_, 0);
+    size_t remaining = ops.size();
+    auto* me = slot(rank_);
+    while (remaining > 0) {
+      uint32_t bell = me->doorbell.load(std::memory_order_seq_cst);
+      bool progress = false;
+      ring_mask_.assign(size_, 0);
+      for (int p = 0; p < size_; ++p) {
+        if (p == rank_) continue;
+        while (sqi[p] < sq[p].size()) {
+          Stream& s = sends[p];
+          if (!s.op) s.start(sq[p][sqi[p]], label, true);
+          progress |= pumpSend(p, s);
+          if (!s.finished()) break;
+          s = Stream{};
+          ++sqi[p];
+          --remaining;
+        }
+        while (rqi[p] < rq[p].size()) {
+          Stream& r = recvs[p];
+          if (!r.op) r.start(rq[p][rqi[p]], label, false);
+          progress |= pumpRecv(p, r, label);
+          if (!r.finished()) break;
+          r = Stream{};
+          ++rqi[p];
+          --remaining;
+        }
+      }
+      ringPeers();
+      if (remaining == 0 || progress) continue;
+      waitForBell(bell, deadline, label, sq, sqi, rq, rqi);
+    }
+  }
+
+  void abort(const std::exception& why) noexcept override {
+    auto* me = slot(rank_);
+    if (me->aborted.load()) return;
+    std::string msg = why.what();
+    if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
+    std::memcpy(me->abort_msg, msg.data(), msg.size());
+    me->abort_msg[msg.size()] = 0;
+    me->abort_kind = static_cast<uint32_t>(errorKindOf(why));
+    me->aborted.store(1, std::memory_order_seq_cst);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      slot(p)->doorbell.fetch_add(1);
+      futexWakeAll(&slot(p)->doorbell);
+    }
+  }
+
+ private:
+  // One frame travelling through a ring: header, payload, padding to 8 bytes.
+  struct Stream {
+    Op* op = nullptr;
+    Header h;
+    uint64_t done = 0;   // stream bytes moved
+    uint64_t total = 0;  // sizeof(Header) + roundUp(bytes, 8); receivers learn it from the header
+    bool header_ok = false;
+    void start(Op* o, const Label& label, bool send) {
+      op = o;
+      if (send) {
+        h.opcode = static_cast<uint16_t>(label.op);
+        h.seq = label.seq;
+        h.tag = o->tag;
+        h.length = o->bytes;
+      }
+      total = sizeof(Header) + roundUp(o->bytes, 8);
+    }
+    bool finished() const { return op && done == total; }
+  };
+
+  void map(int fd, const std::string& name) {
+    void* p = mmap(nullptr, total_, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    int e = errno;
+    close(fd);
+    if (p == MAP_FAILED) {
+      throw IoError(fmt::format("[rank {}] shm transport: mmap of {} ({} bytes): {}", rank_, name, total_, strerror(e)));
+    }
+    base_ = static_cast<char*>(p);
+  }
+  SegHeader* header() { return reinterpret_cast<SegHeader*>(base_); }
+  RankSlot* slot(int r) { return reinterpret_cast<RankSlot*>(base_ + slots_off_ + roundUp(sizeof(RankSlot), 64) * r); }
+  RingCtl* ctl(int src, int dst) { return reinterpret_cast<RingCtl*>(base_ + ctl_off_) + (src * size_ + dst); }
+  char* ringData(int src, int dst) { return base_ + data_off_ + ring_ * (src * size_ + dst); }
+
+  // Copies stream bytes [from, from+n) of a send into the ring at position pos.
+  void produce(Stream& s, char* ring, uint64_t pos, uint64_t from, uint64_t n) {
+    while (n > 0) {
+      uint64_t off = pos & (ring_ - 1);
+      uint64_t chunk = std::min<uint64_t>(n, ring_ - off);
+      uint64_t c = 0;
+      // header part
+      if (from < sizeof(Header)) {
+        uint64_t k = std::min<uint64_t>(chunk, sizeof(Header) - from);
+        std::memcpy(ring + off, reinterpret_cast<char*>(&s.h) + from, k);
+        c = k;
+      }
+      if (c < chunk) {
+        uint64_t poff = from + c - sizeof(Header);
+        uint64_t k = chunk - c;
+        if (poff < s.op->bytes) {
+          uint64_t real = std::min<uint64_t>(k, s.op->bytes - poff);
+          std::memcpy(ring + off + c, static_cast<char*>(s.op->data) + poff, real);
+        }
+      }
+      pos += chunk;
+      from += chunk;
+      n -= chunk;
+    }
+  }
+
+  bool pumpSend(int p, Stream& s) {
+    RingCtl* c = ctl(rank_, p);
+    uint64_t head = c->head.load(std::memory_order_relaxed);
+    uint64_t tail = c->tail.load(std::memory_order_acquire);
+    uint64_t space = ring_ - (head - tail);
+    uint64_t n = std::min<uint64_t>({space, s.total - s.done, kPiece});
+    if (n == 0) return false;
+    produce(s, ringData(rank_, p), head, s.done, n);
+    c->head.store(head + n, std::memory_order_release);
+    s.done += n;
+    ring_mask_[p] = 1;
+    return true;
+  }
+
+  bool pumpRecv(int p, Stream& r, const Label& label) {
+    RingCtl* c = ctl(p, rank_);
+    uint64_t tail = c->tail.load(std::memory_order_relaxed);
+    uint64_t head = c->head.load(std::memory_order_acquire);
+    uint64_t avail = head - tail;
+    if (avail == 0) return false;
+    char* ring = ringData(p, rank_);
+    uint64_t used = 0;
+    if (r.done < sizeof(Header)) {
+      // Writers publish in multiples of 8 bytes, so the header may arrive in parts.
+      uint64_t k = std::min<uint64_t>(avail, sizeof(Header) - r.done);
+      copyOut(reinterpret_cast<char*>(&r.h) + r.done, ring, tail, k);
+      r.done += k;
+      used += k;
+      if (r.done == sizeof(Header)) {
+        checkHeader(r.h, label.op, label.seq, r.op->tag, r.op->bytes, rank_, peerName(p), label);
+      }
+    }
+    if (r.done >= sizeof(Header)) {
+      uint64_t n = std::min<uint64_t>({avail - used, r.total - r.done, kPiece});
+      uint64_t poff = r.done - sizeof(Header);
+      uint64_t real = poff < r.op->bytes ? std::min<uint64_t>(n, r.op->bytes - poff) : 0;
+      char* dst = static_cast<char*>(r.op->data) + poff;
+      uint64_t pos = tail + used;
+      while (real > 0) {
+        uint64_t off = pos & (ring_ - 1);
+        uint64_t chunk = std::min<uint64_t>(real, ring_ - off);
+        if (r.op->reduce) {
+          reduceInto(dst, ring + off, chunk / dtypeSize(r.op->dtype), r.op->dtype, r.op->rop);
+        } else {
+          std::memcpy(dst, ring + off, chunk);
+        }
+        dst += chunk;
+        pos += chunk;
+        real -= chunk;
+      }
+      r.done += n;
+      used += n;
+    }
+    c->tail.store(tail + used, std::memory_order_release);
+    ring_mask_[p] = 1;
+    return used > 0;
+  }
+
+  void copyOut(char* dst, const char* ring, uint64_t pos, uint64_t n) {
+    while (n > 0) {
+      uint64_t off = pos & (ring_ - 1);
+      uint64_t chunk = std::min<uint64_t>(n, ring_ - off);
+      std::memcpy(dst, ring + off, chunk);
+      dst += chunk;
+      pos += chunk;
+      n -= chunk;
+    }
+  }
+
+  void ringPeers() {
+    for (int p = 0; p < size_; ++p) {
+      if (!ring_mask_[p]) continue;
+      RankSlot* s = slot(p);
+      s->doorbell.fetch_add(1, std::memory_order_seq_cst);
+      if (s->sleepers.load(std::memory_order_seq_cst) > 0) futexWakeAll(&s->doorbell);
+    }
+  }
+
+  void waitForBell(uint32_t bell, Deadline deadline, const Label& label,
+                   const std::vector<std::vector<Op*>>& sq, const std::vector<size_t>& sqi,
+                   const std::vector<std::vector<Op*>>& rq, const std::vector<size_t>& rqi) {
+    auto* me = slot(rank_);
+    for (unsigned i = 0; i < spin_; ++i) {
+      if (me->doorbell.load(std::memory_order_acquire) != bell) return;
+      DTRAIN_CPU_RELAX();
+    }
+    for (;;) {
+      checkAborts(label);
+      auto now = Clock::now();
+      if (now >= deadline) throwTimeout(label, sq, sqi, rq, rqi);
+      me->sleepers.fetch_add(1, std::memory_order_seq_cst);
+      if (me->doorbell.load(std::memory_order_seq_cst) == bell) {
+        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
+        futexWait(&me->doorbell, bell, std::min<std::chrono::milliseconds>(left, kSleepSlice));
+      }
+      me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      if (me->doorbell.load(std::memory_order_acquire) != bell) return;
+      checkPeersAlive(label, sq, sqi, rq, rqi);
+    }
+  }
+
+  void checkAborts(const Label& label) {
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      RankSlot* s = slot(p);
+      if (s->aborted.load(std::memory_order_acquire)) {
+        std::string msg(s->abort_msg, strnlen(s->abort_msg, kMaxAbortMessage));
+        throwOfKind(static_cast<ErrorKind>(s->abort_kind),
+                    fmt::format("[rank {}] {}: peer rank {} failed: {}", rank_, label.what, p, msg));
+      }
+    }
+  }
+
+  // A peer we still need that no longer exists will never ring: say so now rather than at the timeout.
+  // (A peer that finished and exited is fine as long as we need nothing more from it.)
+  void checkPeersAlive(const Label& label, const std::vector<std::vector<Op*>>& sq, const std::vector<size_t>& sqi,
+                       const std::vector<std::vector<Op*>>& rq, const std::vector<size_t>& rqi) {
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      bool pending = sqi[p] < sq[p].size() || rqi[p] < rq[p].size();
+      if (!pending) continue;
+      if (kill(pids_[p], 0) != 0 && errno == ESRCH) {
+        // Data it wrote before dying may still be in the ring: let the caller pump once more.
+        RingCtl* c = ctl(p, rank_);
+        if (rqi[p] < rq[p].size() && c->head.load() != c->tail.load()) return;
+        throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it",
+                                  rank_, label.what, peerName(p)));
+      }
+    }
+  }
+
+  [[noreturn]] void throwTimeout(const Label& label, const std::vector<std::vector<Op*>>& sq,
+                                 const std::vector<size_t>& sqi, const std::vector<std::vector<Op*>>& rq,
+                                 const std::vector<size_t>& rqi) {
+    std::string waiting;
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      bool s = sqi[p] < sq[p].size(), r = rqi[p] < rq[p].size();
+      if (!s && !r) continue;
+      waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(p), r ? (s ? "send+recv" : "recv") : "send");
+    }
+    throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
+                                   label.timeout.count() / 1000.0, waiting));
+  }
+
+  char* base_ = nullptr;
+  size_t ring_ = 0, slots_off_ = 0, ctl_off_ = 0, data_off_ = 0, total_ = 0;
+  std::vector<int32_t> pids_;
+  std::vector<uint8_t> ring_mask_;
+  unsigned spin_ = 0;
+};
+
+}  // namespace
+
+void registerShmTransport() {
+  registerTransport("shm", [](Store& store, int rank, int size, const TransportOptions& opts) {
+    return std::make_unique<ShmTransport>(store, rank, size, opts);
+  });
+}
+
+}  // namespace dtrain::comm::transport

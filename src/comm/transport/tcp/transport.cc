@@ -1,0 +1,403 @@
+// TCP transport: a full mesh of sockets, one per peer, driven by poll().
+//
+// Connection setup: every rank listens on an ephemeral port of the address it advertises, publishes
+// "host:port" in the store, connects to every lower rank and accepts every higher one. A connector
+// opens with a Hello (magic, group nonce, its rank); the acceptor drops any connection whose Hello
+// is wrong, so a stray or hostile client cannot take a peer's place. The listener closes once the
+// mesh is complete.
+//
+// run(): each op is a small state machine (header, then payload). All sockets are non-blocking; one
+// pass tries every active op, and when nothing moves the thread sleeps in poll() until a socket is
+// ready or the deadline passes. Receives that reduce go through a bounded staging buffer per peer, so
+// reduction overlaps arrival. Idle peers are watched for abort frames, so that when any rank fails,
+// the others learn the root cause instead of only "connection closed".
+#include <netinet/in.h>
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <deque>
+#include <cstring>
+#include <random>
+
+#include "comm/collectives/kernels.h"
+#include "comm/net/socket.h"
+#include "comm/transport/transport.h"
+#include "dtrain/comm/error.h"
+
+namespace dtrain::comm::transport {
+namespace {
+
+struct Hello {
+  uint32_t magic = kFrameMagic;
+  uint16_t version = kFrameVersion;
+  uint16_t kind = 0x4845;  // "HE"
+  uint64_t nonce = 0;
+  int32_t rank = -1;
+  int32_t size = 0;
+};
+
+constexpr size_t kDefaultStaging = 1u << 20;
+
+class TcpTransport : public Transport {
+ public:
+  TcpTransport(Store& store, int rank, int size, const TransportOptions& opts)
+      : Transport(rank, size), peers_(size) {
+    staging_bytes_ = opts.segment_bytes ? std::max<size_t>(opts.segment_bytes, 64) : kDefaultStaging;
+    auto deadline = net::deadlineAfter(opts.timeout);
+    std::string host = opts.listen_host.empty() ? "127.0.0.1" : opts.listen_host;
+    net::Socket listener = net::Socket::listen(host, 0, std::max(size, 16));
+    std::string me = fmt::format("{}:{}", host.find(':') != std::string::npos ? "[" + host + "]" : host,
+                                 listener.localPort());
+    store.set(fmt::format("tcp/addr/{}", rank), toBytes(me));
+    if (rank == 0) {
+      std::random_device rd;
+      uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd();
+      store.set("tcp/nonce", toBytes(std::to_string(nonce)));
+    }
+    nonce_ = std::stoull(toString(store.get("tcp/nonce")));
+
+    for (int p = 0; p < rank; ++p) {
+      std::string addr = toString(store.get(fmt::format("tcp/addr/{}", p)));
+      auto colon = addr.rfind(':');
+      std::string h = addr.substr(0, colon);
+      if (h.size() > 2 && h.front() == '[') h = h.substr(1, h.size() - 2);
+      uint16_t port = static_cast<uint16_t>(std::stoi(addr.substr(colon + 1)));
+      net::Socket s;
+      try {
+        s = net::Socket::connect(h, port, deadline);
+      } catch (const Error& e) {
+        throw RendezvousError(fmt::format("[rank {}] tcp transport: cannot connect to rank {} at {}: {}",
+                                          rank, p, addr, e.what()));
+      }
+      Hello hello;
+      hello.nonce = nonce_;
+      hello.rank = rank;
+      hello.size = size;
+      s.sendAll(&hello, sizeof hello, deadline, "hello");
+      peers_[p].addr = addr;
+      peers_[p].sock = std::move(s);
+    }
+    int expected = size - 1 - rank;
+    while (expected > 0) {
+      net::Socket s;
+      try {
+        s = listener.accept(deadline);
+      } catch (const TimeoutError&) {
+        std::string missing;
+        for (int p = rank + 1; p < size; ++p)
+          if (!peers_[p].sock.valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        throw TimeoutError(fmt::format(
+            "[rank {}] tcp transport: ranks {} did not connect within {}ms", rank, missing,
+            opts.timeout.count()));
+      }
+      Hello hello;
+      try {
+        // A stray client gets a short, bounded chance to identify itself, then is dropped.
+        s.recvAll(&hello, sizeof hello, std::min(deadline, net::deadlineAfter(std::chrono::seconds(5))),
+                  "hello");
+      } catch (const Error&) {
+        continue;
+      }
+      if (hello.magic != kFrameMagic || hello.version != kFrameVersion || hello.kind != 0x4845 ||
+          hello.nonce != nonce_ || hello.size != size || hello.rank <= rank || hello.rank >= size ||
+          peers_[hello.rank].sock.valid()) {
+        continue;  // not a peer of this group: drop it and keep waiting
+      }
+      peers_[hello.rank].addr = s.peerAddr().str();
+      peers_[hello.rank].sock = std::move(s);
+      --expected;
+    }
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      peers_[p].sock.setNonBlocking(true);
+      peers_[p].staging.resize(0);
+    }
+  }
+
+  const char* name() const override { return "tcp"; }
+
+  std::string peerName(int p) const override {
+    return fmt::format("rank {} ({})", p, p >= 0 && p < size_ ? peers_[p].addr : "?");
+  }
+
+  void run(std::vector<Op>& ops, Deadline deadline, const Label& label) override {
+    for (auto& p : peers_) {
+      p.sends.clear();
+      p.recvs.clear();
+      p.watch_idle = true;
+    }
+    for (auto& op : ops) {
+      DTRAIN_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, InvalidArgument,
+                   "[rank {}] {}: invalid peer {} (group size {})", rank_, label.what, op.peer, size_);
+      auto& p = peers_[op.peer];
+      if (op.kind == Op::kSend) {
+        SendState s;
+        s.op = &op;
+        s.h.opcode = static_cast<uint16_t>(label.op);
+        s.h.seq = label.seq;
+        s.h.tag = op.tag;
+        s.h.length = op.bytes;
+        p.sends.push_back(s);
+      } else {
+        RecvState r;
+        r.op = &op;
+        p.recvs.push_back(r);
+        if (op.reduce && p.staging.size() < staging_bytes_) p.staging.resize(staging_bytes_);
+      }
+      p.watch_idle = false;
+    }
+    size_t remaining = ops.size();
+    std::vector<pollfd> pfds;
+    std::vector<int> pfd_peer;
+    while (remaining > 0) {
+      bool progress = false;
+      for (int i = 0; i < size_; ++i) {
+        if (i == rank_) continue;
+        auto& p = peers_[i];
+        while (!p.sends.empty()) {
+          bool moved = pumpSend(i, label);
+          progress |= moved;
+          if (p.sends.front().done()) {
+            p.sends.pop_front();
+            --remaining;
+            p.send_partial = false;
+          } else {
+            break;
+          }
+        }
+        while (!p.recvs.empty()) {
+          bool moved = pumpRecv(i, deadline, label);
+          progress |= moved;
+          if (p.recvs.front().complete) {
+            p.recvs.pop_front();
+            --remaining;
+          } else {
+            break;
+          }
+        }
+      }
+      if (remaining == 0 || progress) continue;
+
+      pfds.clear();
+      pfd_peer.clear();
+      for (int i = 0; i < size_; ++i) {
+        if (i == rank_) continue;
+        auto& p = peers_[i];
+        short ev = 0;
+        if (!p.sends.empty()) ev |= POLLOUT;
+        if (!p.recvs.empty() || p.watch_idle) ev |= POLLIN;
+        if (!ev) continue;
+        pfds.push_back({p.sock.fd(), ev, 0});
+        pfd_peer.push_back(i);
+      }
+      int ms = std::min(net::msUntil(deadline), 1000);
+      int rc = ::poll(pfds.data(), pfds.size(), ms);
+      if (rc < 0 && errno != EINTR) {
+        throw IoError(fmt::format("[rank {}] {}: poll failed: {}", rank_, label.what, strerror(errno)));
+      }
+      if (rc == 0 && Clock::now() >= deadline) throwTimeout(label);
+      for (size_t k = 0; k < pfds.size(); ++k) {
+        int i = pfd_peer[k];
+        auto& p = peers_[i];
+        if (p.watch_idle && p.sends.empty() && p.recvs.empty() && (pfds[k].revents & (POLLIN | POLLHUP | POLLERR))) {
+          checkIdlePeer(i, deadline, label);
+        }
+      }
+    }
+  }
+
+  void abort(const std::exception& why) noexcept override {
+    std::string msg = why.what();
+    if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
+    Header h;
+    h.opcode = static_cast<uint16_t>(OpCode::kAbort);
+    h.tag = static_cast<uint32_t>(errorKindOf(why));
+    h.length = msg.size();
+    for (int i = 0; i < size_; ++i) {
+      if (i == rank_ || !peers_[i].sock.valid() || peers_[i].send_partial) continue;
+      iovec iov[2] = {{&h, sizeof h}, {msg.data(), msg.size()}};
+      msghdr m{};
+      m.msg_iov = iov;
+      m.msg_iovlen = 2;
+      (void)::sendmsg(peers_[i].sock.fd(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+      peers_[i].send_partial = true;  // never send more on this connection
+    }
+  }
+
+ private:
+  struct SendState {
+    Op* op = nullptr;
+    Header h;
+    size_t sent = 0;  // bytes of header + payload
+    bool done() const { return sent == sizeof(Header) + op->bytes; }
+  };
+  struct RecvState {
+    Op* op = nullptr;
+    Header h;
+    size_t hdr_got = 0;
+    size_t got = 0;        // payload bytes delivered to op->data
+    size_t fill = 0;       // bytes in the staging buffer (reduce receives)
+    bool complete = false;
+  };
+  struct Peer {
+    net::Socket sock;
+    std::string addr;
+    std::deque<SendState> sends;
+    std::deque<RecvState> recvs;
+    std::vector<uint8_t> staging;
+    bool send_partial = false;
+    bool watch_idle = true;
+  };
+
+  [[noreturn]] void throwLost(int i, const Label& label, const char* why) {
+    throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
+  }
+
+  [[noreturn]] void throwTimeout(const Label& label) {
+    std::string waiting;
+    for (int i = 0; i < size_; ++i) {
+      if (i == rank_) continue;
+      const auto& p = peers_[i];
+      if (p.sends.empty() && p.recvs.empty()) continue;
+      waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(i),
+                             !p.recvs.empty() ? (!p.sends.empty() ? "send+recv" : "recv") : "send");
+    }
+    throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
+                                   label.timeout.count() / 1000.0, waiting));
+  }
+
+  bool pumpSend(int i, const Label& label) {
+    auto& p = peers_[i];
+    auto& s = p.sends.front();
+    bool moved = false;
+    while (!s.done()) {
+      iovec iov[2];
+      int n = 0;
+      if (s.sent < sizeof(Header)) {
+        iov[n++] = {reinterpret_cast<char*>(&s.h) + s.sent, sizeof(Header) - s.sent};
+        if (s.op->bytes) iov[n++] = {s.op->data, s.op->bytes};
+      } else {
+        size_t off = s.sent - sizeof(Header);
+        iov[n++] = {static_cast<char*>(s.op->data) + off, s.op->bytes - off};
+      }
+      msghdr m{};
+      m.msg_iov = iov;
+      m.msg_iovlen = n;
+      ssize_t w = ::sendmsg(p.sock.fd(), &m, MSG_DONTWAIT | MSG_NOSIGNAL);
+      if (w > 0) {
+        s.sent += static_cast<size_t>(w);
+        p.send_partial = true;
+        moved = true;
+        continue;
+      }
+      if (w < 0 && errno == EINTR) continue;
+      if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
+      throwLost(i, label, strerror(errno));
+    }
+    return moved;
+  }
+
+  // Reads into buf; returns bytes read, 0 if it would block. EOF and errors throw.
+  size_t readSome(int i, void* buf, size_t n, const Label& label) {
+    for (;;) {
+      ssize_t r = ::recv(peers_[i].sock.fd(), buf, n, MSG_DONTWAIT);
+      if (r > 0) return static_cast<size_t>(r);
+      if (r == 0) throwLost(i, label, "the peer closed the connection (its process exited or crashed)");
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+      throwLost(i, label, strerror(errno));
+    }
+  }
+
+  [[noreturn]] void raiseAbort(int i, const Header& h, Deadline deadline, const Label& label) {
+    if (h.length > kMaxAbortMessage) {
+      throw ProtocolError(fmt::format("[rank {}] {}: {} sent an abort frame claiming {} bytes (max {})",
+                                      rank_, label.what, peerName(i), h.length, kMaxAbortMessage));
+    }
+    std::string msg(h.length, '\0');
+    try {
+      peers_[i].sock.recvAll(msg.data(), msg.size(), std::min(deadline, net::deadlineAfter(std::chrono::seconds(2))));
+    } catch (const Error&) {
+      msg = "(message lost)";
+    }
+    throwOfKind(static_cast<ErrorKind>(h.tag),
+                fmt::format("[rank {}] {}: peer rank {} failed: {}", rank_, label.what, i, msg));
+  }
+
+  bool pumpRecv(int i, Deadline deadline, const Label& label) {
+    auto& p = peers_[i];
+    auto& r = p.recvs.front();
+    Op& op = *r.op;
+    bool moved = false;
+    while (r.hdr_got < sizeof(Header)) {
+      size_t n = readSome(i, reinterpret_cast<char*>(&r.h) + r.hdr_got, sizeof(Header) - r.hdr_got, label);
+      if (n == 0) return moved;
+      moved = true;
+      r.hdr_got += n;
+      if (r.hdr_got == sizeof(Header)) {
+        if (r.h.magic == kFrameMagic && r.h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+          raiseAbort(i, r.h, deadline, label);
+        }
+        checkHeader(r.h, label.op, label.seq, op.tag, op.bytes, rank_, peerName(i), label);
+      }
+    }
+    if (!op.reduce) {
+      while (r.got < op.bytes) {
+        size_t n = readSome(i, static_cast<char*>(op.data) + r.got, op.bytes - r.got, label);
+        if (n == 0) return moved;
+        moved = true;
+        r.got += n;
+      }
+    } else {
+      size_t elem = dtypeSize(op.dtype);
+      while (r.got < op.bytes) {
+        size_t want = std::min(p.staging.size() - r.fill, op.bytes - r.got - r.fill);
+        size_t n = readSome(i, p.staging.data() + r.fill, want, label);
+        if (n == 0) return moved;
+        moved = true;
+        r.fill += n;
+        size_t whole = r.fill / elem * elem;
+        if (whole) {
+          reduceInto(static_cast<char*>(op.data) + r.got, p.staging.data(), whole / elem, op.dtype, op.rop);
+          r.got += whole;
+          r.fill -= whole;
+          if (r.fill) std::memmove(p.staging.data(), p.staging.data() + whole, r.fill);
+        }
+      }
+    }
+    r.complete = true;
+    return moved;
+  }
+
+  // An idle peer became readable: an abort frame (raise it), early data for a later op, or EOF from a
+  // rank that finished and exited. Only the abort is an error here; the rest is dealt with when an op
+  // actually needs that peer.
+  void checkIdlePeer(int i, Deadline deadline, const Label& label) {
+    auto& p = peers_[i];
+    p.watch_idle = false;
+    Header h;
+    ssize_t n = ::recv(p.sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
+        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+      p.sock.recvAll(&h, sizeof h, deadline);
+      raiseAbort(i, h, deadline, label);
+    }
+  }
+
+  std::vector<Peer> peers_;
+  size_t staging_bytes_;
+  uint64_t nonce_ = 0;
+};
+
+}  // namespace
+
+void registerTcpTransport() {
+  registerTransport("tcp", [](Store& store, int rank, int size, const TransportOptions& opts) {
+    return std::make_unique<TcpTransport>(store, rank, size, opts);
+  });
+}
+
+}  // namespace dtrain::comm::transport

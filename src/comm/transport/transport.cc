@@ -1,0 +1,133 @@
+// Transport registry and the frame checks shared by every backend.
+#include "comm/transport/transport.h"
+
+#include <unistd.h>
+
+#include <fstream>
+#include <map>
+#include <mutex>
+
+#include "dtrain/comm/error.h"
+
+namespace dtrain::comm::transport {
+
+const char* opName(OpCode op) {
+  switch (op) {
+    case OpCode::none: return "none";
+    case OpCode::allreduce: return "allreduce";
+    case OpCode::broadcast: return "broadcast";
+    case OpCode::reduce: return "reduce";
+    case OpCode::allgather: return "allgather";
+    case OpCode::reduce_scatter: return "reduce_scatter";
+    case OpCode::alltoall: return "alltoall";
+    case OpCode::gather: return "gather";
+    case OpCode::scatter: return "scatter";
+    case OpCode::barrier: return "barrier";
+    case OpCode::send: return "send/recv";
+    case OpCode::fingerprint: return "fingerprint";
+    case OpCode::kAbort: return "abort";
+  }
+  return "unknown-op";
+}
+
+namespace {
+std::mutex& registryMutex() {
+  static std::mutex m;
+  return m;
+}
+std::map<std::string, TransportFactory>& registry() {
+  static std::map<std::string, TransportFactory> r;
+  return r;
+}
+}  // namespace
+
+void registerTransport(const std::string& name, TransportFactory f) {
+  std::lock_guard<std::mutex> g(registryMutex());
+  registry()[name] = std::move(f);
+}
+
+std::vector<std::string> transportNames() {
+  std::lock_guard<std::mutex> g(registryMutex());
+  std::vector<std::string> out;
+  for (auto& [k, v] : registry()) out.push_back(k);
+  return out;
+}
+
+// Backends register from static initialisers in their own translation units; a static library drops
+// unreferenced objects, so the registry pulls them in by name here.
+void registerTcpTransport();
+void registerShmTransport();
+
+std::unique_ptr<Transport> createTransport(const std::string& name, Store& store, int rank, int size,
+                                           const TransportOptions& opts) {
+  static std::once_flag once;
+  std::call_once(once, [] {
+    registerTcpTransport();
+    registerShmTransport();
+  });
+  TransportFactory f;
+  {
+    std::lock_guard<std::mutex> g(registryMutex());
+    auto it = registry().find(name);
+    if (it == registry().end()) {
+      std::string known;
+      for (auto& [k, v] : registry()) known += (known.empty() ? "" : ", ") + k;
+      throw InvalidArgument(fmt::format("unknown transport '{}' (known: {})", name, known));
+    }
+    f = it->second;
+  }
+  return f(store, rank, size, opts);
+}
+
+std::string hostId() {
+  char host[256] = {0};
+  gethostname(host, sizeof host - 1);
+  std::string boot;
+  std::ifstream("/proc/sys/kernel/random/boot_id") >> boot;
+  char ns[128] = {0};
+  ssize_t n = readlink("/proc/self/ns/net", ns, sizeof ns - 1);
+  if (n < 0) ns[0] = 0;
+  return fmt::format("{}|{}|{}", host, boot, ns);
+}
+
+ErrorKind errorKindOf(const std::exception& e) {
+  if (dynamic_cast<const TimeoutError*>(&e)) return ErrorKind::timeout;
+  if (dynamic_cast<const ProtocolError*>(&e)) return ErrorKind::protocol;
+  if (dynamic_cast<const IoError*>(&e)) return ErrorKind::io;
+  return ErrorKind::other;
+}
+
+void throwOfKind(ErrorKind k, const std::string& msg) {
+  switch (k) {
+    case ErrorKind::timeout: throw TimeoutError(msg);
+    case ErrorKind::protocol: throw ProtocolError(msg);
+    case ErrorKind::io: throw IoError(msg);
+    default: throw Error(msg);
+  }
+}
+
+void checkHeader(const Header& h, OpCode op, uint32_t seq, uint32_t tag, uint64_t length, int self,
+                 const std::string& peer, const Label& label) {
+  if (h.magic != kFrameMagic || h.version != kFrameVersion) {
+    throw ProtocolError(fmt::format(
+        "[rank {}] {}: bad frame from {}: magic {:#x} version {} (expected {:#x} version {}); "
+        "the peer is not a dtrain rank of this group or the stream is corrupt",
+        self, label.what, peer, h.magic, h.version, kFrameMagic, kFrameVersion));
+  }
+  bool p2p = op == OpCode::send;
+  if (h.opcode != static_cast<uint16_t>(op) || (!p2p && h.seq != seq) || h.tag != tag) {
+    throw ProtocolError(fmt::format(
+        "[rank {}] {}: {} sent {} seq={} tag={} but this rank expected {} seq={} tag={}: "
+        "the ranks are not calling the same collectives in the same order",
+        self, label.what, peer, opName(static_cast<OpCode>(h.opcode)), h.seq, h.tag, opName(op), seq,
+        tag));
+  }
+  if (h.length != length) {
+    throw ProtocolError(fmt::format(
+        "[rank {}] {}: {} sent {} bytes (tag {}) but this rank expected {} bytes: "
+        "counts or dtypes differ between ranks",
+        self, label.what, peer, h.length, tag, length));
+  }
+}
+
+}  // namespace dtrain::comm::transport

@@ -1,0 +1,147 @@
+// The transport interface: point-to-point framed messages between the ranks of one group.
+//
+// A collective algorithm hands the transport a batch of sends and receives (Op) and the transport
+// progresses all of them concurrently until every one is complete, the deadline passes (TimeoutError)
+// or a peer fails (IoError / ProtocolError). Ops to the same peer in the same direction complete in
+// list order; everything else overlaps. A receive may reduce into its destination instead of copying,
+// so reduction is pipelined with arrival (no staging copy of the whole message).
+//
+// Every message is a frame: a Header (magic, version, opcode, seq, tag, length) and the payload. The
+// receiver knows what it expects (opcode, seq, tag and exact length) and checks every field, so a
+// desynchronised or hostile peer is a ProtocolError naming it, and nothing is ever allocated from a
+// length a peer claims.
+//
+// Backends live in one folder each (tcp/, shm/) and are found through a registry by name.
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/store.h"
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm::transport {
+
+using Clock = std::chrono::steady_clock;
+using Deadline = Clock::time_point;
+
+// Operation codes carried in frames. Collectives have codes below kAbort; kAbort carries a failing
+// rank's error message to its peers so that everyone reports the root cause.
+enum class OpCode : uint16_t {
+  none = 0,
+  allreduce,
+  broadcast,
+  reduce,
+  allgather,
+  reduce_scatter,
+  alltoall,
+  gather,
+  scatter,
+  barrier,
+  send,
+  fingerprint,
+  kAbort = 0xABu,
+};
+const char* opName(OpCode op);
+
+inline constexpr uint32_t kFrameMagic = 0x4E525444;  // "DTRN" little-endian
+inline constexpr uint16_t kFrameVersion = 1;
+// An abort frame's message is at most this long; a longer claim is a protocol error.
+inline constexpr uint64_t kMaxAbortMessage = 4096;
+
+struct Header {
+  uint32_t magic = kFrameMagic;
+  uint16_t version = kFrameVersion;
+  uint16_t opcode = 0;
+  uint32_t seq = 0;  // the group's collective sequence number (low 32 bits), or the p2p message count
+  uint32_t tag = 0;  // step within a collective, or the user's tag for send/recv
+  uint64_t length = 0;
+};
+static_assert(sizeof(Header) == 24, "frame header layout");
+
+// dst[i] = dst[i] (op) src[i] for `bytes / elem` elements.
+using ReduceFn = void (*)(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+
+struct Op {
+  enum Kind : uint8_t { kSend, kRecv } kind;
+  int peer;
+  uint32_t tag;
+  void* data;  // const for sends
+  size_t bytes;
+  // Receives only: when set, the payload is reduced into `data` instead of copied.
+  bool reduce = false;
+  DType dtype = DType::u8;
+  ReduceOp rop = ReduceOp::sum;
+};
+
+inline Op sendOp(int peer, uint32_t tag, const void* data, size_t bytes) {
+  return Op{Op::kSend, peer, tag, const_cast<void*>(data), bytes};
+}
+inline Op recvOp(int peer, uint32_t tag, void* data, size_t bytes) {
+  return Op{Op::kRecv, peer, tag, data, bytes};
+}
+inline Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t, ReduceOp r) {
+  return Op{Op::kRecv, peer, tag, data, bytes, true, t, r};
+}
+
+// What the ops belong to, for frame checks and error messages.
+struct Label {
+  OpCode op = OpCode::none;
+  uint32_t seq = 0;
+  std::string what;  // e.g. "allreduce seq=41 f32 x 6291456"
+  std::chrono::milliseconds timeout{0};
+};
+
+struct TransportOptions {
+  std::chrono::milliseconds timeout{std::chrono::seconds(300)};
+  std::string listen_host;      // tcp: address to listen on and advertise
+  size_t segment_bytes = 0;     // shm: ring capacity per peer pair; tcp: reduce staging. 0 = default
+};
+
+class Transport {
+ public:
+  virtual ~Transport() = default;
+  virtual const char* name() const = 0;
+  int rank() const { return rank_; }
+  int size() const { return size_; }
+
+  // Progresses every op until all complete. Throws TimeoutError / IoError / ProtocolError whose
+  // message starts "[rank r] <label.what>" and names the peer(s).
+  virtual void run(std::vector<Op>& ops, Deadline deadline, const Label& label) = 0;
+  // After a failure: best effort, tell every peer why (they raise an error of the same kind carrying
+  // this message) so a dead rank is named by everyone, not only by its neighbours.
+  virtual void abort(const std::exception& why) noexcept = 0;
+  // "rank 3 (10.0.0.2:41233)" or "rank 3 (pid 1234)".
+  virtual std::string peerName(int peer) const = 0;
+
+ protected:
+  Transport(int rank, int size) : rank_(rank), size_(size) {}
+  int rank_;
+  int size_;
+};
+
+// Backends register a factory under a name ("tcp", "shm"); connect() builds the mesh through the store.
+using TransportFactory = std::function<std::unique_ptr<Transport>(
+    Store& store, int rank, int size, const TransportOptions& opts)>;
+void registerTransport(const std::string& name, TransportFactory f);
+std::unique_ptr<Transport> createTransport(const std::string& name, Store& store, int rank, int size,
+                                           const TransportOptions& opts);
+std::vector<std::string> transportNames();
+
+// Identifies this host (hostname, boot id and network namespace): ranks with equal ids can share memory.
+std::string hostId();
+
+// Helpers shared by backends.
+// Error kinds carried in abort frames (tag field), so the receiver rethrows the same exception type.
+enum class ErrorKind : uint32_t { io = 1, timeout = 2, protocol = 3, other = 4 };
+ErrorKind errorKindOf(const std::exception& e);
+[[noreturn]] void throwOfKind(ErrorKind k, const std::string& msg);
+// Checks a received header against what this rank expected; throws ProtocolError naming the peer.
+// Abort frames are not handled here (callers check opcode == kAbort first).
+void checkHeader(const Header& h, OpCode op, uint32_t seq, uint32_t tag, uint64_t length, int self,
+                 const std::string& peer, const Label& label);
+
+}  // namespace dtrain::comm::transport

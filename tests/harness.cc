@@ -1,0 +1,133 @@
+// Multi-process test harness (see harness.h).
+#include "harness.h"
+
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <cstdio>
+#include <cstdlib>
+#include <filesystem>
+#include <fstream>
+#include <iostream>
+#include <sstream>
+#include <thread>
+
+namespace dtrain::test {
+
+std::string ChildResult::describe() const {
+  std::ostringstream os;
+  os << "rank " << rank << " (pid " << pid << ")";
+  if (timed_out) os << " timed out and was killed";
+  else if (signal) os << " killed by signal " << signal;
+  else os << " exited with " << exit_code;
+  os << "; output:\n" << output;
+  return os.str();
+}
+
+namespace {
+// Counts gtest failures inside a forked child so it can exit with status 2.
+class FailureCounter : public ::testing::EmptyTestEventListener {
+ public:
+  void OnTestPartResult(const ::testing::TestPartResult& r) override {
+    if (r.failed()) ++failures;
+  }
+  int failures = 0;
+};
+}  // namespace
+
+std::vector<ChildResult> runRanks(int world, const std::function<void(int)>& fn,
+                                  std::chrono::seconds deadline) {
+  TempDir dir;
+  std::vector<ChildResult> res(world);
+  std::cout.flush();
+  std::cerr.flush();
+  for (int r = 0; r < world; ++r) {
+    std::string out = dir.path() + "/rank" + std::to_string(r) + ".log";
+    pid_t pid = fork();
+    if (pid < 0) {
+      ADD_FAILURE() << "fork failed";
+      break;
+    }
+    if (pid == 0) {
+      int fd = open(out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      close(fd);
+      auto* counter = new FailureCounter;  // owned by gtest's listener list
+      ::testing::UnitTest::GetInstance()->listeners().Append(counter);
+      int code = 0;
+      try {
+        fn(r);
+        if (counter->failures) code = 2;
+      } catch (const std::exception& e) {
+        fprintf(stderr, "rank %d threw: %s\n", r, e.what());
+        code = 1;
+      }
+      fflush(stdout);
+      fflush(stderr);
+      _exit(code);
+    }
+    res[r].rank = r;
+    res[r].pid = pid;
+  }
+  auto end = std::chrono::steady_clock::now() + deadline;
+  int remaining = world;
+  while (remaining > 0) {
+    bool any = false;
+    for (auto& c : res) {
+      if (c.pid <= 0 || c.exit_code != -1 || c.signal || c.timed_out) continue;
+      int st = 0;
+      pid_t p = waitpid(c.pid, &st, WNOHANG);
+      if (p == c.pid) {
+        any = true;
+        --remaining;
+        if (WIFEXITED(st)) c.exit_code = WEXITSTATUS(st);
+        else if (WIFSIGNALED(st)) c.signal = WTERMSIG(st);
+      }
+    }
+    if (remaining == 0) break;
+    if (std::chrono::steady_clock::now() > end) {
+      for (auto& c : res) {
+        if (c.pid <= 0 || c.exit_code != -1 || c.signal) continue;
+        kill(c.pid, SIGKILL);
+        waitpid(c.pid, nullptr, 0);
+        c.timed_out = true;
+      }
+      break;
+    }
+    if (!any) std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  for (auto& c : res) {
+    std::ifstream f(dir.path() + "/rank" + std::to_string(c.rank) + ".log");
+    std::stringstream ss;
+    ss << f.rdbuf();
+    c.output = ss.str();
+  }
+  return res;
+}
+
+void expectAllOk(const std::vector<ChildResult>& results) {
+  for (const auto& c : results) EXPECT_TRUE(c.ok()) << c.describe();
+}
+
+StoreServer::StoreServer() : server_(std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0)) {}
+StoreServer::~StoreServer() = default;
+uint16_t StoreServer::port() const { return server_->port(); }
+std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeout) const {
+  return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
+}
+
+TempDir::TempDir() {
+  std::string tmpl = (std::filesystem::temp_directory_path() / "dtrain-test-XXXXXX").string();
+  if (!mkdtemp(tmpl.data())) throw std::runtime_error("mkdtemp failed");
+  path_ = tmpl;
+}
+TempDir::~TempDir() {
+  std::error_code ec;
+  std::filesystem::remove_all(path_, ec);
+}
+
+}  // namespace dtrain::test

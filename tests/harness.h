@@ -1,0 +1,59 @@
+// Multi-process test harness: forks real ranks, collects each child's exit status and output, and
+// bounds the whole run in time (children still running at the deadline are SIGKILLed and reported).
+#pragma once
+#include <sys/types.h>
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/store.h"
+
+namespace dtrain::test {
+
+struct ChildResult {
+  int rank = -1;
+  pid_t pid = -1;
+  int exit_code = -1;   // exit status, or -1 if killed by a signal
+  int signal = 0;       // terminating signal, or 0
+  bool timed_out = false;
+  std::string output;   // everything the child wrote to stdout and stderr
+  bool ok() const { return exit_code == 0 && signal == 0 && !timed_out; }
+  std::string describe() const;
+};
+
+// Runs fn(rank) in `world` forked children. A child exits 0 when fn returns, 1 when it throws (the
+// exception's what() goes to its output) and 2 when a gtest assertion failed inside it.
+std::vector<ChildResult> runRanks(int world, const std::function<void(int rank)>& fn,
+                                  std::chrono::seconds deadline = std::chrono::seconds(120));
+
+// Fails the current test (with every failing child's output) unless all children succeeded.
+void expectAllOk(const std::vector<ChildResult>& results);
+
+// A TcpStore server on 127.0.0.1 with an ephemeral port, started in the parent before forking.
+class StoreServer {
+ public:
+  StoreServer();
+  ~StoreServer();
+  uint16_t port() const;
+  // A client for use inside a child.
+  std::shared_ptr<comm::Store> client(std::chrono::milliseconds timeout = std::chrono::seconds(30)) const;
+
+ private:
+  std::unique_ptr<comm::TcpStoreServer> server_;
+};
+
+// A fresh temporary directory removed (recursively) on destruction.
+class TempDir {
+ public:
+  TempDir();
+  ~TempDir();
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+}  // namespace dtrain::test
