@@ -105,6 +105,8 @@ std::vector<ChildResult> runRanks(int world, const std::function<void(int)>& fn,
     std::stringstream ss;
     ss << f.rdbuf();
     c.output = ss.str();
+    // DTRAIN_TEST_VERBOSE=1 shows what every child printed, passing or not.
+    if (const char* v = std::getenv("DTRAIN_TEST_VERBOSE"); v && *v == '1') std::cout << c.describe() << "\n";
   }
   return res;
 }

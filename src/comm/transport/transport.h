@@ -62,6 +62,18 @@ struct Header {
 };
 static_assert(sizeof(Header) == 24, "frame header layout");
 
+// The first bytes a TCP connector sends: who it is, and the group it belongs to (a random nonce chosen
+// by rank 0 for each group), so that the acceptor can drop anything else.
+struct TcpHello {
+  static constexpr uint16_t kKind = 0x4845;  // "HE"
+  uint32_t magic = kFrameMagic;
+  uint16_t version = kFrameVersion;
+  uint16_t kind = kKind;
+  uint64_t nonce = 0;
+  int32_t rank = -1;
+  int32_t size = 0;
+};
+
 // dst[i] = dst[i] (op) src[i] for `bytes / elem` elements.
 using ReduceFn = void (*)(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
 

@@ -161,14 +161,20 @@ class ShmTransport : public Transport {
 
   void run(std::vector<Op>& ops, Deadline deadline, const Label& label) override {
     std::vector<Stream> sends(size_), recvs(size_);
-    // Per peer and direction, ops run in list order: index queues.
-    std::vector<std::vector<Op*>> sq(size_), rq(size_);
+    // Per peer and direction, ops run in list order: index queues (members, for error reports).
+    auto& sq = sq_;
+    auto& rq = rq_;
+    auto& sqi = sqi_;
+    auto& rqi = rqi_;
+    sq.assign(size_, {});
+    rq.assign(size_, {});
     for (auto& op : ops) {
       DTRAIN_CHECK(op.peer >= 0 && op.peer < size_ && op.peer != rank_, InvalidArgument,
                    "[rank {}] {}: invalid peer {} (group size {})", rank_, label.what, op.peer, size_);
       (op.kind == Op::kSend ? sq : rq)[op.peer].push_back(&op);
     }
-    std::vector<size_t> sqi(size_, 0), rqi(size_, 0);
+    sqi.assign(size_, 0);
+    rqi.assign(size_, 0);
     size_t remaining = ops.size();
     auto* me = slot(rank_);
     while (remaining > 0) {
@@ -198,7 +204,7 @@ class ShmTransport : public Transport {
       }
       ringPeers();
       if (remaining == 0 || progress) continue;
-      waitForBell(bell, deadline, label, sq, sqi, rq, rqi);
+      waitForBell(bell, deadline, label);
     }
   }
 
@@ -357,9 +363,7 @@ class ShmTransport : public Transport {
     }
   }
 
-  void waitForBell(uint32_t bell, Deadline deadline, const Label& label,
-                   const std::vector<std::vector<Op*>>& sq, const std::vector<size_t>& sqi,
-                   const std::vector<std::vector<Op*>>& rq, const std::vector<size_t>& rqi) {
+  void waitForBell(uint32_t bell, Deadline deadline, const Label& label) {
     auto* me = slot(rank_);
     for (unsigned i = 0; i < spin_; ++i) {
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
@@ -368,7 +372,7 @@ class ShmTransport : public Transport {
     for (;;) {
       checkAborts(label);
       auto now = Clock::now();
-      if (now >= deadline) throwTimeout(label, sq, sqi, rq, rqi);
+      if (now >= deadline) throwTimeout(label);
       me->sleepers.fetch_add(1, std::memory_order_seq_cst);
       if (me->doorbell.load(std::memory_order_seq_cst) == bell) {
         auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
@@ -376,7 +380,7 @@ class ShmTransport : public Transport {
       }
       me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
-      checkPeersAlive(label, sq, sqi, rq, rqi);
+      checkPeersAlive(label);
     }
   }
 
@@ -387,15 +391,17 @@ class ShmTransport : public Transport {
       if (s->aborted.load(std::memory_order_acquire)) {
         std::string msg(s->abort_msg, strnlen(s->abort_msg, kMaxAbortMessage));
         throwOfKind(static_cast<ErrorKind>(s->abort_kind),
-                    fmt::format("[rank {}] {}: peer rank {} failed: {}", rank_, label.what, p, msg));
+                    fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
+                                label.what, p, msg, waitingFor()));
       }
     }
   }
 
   // A peer we still need that no longer exists will never ring: say so now rather than at the timeout.
   // (A peer that finished and exited is fine as long as we need nothing more from it.)
-  void checkPeersAlive(const Label& label, const std::vector<std::vector<Op*>>& sq, const std::vector<size_t>& sqi,
-                       const std::vector<std::vector<Op*>>& rq, const std::vector<size_t>& rqi) {
+  void checkPeersAlive(const Label& label) {
+    const auto &sq = sq_, &rq = rq_;
+    const auto &sqi = sqi_, &rqi = rqi_;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       bool pending = sqi[p] < sq[p].size() || rqi[p] < rq[p].size();
@@ -410,24 +416,29 @@ class ShmTransport : public Transport {
     }
   }
 
-  [[noreturn]] void throwTimeout(const Label& label, const std::vector<std::vector<Op*>>& sq,
-                                 const std::vector<size_t>& sqi, const std::vector<std::vector<Op*>>& rq,
-                                 const std::vector<size_t>& rqi) {
+  // "rank 3 (pid 1234) (recv), rank 1 (pid 1200) (send)": the peers the current run still needs.
+  std::string waitingFor() const {
     std::string waiting;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      bool s = sqi[p] < sq[p].size(), r = rqi[p] < rq[p].size();
+      bool s = sqi_[p] < sq_[p].size(), r = rqi_[p] < rq_[p].size();
       if (!s && !r) continue;
       waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(p), r ? (s ? "send+recv" : "recv") : "send");
     }
+    return waiting;
+  }
+
+  [[noreturn]] void throwTimeout(const Label& label) {
     throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                   label.timeout.count() / 1000.0, waiting));
+                                   label.timeout.count() / 1000.0, waitingFor()));
   }
 
   char* base_ = nullptr;
   size_t ring_ = 0, slots_off_ = 0, ctl_off_ = 0, data_off_ = 0, total_ = 0;
   std::vector<int32_t> pids_;
   std::vector<uint8_t> ring_mask_;
+  std::vector<std::vector<Op*>> sq_, rq_;  // the current run's sends and receives per peer
+  std::vector<size_t> sqi_, rqi_;           // how many of each are complete
   unsigned spin_ = 0;
 };
 

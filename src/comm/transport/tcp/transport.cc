@@ -30,15 +30,6 @@
 namespace dtrain::comm::transport {
 namespace {
 
-struct Hello {
-  uint32_t magic = kFrameMagic;
-  uint16_t version = kFrameVersion;
-  uint16_t kind = 0x4845;  // "HE"
-  uint64_t nonce = 0;
-  int32_t rank = -1;
-  int32_t size = 0;
-};
-
 constexpr size_t kDefaultStaging = 1u << 20;
 
 class TcpTransport : public Transport {
@@ -72,7 +63,7 @@ class TcpTransport : public Transport {
         throw RendezvousError(fmt::format("[rank {}] tcp transport: cannot connect to rank {} at {}: {}",
                                           rank, p, addr, e.what()));
       }
-      Hello hello;
+      TcpHello hello;
       hello.nonce = nonce_;
       hello.rank = rank;
       hello.size = size;
@@ -80,40 +71,71 @@ class TcpTransport : public Transport {
       peers_[p].addr = addr;
       peers_[p].sock = std::move(s);
     }
-    int expected = size - 1 - rank;
-    while (expected > 0) {
-      net::Socket s;
-      try {
-        s = listener.accept(deadline);
-      } catch (const TimeoutError&) {
-        std::string missing;
-        for (int p = rank + 1; p < size; ++p)
-          if (!peers_[p].sock.valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
-        throw TimeoutError(fmt::format(
-            "[rank {}] tcp transport: ranks {} did not connect within {}ms", rank, missing,
-            opts.timeout.count()));
-      }
-      Hello hello;
-      try {
-        // A stray client gets a short, bounded chance to identify itself, then is dropped.
-        s.recvAll(&hello, sizeof hello, std::min(deadline, net::deadlineAfter(std::chrono::seconds(5))),
-                  "hello");
-      } catch (const Error&) {
-        continue;
-      }
-      if (hello.magic != kFrameMagic || hello.version != kFrameVersion || hello.kind != 0x4845 ||
-          hello.nonce != nonce_ || hello.size != size || hello.rank <= rank || hello.rank >= size ||
-          peers_[hello.rank].sock.valid()) {
-        continue;  // not a peer of this group: drop it and keep waiting
-      }
-      peers_[hello.rank].addr = s.peerAddr().str();
-      peers_[hello.rank].sock = std::move(s);
-      --expected;
-    }
+    acceptHigherRanks(listener, deadline, opts.timeout);
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       peers_[p].sock.setNonBlocking(true);
       peers_[p].staging.resize(0);
+    }
+  }
+
+  // Accepts one connection from every higher rank. Connections wait for their Hello concurrently, so a
+  // stranger that connects and stalls delays nobody; anything that is not a Hello of this group (wrong
+  // magic, nonce, rank, or a duplicate) is closed.
+  void acceptHigherRanks(const net::Socket& listener, Deadline deadline, std::chrono::milliseconds timeout) {
+    struct Pending {
+      net::Socket sock;
+      TcpHello hello;
+      size_t got = 0;
+    };
+    std::vector<Pending> pending;
+    listener.setNonBlocking(true);
+    int expected = size_ - 1 - rank_;
+    while (expected > 0) {
+      std::vector<pollfd> pfds{{listener.fd(), POLLIN, 0}};
+      for (auto& p : pending) pfds.push_back({p.sock.fd(), POLLIN, 0});
+      int rc = ::poll(pfds.data(), pfds.size(), net::msUntil(deadline));
+      if (rc == 0) {
+        std::string missing;
+        for (int p = rank_ + 1; p < size_; ++p)
+          if (!peers_[p].sock.valid()) missing += (missing.empty() ? "" : ", ") + std::to_string(p);
+        throw TimeoutError(fmt::format("[rank {}] tcp transport: ranks {} did not connect within {}ms", rank_,
+                                       missing, timeout.count()));
+      }
+      if (rc < 0) continue;  // EINTR
+      // Read Hellos first (pfds[k + 1] belongs to pending[k]); erase from the back to keep indices valid.
+      for (size_t k = pending.size(); k-- > 0;) {
+        if (!pfds[k + 1].revents) continue;
+        Pending& p = pending[k];
+        ssize_t n = ::recv(p.sock.fd(), reinterpret_cast<char*>(&p.hello) + p.got, sizeof(TcpHello) - p.got,
+                           MSG_DONTWAIT);
+        if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
+        bool drop = n <= 0;
+        if (n > 0) {
+          p.got += static_cast<size_t>(n);
+          if (p.got < sizeof(TcpHello)) continue;
+          const TcpHello& h = p.hello;
+          drop = h.magic != kFrameMagic || h.version != kFrameVersion || h.kind != TcpHello::kKind ||
+                 h.nonce != nonce_ || h.size != size_ || h.rank <= rank_ || h.rank >= size_ ||
+                 peers_[h.rank].sock.valid();
+          if (!drop) {
+            p.sock.setNonBlocking(false);
+            peers_[h.rank].addr = p.sock.peerAddr().str();
+            peers_[h.rank].sock = std::move(p.sock);
+            --expected;
+          }
+        }
+        pending.erase(pending.begin() + static_cast<long>(k));
+      }
+      if (pfds[0].revents & POLLIN) {
+        int c = ::accept4(listener.fd(), nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+        if (c >= 0) {
+          Pending p;
+          p.sock = net::Socket(net::Fd(c));
+          p.sock.setNoDelay();
+          pending.push_back(std::move(p));
+        }
+      }
     }
   }
 
@@ -256,7 +278,8 @@ class TcpTransport : public Transport {
     throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
   }
 
-  [[noreturn]] void throwTimeout(const Label& label) {
+  // "rank 3 (10.0.0.2:41233) (recv), ...": the peers the current run still needs.
+  std::string waitingFor() const {
     std::string waiting;
     for (int i = 0; i < size_; ++i) {
       if (i == rank_) continue;
@@ -265,8 +288,12 @@ class TcpTransport : public Transport {
       waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(i),
                              !p.recvs.empty() ? (!p.sends.empty() ? "send+recv" : "recv") : "send");
     }
+    return waiting;
+  }
+
+  [[noreturn]] void throwTimeout(const Label& label) {
     throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                   label.timeout.count() / 1000.0, waiting));
+                                   label.timeout.count() / 1000.0, waitingFor()));
   }
 
   bool pumpSend(int i, const Label& label) {
@@ -324,7 +351,8 @@ class TcpTransport : public Transport {
       msg = "(message lost)";
     }
     throwOfKind(static_cast<ErrorKind>(h.tag),
-                fmt::format("[rank {}] {}: peer rank {} failed: {}", rank_, label.what, i, msg));
+                fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
+                            label.what, i, msg, waitingFor()));
   }
 
   bool pumpRecv(int i, Deadline deadline, const Label& label) {
