@@ -1,0 +1,264 @@
+// Collective benchmarks, printed as nccl-tests columns:
+//   size (bytes), count (elements), type, time_us, algbw and busbw (GB/s), #wrong, then p50/p90 us.
+// size is the bytes each rank contributes to allreduce / broadcast / reduce_scatter (the input) and
+// the output bytes of allgather, as nccl-tests counts them. time_us is the mean time of one op, the
+// slowest rank's; the percentiles are rank 0's per-op times. busbw = algbw x 2(n-1)/n for allreduce,
+// x (n-1)/n for allgather and reduce_scatter, x 1 for broadcast.
+// The iteration count comes from a warm-up (about --seconds of timed work per size, agreed by all
+// ranks). Results are verified after the timed loop: every rank checks every element of the last
+// result and #wrong is the total over ranks; the program exits 1 if any was wrong.
+#include "bench/collectives_bench.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdlib>
+#include <vector>
+
+#include "comm/collectives/kernels.h"
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/rendezvous.h"
+
+namespace dtrain::bench {
+namespace {
+
+using comm::DType;
+using comm::ProcessGroup;
+using comm::ReduceOp;
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string transport = "auto";
+  std::string algo = "auto";
+  std::string dtype = "f32";
+  size_t min_bytes = 4;
+  size_t max_bytes = 64u << 20;
+  double factor = 2;
+  int iters = 0;  // 0: from the warm-up
+  double seconds = 0.3;
+};
+
+enum class Coll { allreduce, allgather, reduce_scatter, broadcast };
+
+const char* name(Coll c) {
+  switch (c) {
+    case Coll::allreduce: return "allreduce";
+    case Coll::allgather: return "allgather";
+    case Coll::reduce_scatter: return "reduce_scatter";
+    case Coll::broadcast: return "broadcast";
+  }
+  return "?";
+}
+
+double busFactor(Coll c, int n) {
+  switch (c) {
+    case Coll::allreduce: return 2.0 * (n - 1) / n;
+    case Coll::allgather:
+    case Coll::reduce_scatter: return static_cast<double>(n - 1) / n;
+    case Coll::broadcast: return 1.0;
+  }
+  return 1;
+}
+
+// Values small enough to be exact in every dtype after summing over the ranks.
+double valueOf(int rank, size_t i) { return static_cast<double>((rank + 1 + i) % 4); }
+
+void setElem(void* buf, DType t, size_t i, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
+    case DType::f64: static_cast<double*>(buf)[i] = v; break;
+    case DType::f16: static_cast<uint16_t*>(buf)[i] = comm::floatToHalf(static_cast<float>(v)); break;
+    case DType::bf16: static_cast<uint16_t*>(buf)[i] = comm::floatToBf16(static_cast<float>(v)); break;
+    case DType::i32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
+    case DType::i64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
+    case DType::u8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
+  }
+}
+double getElem(const void* buf, DType t, size_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(buf)[i];
+    case DType::f64: return static_cast<const double*>(buf)[i];
+    case DType::f16: return comm::halfToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::bf16: return comm::bf16ToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::i32: return static_cast<const int32_t*>(buf)[i];
+    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DType::u8: return static_cast<const uint8_t*>(buf)[i];
+  }
+  return 0;
+}
+
+class Runner {
+ public:
+  Runner(ProcessGroup& pg, Coll c, DType t, size_t count, comm::AllreduceAlgorithm algo)
+      : pg_(pg), c_(c), t_(t), count_(count), algo_(algo) {
+    const int n = pg.size(), r = pg.rank();
+    size_t es = comm::dtypeSize(t);
+    // count_ is the element count of "size": per-rank blocks are count_ / n for allgather/reduce_scatter.
+    block_ = (c == Coll::allgather || c == Coll::reduce_scatter) ? count_ / n : count_;
+    size_t in_elems = c == Coll::allgather ? block_ : count_;
+    size_t out_elems = c == Coll::reduce_scatter ? block_ : count_;
+    in_.resize(std::max<size_t>(in_elems * es, 1));
+    out_.resize(std::max<size_t>(out_elems * es, 1));
+    for (size_t i = 0; i < in_elems; ++i) {
+      size_t gi = c == Coll::allgather ? r * block_ + i : i;
+      setElem(in_.data(), t, i, c == Coll::broadcast && r != 0 ? 0.0 : valueOf(r, gi));
+    }
+  }
+
+  void once() {
+    switch (c_) {
+      case Coll::allreduce:
+        pg_.allreduce(in_.data(), out_.data(), count_, t_, ReduceOp::sum, algo_)->wait();
+        break;
+      case Coll::allgather: pg_.allgather(in_.data(), out_.data(), block_, t_)->wait(); break;
+      case Coll::reduce_scatter: pg_.reduceScatter(in_.data(), out_.data(), block_, t_)->wait(); break;
+      case Coll::broadcast: pg_.broadcast(in_.data(), count_, t_, 0)->wait(); break;
+    }
+  }
+
+  // Elements of the last result that are wrong on this rank.
+  int64_t wrong() const {
+    const int n = pg_.size(), r = pg_.rank();
+    int64_t bad = 0;
+    auto sumAt = [&](size_t gi) {
+      double s = 0;
+      for (int q = 0; q < n; ++q) s += valueOf(q, gi);
+      return s;
+    };
+    switch (c_) {
+      case Coll::allreduce:
+        for (size_t i = 0; i < count_; ++i) bad += getElem(out_.data(), t_, i) != sumAt(i);
+        break;
+      case Coll::allgather:
+        for (size_t i = 0; i < block_ * n; ++i) bad += getElem(out_.data(), t_, i) != valueOf(static_cast<int>(i / block_), i);
+        break;
+      case Coll::reduce_scatter:
+        for (size_t i = 0; i < block_; ++i) bad += getElem(out_.data(), t_, i) != sumAt(r * block_ + i);
+        break;
+      case Coll::broadcast:
+        for (size_t i = 0; i < count_; ++i) bad += getElem(in_.data(), t_, i) != valueOf(0, i);
+        break;
+    }
+    return bad;
+  }
+
+ private:
+  ProcessGroup& pg_;
+  Coll c_;
+  DType t_;
+  size_t count_, block_ = 0;
+  comm::AllreduceAlgorithm algo_;
+  std::vector<uint8_t> in_, out_;
+};
+
+double percentile(std::vector<double> v, double p) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  size_t k = static_cast<size_t>(std::min<double>(v.size() - 1, std::floor(p * (v.size() - 1) + 0.5)));
+  return v[k];
+}
+
+int run(Coll c, const Options& o) {
+  comm::InitOptions io;
+  io.group.transport = o.transport;
+  auto pg = comm::init(io);
+  const int n = pg->size(), r = pg->rank();
+  DType t = comm::parseDType(o.dtype);
+  size_t es = comm::dtypeSize(t);
+  auto algo = o.algo == "ring" ? comm::AllreduceAlgorithm::ring
+              : o.algo == "rd" ? comm::AllreduceAlgorithm::recursive_doubling
+                               : comm::AllreduceAlgorithm::automatic;
+  if (r == 0) {
+    fmt::print("# dtrain-bench {}: world={} transport={} dtype={} algo={}\n", name(c), n, pg->transportName(),
+               comm::dtypeName(t), o.algo);
+    fmt::print("# {:>10} {:>10} {:>6} {:>10} {:>8} {:>8} {:>7} {:>10} {:>10}\n", "size", "count", "type", "time_us",
+               "algbw", "busbw", "#wrong", "p50_us", "p90_us");
+  }
+  int64_t total_wrong = 0;
+  for (double bytes = static_cast<double>(o.min_bytes); bytes <= static_cast<double>(o.max_bytes); bytes *= o.factor) {
+    size_t count = static_cast<size_t>(bytes) / es;
+    if ((c == Coll::allgather || c == Coll::reduce_scatter)) count = count / n * n;
+    if (count == 0) continue;
+    Runner run(*pg, c, t, count, algo);
+    // Warm up, and size the timed loop from it (rank 0 decides for everyone).
+    // Every rank must issue the same ops, so the warm-up count is fixed by size, not by time.
+    const int warm = size_t(bytes) >= (4u << 20) ? 3 : size_t(bytes) >= (64u << 10) ? 10 : 50;
+    run.once();  // first touch of the buffers, not timed
+    auto w0 = Clock::now();
+    for (int i = 0; i < warm; ++i) run.once();
+    double per = std::chrono::duration<double>(Clock::now() - w0).count() / warm;
+    int64_t iters = o.iters > 0 ? o.iters : std::clamp<int64_t>(static_cast<int64_t>(o.seconds / per), 5, 10000);
+    pg->broadcast(&iters, 1, DType::i64, 0)->wait();
+    std::vector<double> times(static_cast<size_t>(iters));
+    pg->barrier()->wait();
+    auto t0 = Clock::now();
+    for (int64_t i = 0; i < iters; ++i) {
+      auto a = Clock::now();
+      run.once();
+      times[static_cast<size_t>(i)] = std::chrono::duration<double, std::micro>(Clock::now() - a).count();
+    }
+    double mean_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / static_cast<double>(iters);
+    pg->allreduce(&mean_us, 1, DType::f64, ReduceOp::max)->wait();
+    int64_t bad = run.wrong();
+    pg->allreduce(&bad, 1, DType::i64)->wait();
+    total_wrong += bad;
+    size_t size_bytes = count * es;
+    double algbw = static_cast<double>(size_bytes) / (mean_us * 1e-6) / 1e9;
+    if (r == 0) {
+      fmt::print("  {:>10} {:>10} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7} {:>10.1f} {:>10.1f}\n", size_bytes, count,
+                 comm::dtypeName(t), mean_us, algbw, algbw * busFactor(c, n), bad, percentile(times, 0.5),
+                 percentile(times, 0.9));
+      std::fflush(stdout);
+    }
+  }
+  if (r == 0) fmt::print("# {} wrong elements in all\n", total_wrong);
+  return total_wrong == 0 ? 0 : 1;
+}
+
+size_t parseBytes(const std::string& s) {
+  char* end = nullptr;
+  double v = std::strtod(s.c_str(), &end);
+  std::string unit = end ? end : "";
+  double mult = 1;
+  if (unit == "K" || unit == "KiB" || unit == "k") mult = 1024;
+  else if (unit == "M" || unit == "MiB") mult = 1024.0 * 1024;
+  else if (unit == "G" || unit == "GiB") mult = 1024.0 * 1024 * 1024;
+  else if (!unit.empty() && unit != "B") throw InvalidArgument(fmt::format("bad size '{}' (e.g. 4, 64K, 16M)", s));
+  if (!(v > 0)) throw InvalidArgument(fmt::format("bad size '{}'", s));
+  return static_cast<size_t>(v * mult);
+}
+
+}  // namespace
+
+void addCollectiveCommands(CLI::App& app) {
+  for (Coll c : {Coll::allreduce, Coll::allgather, Coll::reduce_scatter, Coll::broadcast}) {
+    auto* sub = app.add_subcommand(name(c), fmt::format("{} bandwidth and latency, nccl-tests columns", name(c)));
+    auto o = std::make_shared<Options>();
+    auto minb = std::make_shared<std::string>("4");
+    auto maxb = std::make_shared<std::string>("64M");
+    sub->add_option("--transport", o->transport, "auto, tcp or shm")->check(CLI::IsMember({"auto", "tcp", "shm"}));
+    sub->add_option("--min-bytes", *minb, "smallest size (e.g. 4, 64K)");
+    sub->add_option("--max-bytes", *maxb, "largest size (e.g. 64M)");
+    sub->add_option("--factor", o->factor, "size multiplier between rows")->check(CLI::Range(1.01, 1024.0));
+    sub->add_option("--iters", o->iters, "timed iterations per size (0: from the warm-up)");
+    sub->add_option("--seconds", o->seconds, "timed work per size when --iters is 0");
+    sub->add_option("--dtype", o->dtype, "f32 f64 f16 bf16 i32 i64 u8");
+    if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring or rd")->check(CLI::IsMember({"auto", "ring", "rd"}));
+    sub->callback([c, o, minb, maxb] {
+      o->min_bytes = parseBytes(*minb);
+      o->max_bytes = parseBytes(*maxb);
+      int rc = 1;
+      try {
+        rc = run(c, *o);
+      } catch (const std::exception& e) {
+        std::fprintf(stderr, "dtrain-bench: %s\n", e.what());
+      }
+      std::fflush(stdout);
+      std::exit(rc);
+    });
+  }
+}
+
+}  // namespace dtrain::bench

@@ -1,0 +1,583 @@
+// dtrain-run's engine. One thread, one poll() loop per attempt: it watches the launcher's signals
+// (through a signalfd), every child's stdout/stderr pipe and the deadlines of a shutdown in progress.
+// Children are reaped with waitpid(WNOHANG) whenever SIGCHLD arrives or the loop ticks.
+#include "run/launcher.h"
+
+#include <fcntl.h>
+#include <poll.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+#include <map>
+#include <optional>
+#include <thread>
+
+#include "comm/net/socket.h"
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/store.h"
+
+extern char** environ;
+
+namespace dtrain::run {
+
+using comm::net::Fd;
+using Clock = std::chrono::steady_clock;
+using std::chrono::milliseconds;
+
+namespace {
+
+// The loop wakes at least this often even if nothing happens, as a safety net for lost wakeups.
+constexpr milliseconds kTick{250};
+// After SIGKILL a process normally vanishes at once; one stuck in the kernel is given up on after this.
+constexpr milliseconds kKillWait{10000};
+// A child that has not exec'd by then is treated as failed to start.
+constexpr milliseconds kExecWait{10000};
+// A line longer than this is forwarded in pieces rather than buffered without bound.
+constexpr size_t kMaxLine = 64 * 1024;
+// What is left in a pipe when its child exits is forwarded up to this much (a grandchild that keeps
+// the pipe open and keeps writing must not stall the launcher).
+constexpr size_t kMaxDrain = 4 << 20;
+
+std::string signalName(int sig) {
+  const char* abbrev = sigabbrev_np(sig);
+  return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
+}
+
+// Writes everything unless the destination is gone (EPIPE and such): the launcher's own output
+// failing must not stop it from supervising the workers.
+void writeAll(int fd, const char* p, size_t n) {
+  while (n > 0) {
+    ssize_t w = ::write(fd, p, n);
+    if (w > 0) {
+      p += w;
+      n -= static_cast<size_t>(w);
+    } else if (w < 0 && errno == EINTR) {
+      continue;
+    } else if (w < 0 && errno == EAGAIN) {
+      // Someone made our stdout non-blocking; wait for room, but not forever.
+      pollfd pfd{fd, POLLOUT, 0};
+      if (::poll(&pfd, 1, 1000) <= 0) return;
+    } else {
+      return;
+    }
+  }
+}
+void writeAll(int fd, const std::string& s) { writeAll(fd, s.data(), s.size()); }
+
+template <typename... Args>
+void say(fmt::format_string<Args...> f, Args&&... args) {
+  writeAll(STDERR_FILENO, "dtrain-run: " + fmt::format(f, std::forward<Args>(args)...) + "\n");
+}
+
+std::string describeExit(int status) {
+  if (WIFEXITED(status)) return fmt::format("exited with code {}", WEXITSTATUS(status));
+  if (WIFSIGNALED(status)) {
+    return fmt::format("was killed by signal {} ({})", WTERMSIG(status), signalName(WTERMSIG(status)));
+  }
+  return fmt::format("ended with wait status {:#x}", status);
+}
+
+// The shell's convention, which is also what the launcher's caller sees.
+int exitCodeOf(int status) {
+  if (WIFEXITED(status)) return WEXITSTATUS(status);
+  if (WIFSIGNALED(status)) return 128 + WTERMSIG(status);
+  return 1;
+}
+
+std::pair<Fd, Fd> makePipe() {
+  int p[2];
+  if (::pipe2(p, O_CLOEXEC) != 0) throw IoError(fmt::format("pipe2(): {}", strerror(errno)));
+  return {Fd(p[0]), Fd(p[1])};
+}
+
+// Forwards one child stream to the launcher's stdout or stderr, a complete line at a time so that
+// lines of different ranks never interleave mid-line.
+class OutputPipe {
+ public:
+  OutputPipe(Fd fd, int dest, std::string prefix, bool prefixed)
+      : fd_(std::move(fd)), dest_(dest), prefix_(std::move(prefix)), prefixed_(prefixed) {
+    ::fcntl(fd_.get(), F_SETFL, ::fcntl(fd_.get(), F_GETFL) | O_NONBLOCK);
+  }
+  int fd() const { return fd_.get(); }
+  bool open() const { return fd_.valid(); }
+
+  // Forwards what is readable now (a bounded amount, so one chatty child cannot starve the loop).
+  void pump() { readUpTo(256 * 1024); }
+
+  // The child has exited: what it wrote is already in the pipe. Forward it, flush the last partial
+  // line and close.
+  void finish() {
+    readUpTo(kMaxDrain);
+    if (!partial_.empty()) {
+      std::string out = prefixed_ ? prefix_ + partial_ + "\n" : partial_;
+      writeAll(dest_, out);
+      partial_.clear();
+    }
+    fd_.reset();
+  }
+
+ private:
+  void readUpTo(size_t budget) {
+    char buf[64 * 1024];
+    while (fd_.valid() && budget > 0) {
+      ssize_t n = ::read(fd_.get(), buf, std::min(sizeof buf, budget));
+      if (n > 0) {
+        emit(buf, static_cast<size_t>(n));
+        budget -= static_cast<size_t>(n);
+      } else if (n < 0 && errno == EINTR) {
+        continue;
+      } else if (n < 0 && errno == EAGAIN) {
+        return;
+      } else {
+        fd_.reset();  // EOF (or a broken pipe): nothing more will come
+      }
+    }
+  }
+
+  void emit(const char* data, size_t n) {
+    if (!prefixed_) {
+      // Unprefixed output is passed through as it comes, so progress bars (\r) keep working.
+      writeAll(dest_, data, n);
+      return;
+    }
+    std::string out;
+    size_t start = 0;
+    for (size_t i = 0; i < n; ++i) {
+      if (data[i] != '\n') continue;
+      out += prefix_;
+      out += partial_;
+      out.append(data + start, i + 1 - start);
+      partial_.clear();
+      start = i + 1;
+    }
+    partial_.append(data + start, n - start);
+    if (partial_.size() > kMaxLine) {
+      out += prefix_ + partial_ + "\n";
+      partial_.clear();
+    }
+    if (!out.empty()) writeAll(dest_, out);
+  }
+
+  Fd fd_;
+  int dest_;
+  std::string prefix_;
+  bool prefixed_;
+  std::string partial_;
+};
+
+struct Spec {
+  std::string name;    // "rank 3" or "server 0", used in messages
+  std::string prefix;  // "[rank 3]: "
+  bool is_worker = true;
+  std::vector<std::string> env;  // NAME=value, complete
+};
+
+// One child process, the leader of its own process group so that a signal reaches whatever it
+// started too (bash defers its traps until its foreground child exits). Destroying a Child that is
+// still running kills its group and reaps it.
+class Child {
+ public:
+  Child(const Spec& spec, const std::vector<std::string>& command, const sigset_t& child_mask, bool prefixed)
+      : name_(spec.name), is_worker_(spec.is_worker) {
+    // Everything the child needs is built before fork(): the store's thread may hold malloc's lock,
+    // so the child may only make async-signal-safe calls.
+    std::vector<char*> argv, envp;
+    for (const auto& a : command) argv.push_back(const_cast<char*>(a.c_str()));
+    argv.push_back(nullptr);
+    for (const auto& e : spec.env) envp.push_back(const_cast<char*>(e.c_str()));
+    envp.push_back(nullptr);
+
+    auto [out_r, out_w] = makePipe();
+    auto [err_r, err_w] = makePipe();
+    // Reports exec()'s errno; closed without a word (CLOEXEC) when exec succeeds.
+    auto [status_r, status_w] = makePipe();
+    const pid_t parent = ::getpid();
+
+    pid_ = ::fork();
+    if (pid_ < 0) throw IoError(fmt::format("fork() for {}: {}", name_, strerror(errno)));
+    if (pid_ == 0) {
+      ::setpgid(0, 0);
+      ::prctl(PR_SET_PDEATHSIG, SIGKILL);
+      if (::getppid() != parent) ::_exit(127);  // the launcher died before prctl took effect
+      redirect(out_w.get(), STDOUT_FILENO);
+      redirect(err_w.get(), STDERR_FILENO);
+      // Like Python's subprocess (close_fds): the worker inherits nothing but stdio. Unavailable on
+      // old kernels, where the launcher's own fds are CLOEXEC anyway.
+      ::close_range(3, ~0u, CLOSE_RANGE_CLOEXEC);
+      ::sigprocmask(SIG_SETMASK, &child_mask, nullptr);
+      ::execvpe(argv[0], argv.data(), envp.data());
+      int err = errno;
+      (void)!::write(status_w.get(), &err, sizeof err);
+      ::_exit(127);
+    }
+    // Also here, so the group exists before the parent signals it, whoever runs first.
+    ::setpgid(pid_, pid_);
+    out_w.reset();
+    err_w.reset();
+    status_w.reset();
+    out_.emplace(std::move(out_r), STDOUT_FILENO, spec.prefix, prefixed);
+    err_.emplace(std::move(err_r), STDERR_FILENO, spec.prefix, prefixed);
+    try {
+      waitForExec(status_r, command[0]);
+    } catch (...) {
+      // No destructor runs for a half-built Child: reap it here.
+      ::kill(pid_, SIGKILL);
+      ::waitpid(pid_, nullptr, 0);
+      throw;
+    }
+  }
+
+  ~Child() {
+    if (running()) {
+      signalGroup(SIGKILL);
+      auto deadline = Clock::now() + kKillWait;
+      while (running() && !reap() && Clock::now() < deadline) {
+        std::this_thread::sleep_for(milliseconds(10));
+      }
+    }
+  }
+  Child(const Child&) = delete;
+  Child& operator=(const Child&) = delete;
+
+  const std::string& name() const { return name_; }
+  pid_t pid() const { return pid_; }
+  bool isWorker() const { return is_worker_; }
+  bool running() const { return !status_.has_value(); }
+  bool failed() const { return status_ && *status_ != 0; }
+  int status() const { return *status_; }
+  OutputPipe& out() { return *out_; }
+  OutputPipe& err() { return *err_; }
+
+  // True when the child has just exited; its remaining output is forwarded then.
+  bool reap() {
+    if (!running()) return false;
+    int st = 0;
+    pid_t r = ::waitpid(pid_, &st, WNOHANG);
+    if (r == 0 || (r < 0 && errno == EINTR)) return false;
+    status_ = r == pid_ ? st : (127 << 8);  // ECHILD: someone else reaped it; call it failed
+    out_->finish();
+    err_->finish();
+    return true;
+  }
+
+  // The group outlives its leader while a grandchild lives, and its id cannot be reused until then,
+  // so this is safe to call shortly after the leader exits too.
+  void signalGroup(int sig) const {
+    if (::kill(-pid_, sig) != 0 && running()) ::kill(pid_, sig);
+  }
+
+ private:
+  static void redirect(int from, int to) {
+    if (from == to) {
+      ::fcntl(to, F_SETFD, 0);
+    } else {
+      ::dup2(from, to);
+    }
+  }
+
+  void waitForExec(const Fd& status_r, const std::string& program) {
+    pollfd pfd{status_r.get(), POLLIN, 0};
+    auto deadline = comm::net::deadlineAfter(kExecWait);
+    int n;
+    while ((n = ::poll(&pfd, 1, comm::net::msUntil(deadline))) < 0 && errno == EINTR) {
+    }
+    if (n == 0) throw TimeoutError(fmt::format("{} did not start within {} ms", name_, kExecWait.count()));
+    int err = 0;
+    ssize_t r;
+    while ((r = ::read(status_r.get(), &err, sizeof err)) < 0 && errno == EINTR) {
+    }
+    if (r == sizeof err) {
+      throw Error(fmt::format("cannot execute '{}' for {}: {}", program, name_, strerror(err)));
+    }
+  }
+
+  std::string name_;
+  bool is_worker_;
+  pid_t pid_ = -1;
+  std::optional<int> status_;
+  std::optional<OutputPipe> out_, err_;
+};
+
+// NAME=value strings: the launcher's environment with `vars` applied (nullopt removes a name).
+std::vector<std::string> buildEnv(const std::map<std::string, std::optional<std::string>>& vars) {
+  std::vector<std::string> env;
+  for (char** e = environ; *e; ++e) {
+    const char* eq = std::strchr(*e, '=');
+    std::string name = eq ? std::string(*e, static_cast<size_t>(eq - *e)) : std::string(*e);
+    if (!vars.count(name)) env.emplace_back(*e);
+  }
+  for (const auto& [name, value] : vars) {
+    if (value) env.push_back(name + "=" + *value);
+  }
+  return env;
+}
+
+}  // namespace
+
+// Blocks the signals the launcher handles and turns them into readable bytes on a signalfd, so the
+// poll loop sees them and no work happens in a signal handler. SIGPIPE is blocked too, so writing to
+// a closed stdout returns EPIPE instead of killing the supervisor of the workers.
+class SignalWatcher {
+ public:
+  SignalWatcher() {
+    sigemptyset(&handled_);
+    for (int s : {SIGINT, SIGTERM, SIGHUP, SIGCHLD, SIGPIPE}) sigaddset(&handled_, s);
+    if (::pthread_sigmask(SIG_BLOCK, &handled_, &original_) != 0) {
+      throw Error("pthread_sigmask() failed");
+    }
+    fd_ = Fd(::signalfd(-1, &handled_, SFD_NONBLOCK | SFD_CLOEXEC));
+    if (!fd_.valid()) {
+      ::pthread_sigmask(SIG_SETMASK, &original_, nullptr);
+      throw IoError(fmt::format("signalfd(): {}", strerror(errno)));
+    }
+  }
+  ~SignalWatcher() {
+    read();  // consume what is pending, or unblocking would deliver it with its default action
+    fd_.reset();
+    ::pthread_sigmask(SIG_SETMASK, &original_, nullptr);
+  }
+  SignalWatcher(const SignalWatcher&) = delete;
+  SignalWatcher& operator=(const SignalWatcher&) = delete;
+
+  int fd() const { return fd_.get(); }
+  // What children start with: the mask the launcher itself started with.
+  const sigset_t& originalMask() const { return original_; }
+
+  std::vector<int> read() {
+    std::vector<int> sigs;
+    signalfd_siginfo info;
+    while (::read(fd_.get(), &info, sizeof info) == sizeof info)
+      sigs.push_back(static_cast<int>(info.ssi_signo));
+    return sigs;
+  }
+
+ private:
+  sigset_t handled_;
+  sigset_t original_;
+  Fd fd_;
+};
+
+namespace {
+// A usage problem is reported as the user's mistake, without the source location DTRAIN_CHECK adds.
+template <typename... Args>
+void require(bool ok, fmt::format_string<Args...> f, Args&&... args) {
+  if (!ok) throw InvalidArgument(fmt::format(f, std::forward<Args>(args)...));
+}
+}  // namespace
+
+void checkOptions(const Options& o) {
+  require(!o.command.empty(), "missing PROGRAM to run");
+  require(o.nproc_per_node >= 1, "--nproc-per-node must be at least 1, got {}", o.nproc_per_node);
+  require(o.nnodes >= 1, "--nnodes must be at least 1, got {}", o.nnodes);
+  require(int64_t{o.nnodes} * o.nproc_per_node <= (1 << 20),
+          "--nnodes x --nproc-per-node is too large ({} x {})", o.nnodes, o.nproc_per_node);
+  require(o.node_rank >= 0 && o.node_rank < o.nnodes,
+          "--node-rank must be in [0, {}) for --nnodes {}, got {}", o.nnodes, o.nnodes, o.node_rank);
+  require(o.master_port >= 0 && o.master_port <= 65535, "--master-port must be in [0, 65535], got {}",
+          o.master_port);
+  require(o.master_port != 0 || o.nnodes == 1,
+          "--master-port 0 (a free port) needs --nnodes 1: other nodes could not learn the port");
+  require(!o.master_addr.empty(), "--master-addr is empty");
+  require(!o.standalone || (o.nnodes == 1 && o.node_rank == 0),
+          "--standalone runs a single node; it cannot be combined with --nnodes {} --node-rank {}", o.nnodes,
+          o.node_rank);
+  require(o.max_restarts >= 0, "--max-restarts must be >= 0, got {}", o.max_restarts);
+  require(o.num_servers >= 0, "--servers must be >= 0, got {}", o.num_servers);
+  require(o.grace_period.count() >= 0, "--grace-period must be >= 0");
+}
+
+Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_unique<SignalWatcher>()) {
+  checkOptions(opts_);
+  if (opts_.standalone) {
+    opts_.master_addr = "127.0.0.1";
+    store_ = std::make_unique<comm::TcpStoreServer>(opts_.master_addr, 0);
+  } else if (opts_.node_rank == 0) {
+    // Across nodes, listen on every interface: MASTER_ADDR is what the other nodes dial, and a host
+    // name can resolve to a loopback address on its own host (Debian's 127.0.1.1).
+    std::string host = opts_.master_addr;
+    if (opts_.nnodes > 1) host = host.find(':') != std::string::npos ? "::" : "0.0.0.0";
+    store_ = std::make_unique<comm::TcpStoreServer>(host, static_cast<uint16_t>(opts_.master_port));
+  }
+  master_port_ = store_ ? store_->port() : static_cast<uint16_t>(opts_.master_port);
+}
+
+Launcher::~Launcher() = default;
+
+struct Launcher::Outcome {
+  int exit_code = 0;
+  bool restartable = false;  // a worker failed (as opposed to success, or the launcher being stopped)
+};
+
+int Launcher::run() {
+  for (int restart = 0;; ++restart) {
+    Outcome o = runOnce(restart);
+    if (!o.restartable) return o.exit_code;
+    if (restart >= opts_.max_restarts) {
+      if (opts_.max_restarts > 0) {
+        say("no restarts left (--max-restarts {}); exiting with code {}", opts_.max_restarts, o.exit_code);
+      }
+      return o.exit_code;
+    }
+    say("restarting workers (restart {} of {})", restart + 1, opts_.max_restarts);
+  }
+}
+
+Launcher::Outcome Launcher::runOnce(int restart) {
+  const int world = opts_.nnodes * opts_.nproc_per_node;
+  const int servers = opts_.node_rank == 0 ? opts_.num_servers : 0;
+
+  std::map<std::string, std::optional<std::string>> common = {
+      {"MASTER_ADDR", opts_.master_addr},
+      {"MASTER_PORT", std::to_string(master_port_)},
+      {"GROUP_RANK", std::to_string(opts_.node_rank)},
+      {"DTRAIN_RESTART_COUNT", std::to_string(restart)},
+      {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
+      {"DTRAIN_USE_AGENT_STORE", "1"},
+  };
+  // One compute thread per process when several share the host, unless the user chose otherwise.
+  if (!std::getenv("OMP_NUM_THREADS")) common["OMP_NUM_THREADS"] = "1";
+
+  std::vector<Spec> specs;
+  for (int local = 0; local < opts_.nproc_per_node; ++local) {
+    int rank = opts_.node_rank * opts_.nproc_per_node + local;
+    auto vars = common;
+    vars["RANK"] = std::to_string(rank);
+    vars["LOCAL_RANK"] = std::to_string(local);
+    vars["WORLD_SIZE"] = std::to_string(world);
+    vars["LOCAL_WORLD_SIZE"] = std::to_string(opts_.nproc_per_node);
+    vars["DTRAIN_ROLE"] = "worker";
+    if (opts_.num_servers > 0) {
+      vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
+      vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
+    }
+    specs.push_back({fmt::format("rank {}", rank), fmt::format("[rank {}]: ", rank), true, buildEnv(vars)});
+  }
+  for (int i = 0; i < servers; ++i) {
+    auto vars = common;
+    // A server is not a rank of the workers' world; an inherited RANK would only mislead it.
+    for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) vars[v] = std::nullopt;
+    vars["DTRAIN_ROLE"] = "server";
+    vars["DTRAIN_SERVER_INDEX"] = std::to_string(i);
+    vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
+    vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
+    specs.push_back({fmt::format("server {}", i), fmt::format("[server {}]: ", i), false, buildEnv(vars)});
+  }
+
+  std::vector<std::unique_ptr<Child>> kids;
+  for (const auto& spec : specs) {
+    kids.push_back(
+        std::make_unique<Child>(spec, opts_.command, signals_->originalMask(), opts_.prefix_output));
+  }
+
+  auto anyRunning = [&](auto pred) {
+    return std::any_of(kids.begin(), kids.end(), [&](const auto& k) { return k->running() && pred(*k); });
+  };
+  auto all = [](const Child&) { return true; };
+  auto signalRunning = [&](int sig) {
+    for (auto& k : kids) {
+      if (k->running()) k->signalGroup(sig);
+    }
+  };
+
+  // The shutdown, once begun: SIGTERM sent (kill at term_deadline), then SIGKILL (give up at kill_deadline).
+  std::optional<Clock::time_point> term_deadline, kill_deadline;
+  // All workers succeeded; servers may finish on their own until then.
+  std::optional<Clock::time_point> drain_deadline;
+  std::optional<int> failure_code;
+  int stop_signal = 0;
+  auto stopping = [&] { return term_deadline.has_value(); };
+  auto beginStop = [&](int sig) {
+    signalRunning(sig);
+    term_deadline = Clock::now() + opts_.grace_period;
+  };
+
+  std::vector<pollfd> pfds;
+  std::vector<OutputPipe*> pipes;
+  while (anyRunning(all)) {
+    auto now = Clock::now();
+    auto wake = now + kTick;
+    for (const auto& d : {drain_deadline, term_deadline, kill_deadline}) {
+      if (d) wake = std::min(wake, *d);
+    }
+    pfds.assign(1, pollfd{signals_->fd(), POLLIN, 0});
+    pipes.assign(1, nullptr);
+    for (auto& k : kids) {
+      for (OutputPipe* p : {&k->out(), &k->err()}) {
+        if (!p->open()) continue;
+        pfds.push_back(pollfd{p->fd(), POLLIN, 0});
+        pipes.push_back(p);
+      }
+    }
+    int timeout_ms = static_cast<int>(
+        std::max<int64_t>(0, std::chrono::duration_cast<milliseconds>(wake - now).count() + 1));
+    if (::poll(pfds.data(), pfds.size(), timeout_ms) < 0 && errno != EINTR) {
+      throw IoError(fmt::format("poll(): {}", strerror(errno)));
+    }
+    for (size_t i = 1; i < pfds.size(); ++i) {
+      if (pfds[i].revents != 0) pipes[i]->pump();
+    }
+
+    for (int sig : signals_->read()) {
+      if (sig == SIGCHLD || sig == SIGPIPE) continue;
+      if (stop_signal == 0) {
+        stop_signal = sig;
+        say("received {}; forwarding it to the workers", signalName(sig));
+        signalRunning(sig);
+        if (!stopping()) term_deadline = Clock::now() + opts_.grace_period;
+      } else if (!kill_deadline) {
+        say("received {} again; killing the workers", signalName(sig));
+        signalRunning(SIGKILL);
+        kill_deadline = Clock::now() + kKillWait;
+      }
+    }
+
+    for (auto& k : kids) {
+      if (!k->reap() || !k->failed() || stopping()) continue;
+      failure_code = exitCodeOf(k->status());
+      bool others = anyRunning(all);
+      say("{} (pid {}) {}{}", k->name(), k->pid(), describeExit(k->status()),
+          others ? "; stopping the other workers" : "");
+      beginStop(SIGTERM);
+    }
+
+    now = Clock::now();
+    if (!stopping() && !drain_deadline && !anyRunning([](const Child& k) { return k.isWorker(); }) &&
+        anyRunning(all)) {
+      drain_deadline = now + opts_.grace_period;
+    }
+    if (!stopping() && drain_deadline && now >= *drain_deadline) {
+      say("all workers finished; stopping the servers still running");
+      beginStop(SIGTERM);
+    }
+    if (stopping() && !kill_deadline && now >= *term_deadline) {
+      for (auto& k : kids) {
+        if (!k->running()) continue;
+        say("{} (pid {}) still running {:g}s after SIGTERM; sending SIGKILL", k->name(), k->pid(),
+            opts_.grace_period.count() / 1000.0);
+      }
+      signalRunning(SIGKILL);
+      kill_deadline = now + kKillWait;
+    }
+    if (kill_deadline && now >= *kill_deadline) {
+      say("some workers did not die {} ms after SIGKILL; giving up on them", kKillWait.count());
+      break;
+    }
+  }
+  if (stopping()) {
+    // Whatever the workers left behind in their groups (background jobs, processes that ignore
+    // SIGTERM and outlived their leader) goes too.
+    for (auto& k : kids) k->signalGroup(SIGKILL);
+  }
+
+  if (stop_signal != 0) return {128 + stop_signal, false};
+  if (failure_code) return {*failure_code, true};
+  return {0, false};
+}
+
+}  // namespace dtrain::run

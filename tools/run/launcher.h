@@ -1,0 +1,69 @@
+// dtrain-run's engine: starts N worker processes per node with torchrun's environment, hosts the
+// rendezvous store on node 0, prefixes their output, and tears the whole group down (or restarts it)
+// as soon as one worker fails.
+//
+// \code
+//   dtrain::run::Options opts;
+//   opts.nproc_per_node = 4;
+//   opts.standalone = true;
+//   opts.command = {"./train", "--epochs", "3"};
+//   dtrain::run::checkOptions(opts);          // InvalidArgument on bad usage
+//   return dtrain::run::Launcher(opts).run();  // the exit code to return from main()
+// \endcode
+#pragma once
+#include <chrono>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain::comm {
+class TcpStoreServer;
+}
+
+namespace dtrain::run {
+
+struct Options {
+  int nproc_per_node = 1;
+  int nnodes = 1;
+  int node_rank = 0;
+  std::string master_addr = "127.0.0.1";
+  int master_port = 29500;  // 0: a free port (only when every worker is on this node)
+  bool standalone = false;  // one node, store on a free local port
+  int max_restarts = 0;
+  int num_servers = 0;  // parameter-server processes, started on node 0 only
+  bool prefix_output = true;
+  std::chrono::milliseconds grace_period{5000};  // SIGTERM -> SIGKILL
+  std::vector<std::string> command;              // PROGRAM ARGS...
+};
+
+// Checks the combinations a parser cannot see alone; throws dtrain::InvalidArgument naming the problem.
+void checkOptions(const Options& opts);
+
+class SignalWatcher;
+
+// Usable once constructed: node 0's store is already serving. run() may be called once.
+class Launcher {
+ public:
+  explicit Launcher(Options opts);
+  ~Launcher();
+  Launcher(const Launcher&) = delete;
+  Launcher& operator=(const Launcher&) = delete;
+
+  // Runs the workers (restarting them up to max_restarts times) and returns the launcher's exit code:
+  // 0 when every worker succeeded, the failing worker's code (128+signal if it was killed), or
+  // 128+signal when the launcher itself was told to stop.
+  int run();
+
+ private:
+  struct Outcome;
+  Outcome runOnce(int restart);
+
+  Options opts_;
+  // Declared before the store so that the store's thread starts with the launcher's signals blocked.
+  std::unique_ptr<SignalWatcher> signals_;
+  std::unique_ptr<comm::TcpStoreServer> store_;
+  uint16_t master_port_ = 0;  // what workers are told: the store's real port when it picked one
+};
+
+}  // namespace dtrain::run

@@ -1,0 +1,88 @@
+// dtrain-run: starts a distributed training job's processes on this node, like torchrun.
+//   dtrain-run --nproc-per-node 4 --standalone ./train --epochs 3
+// Parses the command line into run::Options; the work is in launcher.cc.
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "dtrain/comm/error.h"
+#include "run/launcher.h"
+
+namespace {
+
+constexpr int kUsageError = 2;
+
+int usageError(const std::string& message) {
+  std::fprintf(stderr, "dtrain-run: %s\nRun with --help for more information.\n", message.c_str());
+  return kUsageError;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  dtrain::run::Options opts;
+  double grace_seconds = 5.0;
+
+  CLI::App app{
+      "dtrain-run --nproc-per-node N [--nnodes M --node-rank R --master-addr HOST --master-port PORT\n"
+      "           | --standalone] [OPTIONS] PROGRAM [ARGS...]\n\n"
+      "Runs PROGRAM in --nproc-per-node processes on this node with torchrun's environment (RANK,\n"
+      "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Node 0 hosts the rendezvous store.\n"
+      "When a process fails, the others are stopped and the group is restarted (--max-restarts)\n"
+      "or the launcher exits with the failing process's code.",
+      "dtrain-run"};
+  // Underscore spellings too, so torchrun command lines work unchanged.
+  app.add_option("--nproc-per-node,--nproc_per_node", opts.nproc_per_node, "Processes on this node")
+      ->required();
+  auto* nnodes = app.add_option("--nnodes", opts.nnodes, "Number of nodes")->capture_default_str();
+  auto* node_rank =
+      app.add_option("--node-rank,--node_rank", opts.node_rank, "This node's rank")->capture_default_str();
+  auto* addr =
+      app.add_option("--master-addr,--master_addr", opts.master_addr, "Host of node 0, where the store runs")
+          ->capture_default_str();
+  auto* port = app.add_option("--master-port,--master_port", opts.master_port, "Port of the store")
+                   ->capture_default_str();
+  app.add_flag("--standalone", opts.standalone, "One node; host the store on a free local port")
+      ->excludes(nnodes, node_rank, addr, port);
+  app.add_option("--max-restarts,--max_restarts", opts.max_restarts,
+                 "Restart the whole group up to this many times after a failure")
+      ->capture_default_str();
+  app.add_option("--servers", opts.num_servers, "Parameter-server processes to start on node 0")
+      ->capture_default_str();
+  bool no_prefix = false;
+  app.add_flag("--no-prefix", no_prefix, "Pass output through without the [rank R]: prefix");
+  app.add_option("--grace-period", grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 86400.0));
+  // PROGRAM and everything after it (or after "--") is left untouched.
+  app.prefix_command();
+
+  try {
+    app.parse(argc, argv);
+  } catch (const CLI::ParseError& e) {
+    int code = app.exit(e);  // prints help, or the error
+    return code == 0 ? 0 : kUsageError;
+  }
+
+  opts.command = app.remaining();
+  if (!opts.command.empty() && opts.command.front() == "--") {
+    opts.command.erase(opts.command.begin());
+  } else if (!opts.command.empty() && opts.command.front().size() > 1 && opts.command.front()[0] == '-') {
+    // prefix_command() hands over an unknown option as if it were the program.
+    return usageError("unknown option " + opts.command.front());
+  }
+  opts.prefix_output = !no_prefix;
+  opts.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000.0 + 0.5));
+
+  try {
+    dtrain::run::checkOptions(opts);
+  } catch (const dtrain::InvalidArgument& e) {
+    return usageError(e.what());
+  }
+
+  try {
+    return dtrain::run::Launcher(opts).run();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain-run: error: %s\n", e.what());
+    return 1;
+  }
+}
