@@ -391,9 +391,7 @@ void TcpStoreServer::Impl::serve(Conn& c, short revents) {
       // Closed while parked or being answered: nobody is left to answer.
       c.dead = true;
     }
-  } catch (const ProtocolError& e) {
-    drop(c, e.what());
-  } catch (const std::exception& e) {  // e.g. bad_alloc for a large but legal request
+  } catch (const std::exception& e) {  // a ProtocolError, or bad_alloc for a large but legal request
     drop(c, e.what());
   }
 }
