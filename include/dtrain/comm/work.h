@@ -9,10 +9,23 @@
 
 namespace dtrain::comm {
 
+class Work;
+
+// Whoever runs a Work's op may let a thread that waits for it run queued ops itself (saving two
+// thread hand-offs per op, which dominate small-message latency). Internal to dtrain::comm.
+class WorkExecutor {
+ public:
+  virtual ~WorkExecutor() = default;
+  // Runs queued ops on the calling thread, in order, while `w` is incomplete and nobody else is
+  // running one. Returns when w is complete or another thread is busy.
+  virtual void help(const Work& w) = 0;
+};
+
 class Work {
  public:
-  Work(std::string what, std::chrono::steady_clock::time_point deadline, int rank)
-      : what_(std::move(what)), deadline_(deadline), rank_(rank) {}
+  Work(std::string what, std::chrono::steady_clock::time_point deadline, int rank,
+       std::weak_ptr<WorkExecutor> executor = {})
+      : what_(std::move(what)), deadline_(deadline), rank_(rank), executor_(std::move(executor)) {}
 
   // Blocks until the op completes and rethrows its error, if any. Bounded: the op has its own deadline;
   // should it still be running shortly after that, this throws TimeoutError naming the op.
@@ -31,6 +44,7 @@ class Work {
   std::string what_;
   std::chrono::steady_clock::time_point deadline_;
   int rank_;
+  std::weak_ptr<WorkExecutor> executor_;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;

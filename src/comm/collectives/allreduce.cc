@@ -58,19 +58,16 @@ void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, Re
 
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {
   const size_t bytes = count * dtypeSize(t);
-  if (in != out && bytes) std::memmove(out, in, bytes);
-  if (c.size == 1) {
-    return;  // avg over one rank is the identity
-  }
   if (algo == AllreduceAlgo::kAuto) {
     algo = (bytes <= kSmallAllreduceBytes || count < static_cast<size_t>(c.size)) ? AllreduceAlgo::kRecursiveDoubling
                                                                                    : AllreduceAlgo::kRing;
   }
-  if (algo == AllreduceAlgo::kRing) {
-    allreduceRing(c, out, count, t, op);
-  } else {
-    allreduceRecursiveDoubling(c, out, count, t, op);
+  if (c.size > 1 && algo == AllreduceAlgo::kRing) {
+    allreduceRing(c, in, out, count, t, op);
+    return;
   }
+  if (in != out && bytes) std::memmove(out, in, bytes);
+  if (c.size > 1) allreduceRecursiveDoubling(c, out, count, t, op);  // avg over one rank is the identity
 }
 
 }  // namespace dtrain::comm::algo

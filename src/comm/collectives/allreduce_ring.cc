@@ -43,23 +43,28 @@ void ringAllgatherInPlace(Context& c, void* buf, const std::vector<size_t>& coun
   }
 }
 
-void allreduceRing(Context& c, void* buf, size_t count, DType t, ReduceOp op) {
+void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op) {
   const int n = c.size, r = c.rank;
   const size_t es = dtypeSize(t);
   auto counts = evenBlocks(count, n);
   auto off = prefixOffsets(counts);
-  char* base = static_cast<char*>(buf);
+  char* base = static_cast<char*>(out);
+  const char* src = static_cast<const char*>(in);
   const int right = (r + 1) % n, left = (r - 1 + n) % n;
   std::vector<Op> ops(2);
+  // Out of place, the input is never copied to the output: step 0 sends straight from the input, and
+  // each receive reduces (input block op arriving block) into the output block. Each rank receives
+  // every block but (rank - 1) exactly once here, and the allgather overwrites all blocks but its own.
   for (int s = 0; s < n - 1; ++s) {
     int sb = (r - s - 1 + 2 * n) % n;
     int rb = (r - s - 2 + 2 * n) % n;
-    ops[0] = transport::sendOp(right, s, base + off[sb] * es, counts[sb] * es);
-    ops[1] = transport::recvReduceOp(left, s, base + off[rb] * es, counts[rb] * es, t, op);
+    const char* from = s == 0 ? src : base;
+    ops[0] = transport::sendOp(right, s, from + off[sb] * es, counts[sb] * es);
+    ops[1] = transport::recvReduceOp(left, s, base + off[rb] * es, counts[rb] * es, t, op, src + off[rb] * es);
     c.run(ops);
   }
   if (op == ReduceOp::avg) divideBy(base + off[r] * es, counts[r], t, n);
-  ringAllgatherInPlace(c, buf, counts, t, static_cast<uint32_t>(n));
+  ringAllgatherInPlace(c, out, counts, t, static_cast<uint32_t>(n));
 }
 
 }  // namespace dtrain::comm::algo

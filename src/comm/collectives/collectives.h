@@ -38,7 +38,8 @@ inline constexpr size_t kSmallAllreduceBytes = 32u << 10;
 
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op,
                AllreduceAlgo algo = AllreduceAlgo::kAuto);
-void allreduceRing(Context& c, void* buf, size_t count, DType t, ReduceOp op);
+// in == out is in place; out of place never copies in to out.
+void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
 void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, ReduceOp op);
 
 void broadcast(Context& c, void* buf, size_t count, DType t, int root);

@@ -82,16 +82,85 @@ GroupOptions GroupOptions::fromEnv() {
   return o;
 }
 
-struct ProcessGroup::Impl {
-  struct Task {
-    WorkPtr work;
-    transport::Label label;
-    transport::Deadline deadline;
-    Fingerprint fp;
-    bool collective = true;
-    std::function<void(algo::Context&)> fn;
-  };
+// An op waiting to run: what it is, its deadline, and the algorithm call.
+struct Task {
+  WorkPtr work;
+  transport::Label label;
+  transport::Deadline deadline;
+  Fingerprint fp;
+  bool collective = true;
+  std::function<void(algo::Context&)> fn;
+};
 
+// The ops of one group, run one at a time in issue order: by the group's worker thread, or by a thread
+// that waits for one of them while nobody else is running (see WorkExecutor). `busy` is the baton.
+class OpQueue : public WorkExecutor {
+ public:
+  explicit OpQueue(std::function<void(Task&)> run) : run_(std::move(run)) {}
+
+  void start() { worker_ = std::thread([this] { workerLoop(); }); }
+
+  void push(Task t) {
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      queue_.push_back(std::move(t));
+    }
+    cv_.notify_all();
+  }
+
+  void help(const Work& w) override {
+    std::unique_lock<std::mutex> lk(mu_);
+    while (!stopping_ && !busy_ && !queue_.empty() && !w.isCompleted()) runFront(lk);
+  }
+
+  // Fails what is still queued, lets a running op finish (it has a deadline), and joins the worker.
+  void stop(int rank) {
+    std::deque<Task> left;
+    {
+      std::unique_lock<std::mutex> lk(mu_);
+      stopping_ = true;
+      left.swap(queue_);
+      cv_.notify_all();
+      cv_.wait(lk, [&] { return !busy_; });
+    }
+    if (worker_.joinable()) worker_.join();
+    for (auto& t : left) {
+      t.work->finish(std::make_exception_ptr(
+          Error(fmt::format("[rank {}] {} not run: the process group was destroyed", rank, t.label.what))));
+    }
+  }
+
+ private:
+  void runFront(std::unique_lock<std::mutex>& lk) {
+    Task t = std::move(queue_.front());
+    queue_.pop_front();
+    busy_ = true;
+    lk.unlock();
+    run_(t);
+    lk.lock();
+    busy_ = false;
+    cv_.notify_all();
+  }
+
+  void workerLoop() {
+    std::unique_lock<std::mutex> lk(mu_);
+    for (;;) {
+      cv_.wait(lk, [&] { return stopping_ || (!busy_ && !queue_.empty()); });
+      if (stopping_) return;
+      runFront(lk);
+    }
+  }
+
+  std::function<void(Task&)> run_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Task> queue_;
+  bool busy_ = false;
+  bool stopping_ = false;
+  std::thread worker_;
+};
+
+struct ProcessGroup::Impl {
   int rank = 0;
   int size = 1;
   GroupOptions opts;
@@ -100,41 +169,11 @@ struct ProcessGroup::Impl {
   uint64_t seq = 0;        // collectives issued (caller side)
   uint64_t sub_groups = 0; // newGroup calls
   std::vector<uint8_t> scratch;
-
-  std::mutex mu;
-  std::condition_variable cv;
-  std::deque<Task> queue;
-  bool stopping = false;
   std::exception_ptr broken;  // the first failure; later ops fail with it
-  std::thread worker;
+  std::shared_ptr<OpQueue> ops;
 
   ~Impl() {
-    {
-      std::lock_guard<std::mutex> g(mu);
-      stopping = true;
-    }
-    cv.notify_all();
-    if (worker.joinable()) worker.join();
-  }
-
-  void loop() {
-    for (;;) {
-      Task t;
-      {
-        std::unique_lock<std::mutex> lk(mu);
-        cv.wait(lk, [&] { return stopping || !queue.empty(); });
-        if (queue.empty()) return;
-        t = std::move(queue.front());
-        queue.pop_front();
-        if (stopping) {
-          lk.unlock();
-          t.work->finish(std::make_exception_ptr(
-              Error(fmt::format("[rank {}] {} not run: the process group was destroyed", rank, t.label.what))));
-          continue;
-        }
-      }
-      execute(t);
-    }
+    if (ops) ops->stop(rank);
   }
 
   void execute(Task& t) {
@@ -195,17 +234,13 @@ struct ProcessGroup::Impl {
   }
 
   WorkPtr submit(Task t) {
-    t.work = std::make_shared<Work>(t.label.what, t.deadline, rank);
+    t.work = std::make_shared<Work>(t.label.what, t.deadline, rank, ops);
     WorkPtr w = t.work;
-    if (size == 1) {  // a world of one: run inline, no thread
+    if (!ops) {  // a world of one: run inline, no thread
       execute(t);
       return w;
     }
-    {
-      std::lock_guard<std::mutex> g(mu);
-      queue.push_back(std::move(t));
-    }
-    cv.notify_one();
+    ops->push(std::move(t));
     return w;
   }
 
@@ -272,7 +307,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
     to.segment_bytes = opts.segment_bytes;
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     Impl* raw = impl.get();
-    impl->worker = std::thread([raw] { raw->loop(); });
+    impl->ops = std::make_shared<OpQueue>([raw](Task& t) { raw->execute(t); });
+    impl->ops->start();
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }
@@ -389,7 +425,7 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
                         o.kind == P2POp::kSend ? "send" : "recv", dtypeName(o.dtype), o.count,
                         o.kind == P2POp::kSend ? "to" : "from", o.peer, o.tag);
   }
-  Impl::Task t;
+  Task t;
   t.collective = false;
   t.label.op = OpCode::send;
   t.label.what = what;

@@ -20,6 +20,7 @@ void Work::wait(std::chrono::milliseconds timeout) {
 }
 
 void Work::waitUntil(std::chrono::steady_clock::time_point until, const std::string& why) {
+  if (auto ex = executor_.lock()) ex->help(*this);
   std::unique_lock<std::mutex> lk(mu_);
   if (!cv_.wait_until(lk, until, [&] { return done_; })) {
     throw TimeoutError(fmt::format("[rank {}] {} {}", rank_, what_, why));

@@ -83,10 +83,17 @@ struct Op {
   uint32_t tag;
   void* data;  // const for sends
   size_t bytes;
-  // Receives only: when set, the payload is reduced into `data` instead of copied.
+  // Receives only: when set, the payload is reduced into `data` instead of copied:
+  // data[i] = operand[i] (op) payload[i], where operand defaults to data itself (in place). A separate
+  // operand lets an out-of-place collective skip copying its input into the output first.
   bool reduce = false;
   DType dtype = DType::u8;
   ReduceOp rop = ReduceOp::sum;
+  const void* operand = nullptr;
+  // The first operand of a reduce receive at byte offset `off` of the payload.
+  const char* operandAt(size_t off) const {
+    return static_cast<const char*>(operand ? operand : data) + off;
+  }
 };
 
 inline Op sendOp(int peer, uint32_t tag, const void* data, size_t bytes) {
@@ -95,8 +102,9 @@ inline Op sendOp(int peer, uint32_t tag, const void* data, size_t bytes) {
 inline Op recvOp(int peer, uint32_t tag, void* data, size_t bytes) {
   return Op{Op::kRecv, peer, tag, data, bytes};
 }
-inline Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t, ReduceOp r) {
-  return Op{Op::kRecv, peer, tag, data, bytes, true, t, r};
+inline Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t, ReduceOp r,
+                       const void* operand = nullptr) {
+  return Op{Op::kRecv, peer, tag, data, bytes, true, t, r, operand};
 }
 
 // What the ops belong to, for frame checks and error messages.

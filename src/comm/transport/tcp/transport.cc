@@ -389,7 +389,8 @@ class TcpTransport : public Transport {
         r.fill += n;
         size_t whole = r.fill / elem * elem;
         if (whole) {
-          reduceInto(static_cast<char*>(op.data) + r.got, p.staging.data(), whole / elem, op.dtype, op.rop);
+          reduceTo(static_cast<char*>(op.data) + r.got, op.operandAt(r.got), p.staging.data(), whole / elem,
+                   op.dtype, op.rop);
           r.got += whole;
           r.fill -= whole;
           if (r.fill) std::memmove(p.staging.data(), p.staging.data() + whole, r.fill);
