@@ -69,7 +69,7 @@ TEST_P(Collectives, Allreduce) {
       for (size_t count : kCounts)
         for (ReduceOp op : comm::kAllReduceOps)
           for (auto algo : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring,
-                            AllreduceAlgorithm::recursive_doubling}) {
+                            AllreduceAlgorithm::recursive_doubling, AllreduceAlgorithm::direct}) {
             Buf in(t, count), out(t, count);
             for (size_t i = 0; i < count; ++i) in.set(i, inputValue(r, i, op));
             bool inplace = algo == AllreduceAlgorithm::ring;  // in place for one algorithm, out of place for the others

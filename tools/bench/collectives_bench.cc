@@ -169,6 +169,7 @@ int run(Coll c, const Options& o) {
   size_t es = comm::dtypeSize(t);
   auto algo = o.algo == "ring" ? comm::AllreduceAlgorithm::ring
               : o.algo == "rd" ? comm::AllreduceAlgorithm::recursive_doubling
+              : o.algo == "direct" ? comm::AllreduceAlgorithm::direct
                                : comm::AllreduceAlgorithm::automatic;
   if (r == 0) {
     fmt::print("# dtrain-bench {}: world={} transport={} dtype={} algo={}\n", name(c), n, pg->transportName(),
@@ -245,7 +246,7 @@ void addCollectiveCommands(CLI::App& app) {
     sub->add_option("--iters", o->iters, "timed iterations per size (0: from the warm-up)");
     sub->add_option("--seconds", o->seconds, "timed work per size when --iters is 0");
     sub->add_option("--dtype", o->dtype, "f32 f64 f16 bf16 i32 i64 u8");
-    if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring or rd")->check(CLI::IsMember({"auto", "ring", "rd"}));
+    if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd or direct (shm)")->check(CLI::IsMember({"auto", "ring", "rd", "direct"}));
     sub->callback([c, o, minb, maxb] {
       o->min_bytes = parseBytes(*minb);
       o->max_bytes = parseBytes(*maxb);

@@ -19,6 +19,7 @@ const char* allreduceAlgoName(AllreduceAlgo a) {
     case AllreduceAlgo::kAuto: return "auto";
     case AllreduceAlgo::kRing: return "ring";
     case AllreduceAlgo::kRecursiveDoubling: return "rd";
+    case AllreduceAlgo::kDirect: return "direct";
   }
   return "?";
 }
@@ -58,7 +59,12 @@ void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, Re
 
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {
   const size_t bytes = count * dtypeSize(t);
-  if (algo == AllreduceAlgo::kAuto) {
+  // The transport's own path (shared memory) when it has one.
+  if (c.size > 1 && (algo == AllreduceAlgo::kAuto || algo == AllreduceAlgo::kDirect) &&
+      c.tx->allreduce(in, out, count, t, op, c.deadline, c.label, algo == AllreduceAlgo::kDirect)) {
+    return;
+  }
+  if (algo == AllreduceAlgo::kAuto || algo == AllreduceAlgo::kDirect) {
     algo = (bytes <= kSmallAllreduceBytes || count < static_cast<size_t>(c.size)) ? AllreduceAlgo::kRecursiveDoubling
                                                                                    : AllreduceAlgo::kRing;
   }

@@ -31,7 +31,7 @@ struct Context {
 std::vector<size_t> evenBlocks(size_t count, int size);
 std::vector<size_t> prefixOffsets(const std::vector<size_t>& counts);
 
-enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling };
+enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling, kDirect };
 const char* allreduceAlgoName(AllreduceAlgo a);
 // Below this many bytes allreduce uses recursive doubling (latency), above it the ring (bandwidth).
 inline constexpr size_t kSmallAllreduceBytes = 32u << 10;

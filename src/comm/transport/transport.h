@@ -136,6 +136,13 @@ class Transport {
   virtual void abort(const std::exception& why) noexcept = 0;
   // "rank 3 (10.0.0.2:41233)" or "rank 3 (pid 1234)".
   virtual std::string peerName(int peer) const = 0;
+  // A transport may run allreduce its own way (shared memory: every rank reads every other's staged
+  // input directly). Returns false when it has no such path, or (unless `forced`) when it judges the
+  // generic algorithms faster for this size; they then apply.
+  virtual bool allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op, Deadline deadline,
+                         const Label& label, bool forced) {
+    return false;
+  }
 
  protected:
   Transport(int rank, int size) : rank_(rank), size_(size) {}

@@ -21,6 +21,7 @@
 #include <deque>
 #include <cstring>
 #include <random>
+#include <cstdlib>
 
 #include "comm/collectives/kernels.h"
 #include "comm/net/socket.h"
@@ -75,6 +76,7 @@ class TcpTransport : public Transport {
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       peers_[p].sock.setNonBlocking(true);
+      if (const char* b = std::getenv("DTRAIN_SOCKBUF")) peers_[p].sock.setBufferSizes(std::atoi(b));
       peers_[p].staging.resize(0);
     }
   }
