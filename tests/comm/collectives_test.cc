@@ -24,6 +24,9 @@ struct Param {
   int world;
 };
 
+// Readable names in CTest's output instead of gtest's byte dump.
+void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << p.world; }
+
 std::string paramName(const ::testing::TestParamInfo<Param>& p) {
   return p.param.transport + "_world" + std::to_string(p.param.world);
 }
