@@ -104,6 +104,11 @@ class ProcessGroup {
   WorkPtr recv(void* buf, size_t count, DType t, int src, uint32_t tag = 0);
   WorkPtr sendRecv(std::vector<P2POp> ops);
 
+  // Fails this group on purpose, after the ops already issued: peers waiting for this rank get an
+  // error carrying `reason` promptly, instead of timing out; later ops here fail with it too. For a
+  // rank that knows it cannot go on (e.g. DDP found a parameter without a gradient).
+  WorkPtr abort(const std::string& reason);
+
   // Collective over this group: every rank calls it with the same ranks (distinct, in range). Members
   // get the new group (ranks renumbered in the given order); the others get nullptr.
   std::shared_ptr<ProcessGroup> newGroup(const std::vector<int>& ranks);

@@ -33,6 +33,8 @@ class Work {
   // As wait(), but gives up after `timeout` with a TimeoutError (the op keeps running).
   void wait(std::chrono::milliseconds timeout);
   bool isCompleted() const;
+  // When the op completed (steady clock); meaningful once isCompleted().
+  std::chrono::steady_clock::time_point finishedAt() const;
   // "allreduce seq=41 f32 x 6291456"
   const std::string& describe() const { return what_; }
 
@@ -48,6 +50,7 @@ class Work {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   bool done_ = false;
+  std::chrono::steady_clock::time_point finished_at_;
   std::exception_ptr error_;
 };
 

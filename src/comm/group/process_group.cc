@@ -444,6 +444,20 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
   return m.submit(std::move(t));
 }
 
+WorkPtr ProcessGroup::abort(const std::string& reason) {
+  Impl& m = *impl_;
+  Task t;
+  t.collective = false;
+  t.label.op = OpCode::none;
+  t.label.what = "abort";
+  t.label.timeout = m.opts.timeout;
+  t.deadline = Clock::now() + m.opts.timeout;
+  std::string msg = fmt::format("[rank {}] {}", m.rank, reason);
+  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
+  t.fn = [msg](algo::Context&) -> void { throw Error(msg); };
+  return m.submit(std::move(t));
+}
+
 std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(const std::vector<int>& ranks) {
   Impl& m = *impl_;
   DTRAIN_CHECK(!ranks.empty(), InvalidArgument, "[rank {}] newGroup: empty rank list", m.rank);

@@ -33,10 +33,16 @@ bool Work::isCompleted() const {
   return done_;
 }
 
+std::chrono::steady_clock::time_point Work::finishedAt() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return finished_at_;
+}
+
 void Work::finish(std::exception_ptr error) {
   {
     std::lock_guard<std::mutex> g(mu_);
     done_ = true;
+    finished_at_ = std::chrono::steady_clock::now();
     error_ = std::move(error);
   }
   cv_.notify_all();

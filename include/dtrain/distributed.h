@@ -1,0 +1,53 @@
+// The process context of a dtrain training program: who am I, how many are we, and the groups.
+//
+// \code
+//   auto dist = dtrain::init();               // reads dtrain-run / torchrun / mpirun / srun variables
+//   if (dist.isMain()) std::cout << "training on " << dist.size() << " processes\n";
+//   dtrain::DistributedDataParallel ddp(model, dist.world());
+// \endcode
+//
+// Without any of those variables it is a world of one that opens no socket: the same binary runs
+// unchanged as a single process ("distributed training disabled").
+#pragma once
+#include <functional>
+#include <memory>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/comm/rendezvous.h"
+
+namespace dtrain {
+
+class Distributed {
+ public:
+  Distributed(std::shared_ptr<comm::ProcessGroup> world, std::shared_ptr<comm::ProcessGroup> local,
+              comm::WorldInfo info)
+      : world_(std::move(world)), local_(std::move(local)), info_(std::move(info)) {}
+
+  int rank() const { return world_->rank(); }
+  int size() const { return world_->size(); }
+  int localRank() const { return info_.local_rank; }
+  int localSize() const { return info_.local_size; }
+  // Global rank 0: the process that prints, logs and writes checkpoints.
+  bool isMain() const { return rank() == 0; }
+  bool enabled() const { return size() > 1; }
+  // All ranks, and the ranks on this node (local rank 0 .. localSize()-1).
+  const std::shared_ptr<comm::ProcessGroup>& world() const { return world_; }
+  const std::shared_ptr<comm::ProcessGroup>& local() const { return local_; }
+  const comm::WorldInfo& info() const { return info_; }
+
+ private:
+  std::shared_ptr<comm::ProcessGroup> world_;
+  std::shared_ptr<comm::ProcessGroup> local_;
+  comm::WorldInfo info_;
+};
+
+// Builds the world group and, on every rank, the group of its node (ranks are numbered node by node,
+// as dtrain-run, torchrun and mpirun --map-by node:PE... do by default).
+Distributed init(comm::InitOptions opts = {});
+
+// Runs fn on rank 0 first (of the node's group when local, of the world otherwise) while the others
+// wait, then on the others: dataset download or preprocessing that one process should do first.
+// If rank 0's fn throws, the others are released with an error instead of waiting for ever.
+void zeroFirst(const Distributed& dist, const std::function<void()>& fn, bool local = true);
+
+}  // namespace dtrain

@@ -1,0 +1,345 @@
+// DistributedDataParallel (see ddp.h for the design).
+#include "dtrain/ddp.h"
+
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <atomic>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/tensor.h"
+
+namespace dtrain {
+
+namespace {
+using Clock = std::chrono::steady_clock;
+
+struct Bucket {
+  GradBucket gb;
+  comm::DType dtype = comm::DType::f32;
+  size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
+  bool launched = false;
+  comm::WorkPtr work;
+};
+
+double msBetween(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double, std::milli>(b - a).count();
+}
+}  // namespace
+
+struct DistributedDataParallel::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<comm::ProcessGroup> pg;
+  DDPOptions opts;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> buffers;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps our hooks' nodes alive
+  std::vector<uintptr_t> hook_keys;
+  std::vector<Bucket> buckets;
+  std::vector<size_t> bucket_of, offset_of;  // per parameter: its bucket and element offset there
+  std::shared_ptr<CommHook> hook;
+
+  bool sync = true;
+  bool in_backward = false;
+  std::vector<char> ready;
+  size_t next_launch = 0;
+  std::vector<size_t> arrival;  // order gradients arrived in the first synced pass
+  int synced_passes = 0;
+  Clock::time_point first_launch;
+  bool any_launched = false;
+  Stats stats;
+
+  // Lays parameters out in buckets in the given order and points every .grad() into its bucket.
+  void buildBuckets(const std::vector<size_t>& order) {
+    buckets.clear();
+    bucket_of.assign(params.size(), 0);
+    offset_of.assign(params.size(), 0);
+    std::vector<std::vector<size_t>> groups;
+    std::vector<c10::ScalarType> types;
+    size_t bytes = 0;
+    for (size_t i : order) {
+      const auto& p = params[i];
+      size_t b = p.numel() * p.element_size();
+      size_t cap = groups.size() <= 1 ? opts.first_bucket_bytes : opts.bucket_bytes;
+      bool fresh = groups.empty() || types.back() != p.scalar_type() || (bytes + b > cap && !groups.back().empty());
+      if (fresh) {
+        groups.emplace_back();
+        types.push_back(p.scalar_type());
+        bytes = 0;
+      }
+      groups.back().push_back(i);
+      bytes += b;
+    }
+    for (size_t k = 0; k < groups.size(); ++k) {
+      Bucket bk;
+      int64_t numel = 0;
+      for (size_t i : groups[k]) {
+        bucket_of[i] = k;
+        offset_of[i] = static_cast<size_t>(numel);
+        numel += params[i].numel();
+      }
+      bk.gb.index = static_cast<int>(k);
+      bk.gb.params = groups[k];
+      bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
+      bk.dtype = toCommDType(types[k], "DDP gradient bucket");
+      buckets.push_back(std::move(bk));
+      for (size_t i : groups[k]) {
+        at::Tensor view = gradView(i);
+        auto& g = params[i].mutable_grad();
+        if (g.defined()) view.copy_(g);
+        g = view;
+      }
+    }
+  }
+
+  // The slice of the bucket that holds parameter i's gradient. It aliases the bucket's storage without
+  // being an autograd view: libtorch's Optimizer::zero_grad() calls detach_() on gradients, which
+  // views do not allow.
+  at::Tensor gradView(size_t i) {
+    const auto& p = params[i];
+    const auto& flat = buckets[bucket_of[i]].gb.flat;
+    at::Tensor alias = at::empty({0}, flat.options());
+    alias.set_(flat.storage(), flat.storage_offset() + static_cast<int64_t>(offset_of[i]), p.sizes(),
+               at::detail::defaultStrides(p.sizes()));
+    return alias;
+  }
+
+  void startPass() {
+    in_backward = true;
+    ready.assign(params.size(), 0);
+    for (auto& b : buckets) {
+      b.pending = b.gb.params.size();
+      b.launched = false;
+      b.work.reset();
+    }
+    next_launch = 0;
+    any_launched = false;
+    // Runs once the whole backward graph has executed: wait for the buckets there.
+    torch::autograd::Engine::get_default_engine().queue_callback([this] { finishPass(); });
+  }
+
+  void onGradReady(size_t i) {
+    if (!sync) return;
+    if (!in_backward) startPass();
+    if (ready[i]) return;  // already counted in this pass
+    // The gradient must be in the bucket: an optimizer that set grads to none (or a user who replaced
+    // one) made autograd allocate a fresh tensor; move it in and point .grad() back at the bucket.
+    at::Tensor view = gradView(i);
+    auto& g = params[i].mutable_grad();
+    if (!g.defined() || g.data_ptr() != view.data_ptr()) {
+      if (g.defined()) view.copy_(g);
+      else view.zero_();
+      g = view;
+    }
+    ready[i] = 1;
+    if (synced_passes == 0) arrival.push_back(i);
+    --buckets[bucket_of[i]].pending;
+    launchReady();
+  }
+
+  // Launches complete buckets strictly in index order, so every rank issues the same sequence.
+  void launchReady() {
+    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
+      Bucket& b = buckets[next_launch++];
+      if (!any_launched) {
+        first_launch = Clock::now();
+        any_launched = true;
+      }
+      if (hook) {
+        b.work = hook->run(*pg, b.gb);
+      } else {
+        b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype,
+                               comm::ReduceOp::avg);
+      }
+      b.launched = true;
+    }
+  }
+
+  void finishPass() {
+    auto end_backward = Clock::now();
+    struct Reset {
+      Impl* m;
+      ~Reset() { m->in_backward = false; }
+    } reset{this};
+    std::vector<size_t> unused;
+    for (size_t i = 0; i < params.size(); ++i)
+      if (!ready[i]) unused.push_back(i);
+    if (!unused.empty()) {
+      if (!opts.find_unused_parameters) {
+        std::string list;
+        for (size_t k = 0; k < unused.size() && k < 20; ++k) list += (k ? ", " : "") + names[unused[k]];
+        if (unused.size() > 20) list += fmt::format(", ... ({} in all)", unused.size());
+        std::string msg = fmt::format(
+            "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. If they "
+            "are unused on purpose, set DDPOptions::find_unused_parameters = true.",
+            unused.size(), list);
+        // Peers may be waiting for this rank's next bucket: fail them now rather than at the timeout.
+        // The abort runs after the buckets already launched; waiting for it (it "fails" by design)
+        // makes sure the peers have been told before this rank unwinds, and perhaps exits.
+        try {
+          pg->abort(msg)->wait();
+        } catch (const Error&) {
+        }
+        throw Error(fmt::format("[rank {}] {}", pg->rank(), msg));
+      }
+      for (size_t i : unused) {
+        auto& g = params[i].mutable_grad();
+        at::Tensor view = gradView(i);
+        if (!g.defined() || g.data_ptr() != view.data_ptr()) {
+          if (g.defined()) view.copy_(g);
+          else view.zero_();
+          g = view;
+        }
+        ready[i] = 1;
+        --buckets[bucket_of[i]].pending;
+      }
+      launchReady();
+    }
+    Clock::time_point last = first_launch;
+    for (auto& b : buckets) {
+      b.work->wait();
+      last = std::max(last, b.work->finishedAt());
+      if (hook) hook->finish(b.gb);
+    }
+    auto done = Clock::now();
+    stats.comm_ms = msBetween(first_launch, last);
+    stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));
+    if (synced_passes++ == 0 && opts.rebuild_buckets && pg->size() > 1) rebuildFromArrival();
+  }
+
+  // Rank 0's arrival order becomes everyone's bucket order (unused parameters last).
+  void rebuildFromArrival() {
+    std::vector<int64_t> order(params.size());
+    std::vector<char> seen(params.size(), 0);
+    size_t k = 0;
+    for (size_t i : arrival) {
+      order[k++] = static_cast<int64_t>(i);
+      seen[i] = 1;
+    }
+    for (size_t i = params.size(); i-- > 0;)
+      if (!seen[i]) order[k++] = static_cast<int64_t>(i);
+    pg->broadcast(order.data(), order.size(), comm::DType::i64, 0)->wait();
+    std::vector<size_t> o(order.begin(), order.end());
+    buildBuckets(o);
+  }
+
+  void broadcastFromRank0(const std::vector<at::Tensor>& ts, const char* what) {
+    if (pg->size() == 1) return;
+    std::vector<comm::WorkPtr> works;
+    for (const auto& t : ts) {
+      checkCommTensor(t, what);
+      works.push_back(pg->broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), toCommDType(t.scalar_type()), 0));
+    }
+    for (auto& w : works) w->wait();
+  }
+};
+
+namespace {
+// Runs after a parameter's gradient accumulator: the gradient is in place.
+class ReadyHook : public torch::autograd::FunctionPostHook {
+ public:
+  ReadyHook(std::shared_ptr<std::atomic<DistributedDataParallel::Impl*>> owner, size_t index)
+      : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto* m = owner_->load()) m->onGradReady(index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<DistributedDataParallel::Impl*>> owner_;
+  size_t index_;
+};
+}  // namespace
+
+DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
+                                                 std::shared_ptr<comm::ProcessGroup> pg, DDPOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  DTRAIN_CHECK(module != nullptr, InvalidArgument, "DistributedDataParallel: module is null");
+  DTRAIN_CHECK(pg != nullptr, InvalidArgument, "DistributedDataParallel: process group is null");
+  DTRAIN_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, InvalidArgument,
+               "DistributedDataParallel: bucket sizes must be positive");
+  Impl& m = *impl_;
+  m.module = std::move(module);
+  m.pg = std::move(pg);
+  m.opts = options;
+  for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
+    if (!item.value().requires_grad()) continue;
+    checkCommTensor(item.value(), fmt::format("DDP parameter {}", item.key()).c_str());
+    m.params.push_back(item.value());
+    m.names.push_back(item.key());
+  }
+  for (const auto& b : m.module->buffers(/*recurse=*/true)) m.buffers.push_back(b);
+  // Every replica starts from rank 0's weights and buffers.
+  {
+    torch::NoGradGuard no_grad;
+    m.broadcastFromRank0(m.params, "DDP parameter");
+    m.broadcastFromRank0(m.buffers, "DDP buffer");
+  }
+  std::vector<size_t> reverse(m.params.size());
+  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
+  m.buildBuckets(reverse);
+  owner_ = std::make_shared<std::atomic<Impl*>>(impl_.get());
+  for (size_t i = 0; i < m.params.size(); ++i) {
+    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
+    m.hook_keys.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(owner_, i)));
+    m.accumulators.push_back(std::move(acc));
+  }
+}
+
+DistributedDataParallel::~DistributedDataParallel() {
+  owner_->store(nullptr);  // hooks that outlive us (the accumulators may) become no-ops
+  for (size_t i = 0; i < impl_->accumulators.size(); ++i) impl_->accumulators[i]->del_post_hook(impl_->hook_keys[i]);
+}
+
+void DistributedDataParallel::beforeForward() {
+  if (impl_->opts.broadcast_buffers && !impl_->buffers.empty()) {
+    torch::NoGradGuard no_grad;
+    impl_->broadcastFromRank0(impl_->buffers, "DDP buffer");
+  }
+}
+
+void DistributedDataParallel::setSync(bool on) { impl_->sync = on; }
+void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) { impl_->hook = std::move(hook); }
+const std::vector<at::Tensor>& DistributedDataParallel::parameters() const { return impl_->params; }
+const std::vector<std::string>& DistributedDataParallel::parameterNames() const { return impl_->names; }
+comm::ProcessGroup& DistributedDataParallel::processGroup() const { return *impl_->pg; }
+DistributedDataParallel::Stats DistributedDataParallel::lastStats() const { return impl_->stats; }
+
+std::vector<std::vector<size_t>> DistributedDataParallel::bucketLayout() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : impl_->buckets) out.push_back(b.gb.params);
+  return out;
+}
+
+namespace {
+// Averages a bucket in a 16-bit float type: half the bytes on the wire.
+class CastHook : public CommHook {
+ public:
+  CastHook(c10::ScalarType t, comm::DType ct, const char* name) : t_(t), ct_(ct), name_(name) {}
+  std::string name() const override { return name_; }
+  comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
+    b.scratch = b.flat.to(t_).contiguous();
+    return pg.allreduce(b.scratch.data_ptr(), static_cast<size_t>(b.scratch.numel()), ct_, comm::ReduceOp::avg);
+  }
+  void finish(GradBucket& b) override { b.flat.copy_(b.scratch); }
+
+ private:
+  c10::ScalarType t_;
+  comm::DType ct_;
+  const char* name_;
+};
+}  // namespace
+
+std::shared_ptr<CommHook> fp16CompressHook() {
+  return std::make_shared<CastHook>(at::kHalf, comm::DType::f16, "fp16_compress");
+}
+std::shared_ptr<CommHook> bf16CompressHook() {
+  return std::make_shared<CastHook>(at::kBFloat16, comm::DType::bf16, "bf16_compress");
+}
+
+}  // namespace dtrain

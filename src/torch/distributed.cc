@@ -1,0 +1,58 @@
+// Process context and zeroFirst (see distributed.h).
+#include "dtrain/distributed.h"
+
+#include <cstdint>
+#include <exception>
+#include <string>
+
+#include "dtrain/comm/error.h"
+
+namespace dtrain {
+
+Distributed init(comm::InitOptions opts) {
+  comm::WorldInfo info = comm::detectWorld(opts);
+  auto world = comm::init(opts);
+  // Every rank takes part in creating every node's group (newGroup is collective), in node order.
+  std::shared_ptr<comm::ProcessGroup> local;
+  const int n = world->size(), ls = std::max(1, std::min(info.local_size, n));
+  if (n == 1) {
+    local = world;
+  } else {
+    for (int first = 0; first < n; first += ls) {
+      std::vector<int> ranks;
+      for (int r = first; r < std::min(n, first + ls); ++r) ranks.push_back(r);
+      auto g = world->newGroup(ranks);
+      if (g) local = g;
+    }
+  }
+  return Distributed(world, local, info);
+}
+
+void zeroFirst(const Distributed& dist, const std::function<void()>& fn, bool local) {
+  auto& pg = local ? *dist.local() : *dist.world();
+  if (pg.size() == 1) {
+    fn();
+    return;
+  }
+  // Rank 0 runs first and then tells the others whether it succeeded; they wait in a broadcast that
+  // has the group's deadline, so a rank 0 that dies or hangs fails them instead of blocking them.
+  int32_t status = 0;
+  std::string error;
+  if (pg.rank() == 0) {
+    try {
+      fn();
+    } catch (const std::exception& e) {
+      status = 1;
+      error = e.what();
+    }
+  }
+  pg.broadcast(&status, 1, comm::DType::i32, 0)->wait();
+  if (status != 0) {
+    if (pg.rank() == 0) throw Error(fmt::format("zeroFirst: rank 0 failed: {}", error));
+    throw Error(fmt::format("[rank {}] zeroFirst: rank 0 of the {} group failed first; not running here",
+                            dist.rank(), local ? "node's" : "world"));
+  }
+  if (pg.rank() != 0) fn();
+}
+
+}  // namespace dtrain
