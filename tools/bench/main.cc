@@ -7,12 +7,14 @@
 #include <cstdio>
 
 #include "bench/collectives_bench.h"
+#include "bench/ddp_bench.h"
 #include "dtrain/comm/error.h"
 
 int main(int argc, char** argv) {
   CLI::App app{"dtrain-bench: dtrain's benchmarks (run under dtrain-run; rank 0 prints)"};
   app.require_subcommand(1);
   dtrain::bench::addCollectiveCommands(app);
+  dtrain::bench::addDdpCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
