@@ -1,0 +1,459 @@
+// Checkpointer: bit-exact resume of model, optimizer (SGD momentum, Adam moments) and RNG; naming,
+// keep_last pruning and the newest-file choice; stray temporary and corrupt files; rank-aware
+// writing; shape mismatches; and that Python's torch.load reads the file.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <array>
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "dtrain/checkpoint.h"
+#include "dtrain/comm/error.h"
+#include "dtrain/distributed.h"
+#include "harness.h"
+
+namespace dtrain::test {
+namespace {
+namespace fs = std::filesystem;
+
+// One torch thread, set before any torch op: one test forks ranks, and OpenMP workers do not survive a fork.
+class OneThread : public ::testing::Environment {
+ public:
+  void SetUp() override { at::set_num_threads(1); }
+};
+const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
+
+// Parameters at two depths plus buffers (batch norm running stats and its step counter).
+struct NetImpl : torch::nn::Module {
+  explicit NetImpl(int64_t in = 4) {
+    fc = register_module("fc", torch::nn::Linear(in, 8));
+    bn = register_module("bn", torch::nn::BatchNorm1d(8));
+    head = register_module("head", torch::nn::Linear(8, 2));
+  }
+  torch::Tensor forward(torch::Tensor x) { return head(torch::relu(bn(fc(x)))); }
+  torch::nn::Linear fc{nullptr}, head{nullptr};
+  torch::nn::BatchNorm1d bn{nullptr};
+};
+TORCH_MODULE(Net);
+
+struct Batch {
+  torch::Tensor x, y;
+};
+
+std::vector<Batch> makeBatches(int n, uint64_t seed) {
+  torch::manual_seed(seed);
+  std::vector<Batch> out;
+  for (int i = 0; i < n; ++i) out.push_back({torch::randn({16, 4}), torch::randn({16, 2})});
+  return out;
+}
+
+void trainStep(Net& net, torch::optim::Optimizer& opt, const Batch& b) {
+  opt.zero_grad();
+  auto loss = torch::mse_loss(net->forward(b.x), b.y);
+  loss.backward();
+  opt.step();
+}
+
+// Every parameter and buffer, bit for bit.
+void expectSameTensors(const torch::nn::Module& a, const torch::nn::Module& b) {
+  auto pa = a.named_parameters(), pb = b.named_parameters();
+  ASSERT_EQ(pa.size(), pb.size());
+  for (const auto& p : pa) EXPECT_TRUE(torch::equal(p.value(), pb[p.key()])) << p.key();
+  auto ba = a.named_buffers(), bb = b.named_buffers();
+  ASSERT_EQ(ba.size(), bb.size());
+  for (const auto& p : ba) EXPECT_TRUE(torch::equal(p.value(), bb[p.key()])) << p.key();
+}
+
+// Trains a few steps, checkpoints, trains on; then resumes a fresh model and optimizer from the file
+// and takes the same steps: both must end bit-identical (optimizer state included, or momentum differs).
+template <typename MakeOptimizer>
+void checkResumeIsBitExact(MakeOptimizer make) {
+  TempDir dir;
+  auto batches = makeBatches(6, 1);
+  torch::manual_seed(2);
+  Net net;
+  auto opt = make(net->parameters());
+  for (int i = 0; i < 3; ++i) trainStep(net, *opt, batches[i]);
+
+  Checkpointer ckpt(dir.path(), 2);
+  CheckpointState s;
+  s.captureModel(*net);
+  s.captureOptimizer(*opt);
+  s.epoch = 0;
+  s.step = 3;
+  ckpt.save(s);
+  for (int i = 3; i < 6; ++i) trainStep(net, *opt, batches[i]);
+
+  torch::manual_seed(99);  // a different initialisation, which the restore must overwrite
+  Net fresh;
+  auto fresh_opt = make(fresh->parameters());
+  auto loaded = ckpt.loadLatest();
+  ASSERT_TRUE(loaded.has_value());
+  EXPECT_EQ(loaded->step, 3);
+  loaded->restoreModel(*fresh);
+  loaded->restoreOptimizer(*fresh_opt);
+  for (int i = 3; i < 6; ++i) trainStep(fresh, *fresh_opt, batches[i]);
+  expectSameTensors(*net, *fresh);
+}
+
+TEST(Checkpoint, ResumeSgdMomentumIsBitExact) {
+  checkResumeIsBitExact([](std::vector<torch::Tensor> params) {
+    return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(0.1).momentum(0.9).nesterov(true));
+  });
+}
+
+TEST(Checkpoint, ResumeAdamIsBitExact) {
+  checkResumeIsBitExact([](std::vector<torch::Tensor> params) {
+    return std::make_unique<torch::optim::Adam>(params, torch::optim::AdamOptions(0.01).amsgrad(true));
+  });
+}
+
+TEST(Checkpoint, ResumeWithoutOptimizerStateDiffers) {
+  // The control for the two tests above: skipping the optimizer restore must show.
+  TempDir dir;
+  auto batches = makeBatches(4, 1);
+  torch::manual_seed(2);
+  Net net;
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int i = 0; i < 2; ++i) trainStep(net, opt, batches[i]);
+  CheckpointState s;
+  s.captureModel(*net);
+  Net fresh;
+  s.restoreModel(*fresh);
+  torch::optim::SGD fresh_opt(fresh->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  for (int i = 2; i < 4; ++i) {
+    trainStep(net, opt, batches[i]);
+    trainStep(fresh, fresh_opt, batches[i]);
+  }
+  EXPECT_FALSE(torch::equal(net->fc->weight, fresh->fc->weight));
+}
+
+TEST(Checkpoint, RngAndSmallFieldsRoundTrip) {
+  TempDir dir;
+  Checkpointer ckpt(dir.path());
+  torch::manual_seed(7);
+  torch::randn({3});  // leave a cached normal sample behind: part of the state too
+  std::mt19937 user(12345);
+  user();
+  CheckpointState s;
+  s.captureRng();
+  std::ostringstream os;
+  os << user;
+  s.user_rng = os.str();
+  s.scheduler = {{"lr", 0.05}, {"last_epoch", 4}};
+  s.metrics = {{"loss", 0.25}, {"accuracy", 0.875}};
+  s.epoch = 4;
+  s.step = 1234;
+  ckpt.save(s);
+  const auto want_rand = torch::rand({16}), want_randn = torch::randn({5});
+  const auto want_user = user();
+
+  torch::manual_seed(1);  // move the generator elsewhere
+  auto loaded = ckpt.loadLatest();
+  ASSERT_TRUE(loaded);
+  loaded->restoreRng();
+  EXPECT_TRUE(torch::equal(torch::rand({16}), want_rand));
+  EXPECT_TRUE(torch::equal(torch::randn({5}), want_randn));
+  std::mt19937 user2;
+  std::istringstream(loaded->user_rng) >> user2;
+  EXPECT_EQ(user2(), want_user);
+  EXPECT_EQ(loaded->scheduler, s.scheduler);
+  EXPECT_EQ(loaded->metrics, s.metrics);
+  EXPECT_EQ(loaded->epoch, 4);
+  EXPECT_EQ(loaded->step, 1234);
+  EXPECT_TRUE(loaded->model.empty());
+  EXPECT_TRUE(loaded->optimizer.empty());
+  EXPECT_THROW(loaded->restoreOptimizer(*std::make_unique<torch::optim::SGD>(
+                   std::vector<torch::Tensor>{torch::zeros({1}, torch::requires_grad())}, 0.1)),
+               InvalidArgument);
+}
+
+CheckpointState stateAt(int64_t epoch, int64_t step) {
+  CheckpointState s;
+  s.epoch = epoch;
+  s.step = step;
+  s.model["w"] = torch::full({2}, static_cast<double>(epoch * 1000 + step));
+  return s;
+}
+
+std::vector<std::string> names(const std::vector<CheckpointFile>& files) {
+  std::vector<std::string> out;
+  for (const auto& f : files) out.push_back(fs::path(f.path).filename().string());
+  return out;
+}
+
+TEST(Checkpoint, FileNamesSortAndParse) {
+  EXPECT_EQ(Checkpointer::fileName(3, 1200), "ckpt-000003-000001200.pt");
+  TempDir dir;
+  Checkpointer ckpt(dir.path(), 0);
+  for (auto [e, s] : std::vector<std::pair<int64_t, int64_t>>{{1, 500}, {2, 10}, {1, 900}}) ckpt.save(stateAt(e, s));
+  EXPECT_EQ(names(ckpt.list()), (std::vector<std::string>{"ckpt-000001-000000500.pt", "ckpt-000001-000000900.pt",
+                                                          "ckpt-000002-000000010.pt"}));
+  EXPECT_EQ(ckpt.loadLatest()->step, 10);
+  // Past the padding width the names no longer sort as strings; the parsed numbers still do.
+  ckpt.save(stateAt(999999, 5));
+  ckpt.save(stateAt(1000000, 0));
+  auto latest = ckpt.loadLatest();
+  EXPECT_EQ(latest->epoch, 1000000);
+  // Names that are not checkpoints are ignored, whatever they hold.
+  for (const char* junk : {"ckpt-abc.pt", "ckpt-1-2.pt.bak", "ckpt--5.pt", "notes.txt", "ckpt-9999999-x.pt"})
+    std::ofstream(dir.path() + "/" + junk) << "junk";
+  EXPECT_EQ(ckpt.list().size(), 5u);
+  EXPECT_EQ(ckpt.loadLatest()->epoch, 1000000);
+}
+
+TEST(Checkpoint, KeepLastPrunesOldest) {
+  TempDir dir;
+  Checkpointer ckpt(dir.path(), 2);
+  std::string last;
+  for (int64_t step = 1; step <= 5; ++step) last = ckpt.save(stateAt(0, step * 100));
+  EXPECT_EQ(names(ckpt.list()), (std::vector<std::string>{"ckpt-000000-000000400.pt", "ckpt-000000-000000500.pt"}));
+  EXPECT_EQ(last, (fs::path(dir.path()) / "ckpt-000000-000000500.pt").string());
+  EXPECT_TRUE(torch::equal(ckpt.loadLatest()->model.at("w"), torch::full({2}, 500.0)));
+  // Saving the same (epoch, step) again replaces it rather than adding a file.
+  ckpt.save(stateAt(0, 500));
+  EXPECT_EQ(ckpt.list().size(), 2u);
+}
+
+TEST(Checkpoint, EmptyOrMissingDirectoryHasNoCheckpoint) {
+  TempDir dir;
+  EXPECT_FALSE(Checkpointer(dir.path()).loadLatest().has_value());
+  EXPECT_FALSE(Checkpointer(dir.path() + "/not/yet").loadLatest().has_value());
+  // save creates the directory.
+  Checkpointer nested(dir.path() + "/a/b");
+  nested.save(stateAt(1, 1));
+  EXPECT_EQ(nested.loadLatest()->epoch, 1);
+}
+
+TEST(Checkpoint, StrayTemporaryFileIsIgnoredAndCleanedUp) {
+  TempDir dir;
+  Checkpointer ckpt(dir.path(), 3);
+  // What a writer killed mid-save leaves behind: a partial .tmp- file with a newer name.
+  const std::string stray = dir.path() + "/.tmp-" + Checkpointer::fileName(9, 0);
+  std::ofstream(stray) << "PK\x03\x04 half a zip";
+  EXPECT_FALSE(ckpt.loadLatest().has_value());
+  ckpt.save(stateAt(1, 1));
+  EXPECT_EQ(ckpt.loadLatest()->epoch, 1);
+  EXPECT_FALSE(fs::exists(stray)) << "save should remove a crashed writer's leftovers";
+  for (const auto& e : fs::directory_iterator(dir.path()))
+    EXPECT_EQ(e.path().filename().string().rfind(".tmp-", 0), std::string::npos) << e.path();
+}
+
+std::string errorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no dtrain::Error";
+}
+
+TEST(Checkpoint, CorruptOrTruncatedFileIsANamedError) {
+  TempDir dir;
+  Checkpointer ckpt(dir.path(), 0);
+  const std::string good = ckpt.save(stateAt(1, 1));
+  std::string bytes;
+  {
+    std::ifstream in(good, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  const std::string newest = dir.path() + "/" + Checkpointer::fileName(2, 0);
+  struct Damage {
+    const char* what;
+    std::string content;
+  };
+  for (const auto& d : {Damage{"truncated", bytes.substr(0, bytes.size() / 2)}, Damage{"empty", ""},
+                        Damage{"garbage", std::string(4096, 'x')}, Damage{"tail cut", bytes.substr(0, bytes.size() - 10)}}) {
+    SCOPED_TRACE(d.what);
+    std::ofstream(newest, std::ios::binary | std::ios::trunc) << d.content;
+    const std::string msg = errorOf([&] { ckpt.loadLatest(); });
+    EXPECT_NE(msg.find(newest), std::string::npos) << msg;
+  }
+  // The good file is still readable by name: the caller can fall back explicitly.
+  EXPECT_EQ(Checkpointer::load(good).epoch, 1);
+  // A valid pickle that is not a dtrain checkpoint is named too.
+  {
+    auto data = torch::pickle_save(c10::IValue(int64_t{5}));
+    std::ofstream(newest, std::ios::binary | std::ios::trunc).write(data.data(), static_cast<std::streamsize>(data.size()));
+  }
+  const std::string msg = errorOf([&] { ckpt.loadLatest(); });
+  EXPECT_NE(msg.find("not a dtrain checkpoint"), std::string::npos) << msg;
+}
+
+TEST(Checkpoint, ShapeMismatchNamesTheParameter) {
+  torch::manual_seed(0);
+  Net small(4), big(5);
+  CheckpointState s;
+  s.captureModel(*small);
+  const auto before = big->fc->weight.clone();
+  try {
+    s.restoreModel(*big);
+    FAIL() << "no InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("'fc.weight'"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[8, 4]"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("[8, 5]"), std::string::npos) << msg;
+  }
+  EXPECT_TRUE(torch::equal(big->fc->weight, before)) << "a failed restore must leave the module untouched";
+
+  // Names on one side only: strict restore names them; non-strict restores the rest.
+  s.model.erase("head.bias");
+  s.model["extra.weight"] = torch::zeros({1});
+  Net other(4);
+  try {
+    s.restoreModel(*other);
+    FAIL() << "no InvalidArgument";
+  } catch (const InvalidArgument& e) {
+    const std::string msg = e.what();
+    EXPECT_NE(msg.find("head.bias"), std::string::npos) << msg;
+    EXPECT_NE(msg.find("extra.weight"), std::string::npos) << msg;
+  }
+  s.restoreModel(*other, /*strict=*/false);
+  EXPECT_TRUE(torch::equal(other->fc->weight, small->fc->weight));
+}
+
+TEST(Checkpoint, OptimizerOfAnotherKindIsAnError) {
+  Net net;
+  torch::optim::Adam adam(net->parameters(), torch::optim::AdamOptions(0.01));
+  auto batches = makeBatches(1, 3);
+  trainStep(net, adam, batches[0]);
+  CheckpointState s;
+  s.captureOptimizer(adam);
+  Net other;
+  torch::optim::SGD sgd(std::vector<torch::Tensor>{other->fc->weight}, torch::optim::SGDOptions(0.1).momentum(0.9));
+  EXPECT_THROW(s.restoreOptimizer(sgd), Error);
+}
+
+TEST(Checkpoint, OnlyTheWriterWrites) {
+  TempDir dir;
+  Checkpointer reader(dir.path(), 3, /*writer=*/false);
+  EXPECT_EQ(reader.save(stateAt(1, 1)), "");
+  EXPECT_TRUE(fs::is_empty(dir.path()));
+  Checkpointer(dir.path()).save(stateAt(2, 2));
+  EXPECT_EQ(reader.loadLatest()->epoch, 2);
+}
+
+TEST(Checkpoint, RanksWriteOnceAndAllRead) {
+  constexpr int kWorld = 3;
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(kWorld, [&](int rank) {
+    comm::GroupOptions opts;
+    opts.timeout = std::chrono::seconds(30);
+    auto pg = comm::ProcessGroup::create(server.client(), rank, kWorld, opts);
+    comm::WorldInfo info;
+    info.rank = rank;
+    info.size = info.local_size = kWorld;
+    info.local_rank = rank;
+    Distributed dist(pg, pg, info);
+    Checkpointer ckpt(dir.path(), dist, 2);
+    EXPECT_EQ(ckpt.writes(), rank == 0);
+    for (int64_t step = 1; step <= 3; ++step) {
+      // Every rank calls save with its own numbers; only rank 0's may land.
+      auto s = stateAt(0, step);
+      s.metrics["rank"] = rank;
+      const std::string path = ckpt.save(s);
+      EXPECT_EQ(path.empty(), rank != 0);
+      pg->barrier()->wait();
+      auto latest = ckpt.loadLatest();
+      ASSERT_TRUE(latest);
+      EXPECT_EQ(latest->step, step);
+      EXPECT_EQ(latest->metrics.at("rank"), 0.0);
+      pg->barrier()->wait();  // nobody prunes a file another rank is still reading
+    }
+  });
+  expectAllOk(results);
+  EXPECT_EQ(names(Checkpointer(dir.path()).list()),
+            (std::vector<std::string>{"ckpt-000000-000000002.pt", "ckpt-000000-000000003.pt"}));
+}
+
+// Runs python3 on `code` (written to a file: no shell quoting) and returns its stdout; empty, with a
+// test failure, if it did not exit 0 (python3 without torch fails the test: setup installs it).
+std::string runPython(const std::string& code) {
+  TempDir dir;
+  const std::string script = dir.path() + "/check.py";
+  std::ofstream(script) << code;
+  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
+  if (!pipe) {
+    ADD_FAILURE() << "popen failed";
+    return "";
+  }
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
+  int status = pclose(pipe.release());
+  if (status != 0) {
+    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
+    return "";
+  }
+  return out;
+}
+
+TEST(Checkpoint, PythonTorchLoadReadsIt) {
+  TempDir dir;
+  torch::manual_seed(0);
+  Net net;
+  {
+    torch::NoGradGuard g;
+    net->fc->weight.copy_(torch::arange(32, torch::kFloat).reshape({8, 4}) / 4);  // exact in decimal
+  }
+  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
+  trainStep(net, opt, makeBatches(1, 5)[0]);
+  {
+    torch::NoGradGuard g;
+    net->fc->weight.copy_(torch::arange(32, torch::kFloat).reshape({8, 4}) / 4);
+  }
+  CheckpointState s;
+  s.captureModel(*net);
+  s.captureOptimizer(opt);
+  s.captureRng();
+  s.scheduler["lr"] = 0.1;
+  s.metrics["loss"] = 1.5;
+  s.epoch = 3;
+  s.step = 77;
+  s.user_rng = "mt state";
+  const std::string path = Checkpointer(dir.path()).save(s);
+  const auto rand_after_restore = torch::rand({4});  // what Python should draw after set_rng_state
+
+  const std::string out = runPython(
+      "import torch\n"
+      "d = torch.load('" + path + "')\n"
+      "print(sorted(d.keys()))\n"
+      "print(d['format'], d['epoch'], d['step'], d['user_rng'])\n"
+      "print(sorted(d['model'].keys()))\n"
+      "print(tuple(d['model']['fc.weight'].shape), d['model']['fc.weight'].flatten().tolist()[:6])\n"
+      "print(d['scheduler'], d['metrics'])\n"
+      "print(d['optimizer'].dtype, d['optimizer'].numel() > 0, d['rng'].dtype)\n"
+      "torch.set_rng_state(d['rng'])\n"
+      "print(' '.join(repr(v) for v in torch.rand(4).tolist()))\n");
+  std::istringstream lines(out);
+  std::string line;
+  auto next = [&] {
+    std::getline(lines, line);
+    return line;
+  };
+  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'rng', 'scheduler', 'step', 'user_rng']");
+  EXPECT_EQ(next(), "dtrain-checkpoint-v1 3 77 mt state");
+  EXPECT_EQ(next(), "['bn.bias', 'bn.num_batches_tracked', 'bn.running_mean', 'bn.running_var', 'bn.weight', "
+                    "'fc.bias', 'fc.weight', 'head.bias', 'head.weight']");
+  EXPECT_EQ(next(), "(8, 4) [0.0, 0.25, 0.5, 0.75, 1.0, 1.25]");
+  EXPECT_EQ(next(), "{'lr': 0.1} {'loss': 1.5}");
+  EXPECT_EQ(next(), "torch.uint8 True torch.uint8");
+  // The RNG state means the same thing in both: Python draws what C++ drew after the capture.
+  std::istringstream nums(next());
+  for (int i = 0; i < 4; ++i) {
+    double v = -1;
+    nums >> v;
+    EXPECT_EQ(v, static_cast<double>(rand_after_restore[i].item<float>())) << "draw " << i << "\n" << out;
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::test

@@ -1,0 +1,232 @@
+// DistributedSampler: coverage and disjointness across ranks, padding and truncation counts, epoch
+// seeding, edge cases, and equality of the permutation with Python's torch.randperm.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <map>
+#include <memory>
+#include <set>
+#include <sstream>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/sampler.h"
+#include "harness.h"
+
+namespace dtrain::test {
+namespace {
+
+// One torch thread: the other torch tests fork, and this keeps every test binary alike.
+class OneThread : public ::testing::Environment {
+ public:
+  void SetUp() override { at::set_num_threads(1); }
+};
+const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
+
+// How many times each index appears over all ranks.
+std::map<int64_t, int> countOverRanks(int64_t n, int replicas, bool shuffle, bool drop_last, int64_t epoch = 0) {
+  std::map<int64_t, int> counts;
+  for (int r = 0; r < replicas; ++r) {
+    DistributedSampler s(n, replicas, r, shuffle, 7, drop_last);
+    s.setEpoch(epoch);
+    auto idx = s.indices();
+    EXPECT_EQ(static_cast<int64_t>(idx.size()), s.size()) << "rank " << r;
+    for (int64_t i : idx) {
+      EXPECT_GE(i, 0);
+      EXPECT_LT(i, n);
+      ++counts[i];
+    }
+  }
+  return counts;
+}
+
+TEST(Sampler, CoverageWithPaddingOnlyWhenNeeded) {
+  for (bool shuffle : {false, true})
+    for (int64_t n : {1, 2, 5, 10, 11, 12, 97, 100})
+      for (int replicas : {1, 2, 3, 4, 7}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " R=" << replicas << " shuffle=" << shuffle);
+        auto counts = countOverRanks(n, replicas, shuffle, /*drop_last=*/false);
+        // Every index is read; the total is ceil(n/R)*R, so exactly `pad` extra reads are duplicates.
+        EXPECT_EQ(static_cast<int64_t>(counts.size()), n);
+        const int64_t total = (n + replicas - 1) / replicas * replicas, pad = total - n;
+        int64_t reads = 0, extra = 0;
+        for (auto& [i, c] : counts) {
+          reads += c;
+          extra += c - 1;
+        }
+        EXPECT_EQ(reads, total);
+        EXPECT_EQ(extra, pad);
+        if (n % replicas == 0) {
+          for (auto& [i, c] : counts) EXPECT_EQ(c, 1) << "index " << i;
+        }
+      }
+}
+
+TEST(Sampler, DropLastIsDisjointAndTruncates) {
+  for (bool shuffle : {false, true})
+    for (int64_t n : {0, 1, 5, 10, 11, 97})
+      for (int replicas : {1, 2, 3, 4, 7}) {
+        SCOPED_TRACE(::testing::Message() << "n=" << n << " R=" << replicas << " shuffle=" << shuffle);
+        auto counts = countOverRanks(n, replicas, shuffle, /*drop_last=*/true);
+        EXPECT_EQ(static_cast<int64_t>(counts.size()), n / replicas * replicas);
+        for (auto& [i, c] : counts) EXPECT_EQ(c, 1) << "index " << i;
+        DistributedSampler s(n, replicas, 0, shuffle, 0, true);
+        EXPECT_EQ(s.size(), n / replicas);
+      }
+}
+
+TEST(Sampler, SizesAndStridedOrderWithoutShuffle) {
+  // PyTorch: padded order [0..9, 0, 1], rank r takes [r::4].
+  DistributedSampler r1(10, 4, 1, /*shuffle=*/false);
+  EXPECT_EQ(r1.size(), 3);
+  EXPECT_EQ(r1.totalSize(), 12);
+  EXPECT_EQ(r1.indices(), (std::vector<int64_t>{1, 5, 9}));
+  EXPECT_EQ(DistributedSampler(10, 4, 3, false).indices(), (std::vector<int64_t>{3, 7, 1}));
+  // drop_last: [0..7], rank 3 takes 3 and 7.
+  EXPECT_EQ(DistributedSampler(10, 4, 3, false, 0, true).indices(), (std::vector<int64_t>{3, 7}));
+}
+
+TEST(Sampler, EpochsChangeThePermutationDeterministically) {
+  DistributedSampler a(1000, 3, 1, true, 5), b(1000, 3, 1, true, 5);
+  a.setEpoch(0);
+  auto e0 = a.indices();
+  EXPECT_EQ(e0, a.indices()) << "the same epoch must give the same order";
+  b.setEpoch(0);
+  EXPECT_EQ(e0, b.indices()) << "another sampler with the same seed and epoch must agree";
+  a.setEpoch(1);
+  auto e1 = a.indices();
+  EXPECT_NE(e0, e1);
+  EXPECT_EQ(std::set<int64_t>(e0.begin(), e0.end()).size(), e0.size());
+  // A different seed changes the order too; seed + epoch is what counts (as in PyTorch).
+  DistributedSampler c(1000, 3, 1, true, 6);
+  EXPECT_EQ(c.indices(), e1);
+  a.setEpoch(0);
+  EXPECT_EQ(a.indices(), e0);
+}
+
+TEST(Sampler, EdgeCases) {
+  // n = 0: nothing to read, with or without drop_last.
+  for (bool drop : {false, true}) {
+    DistributedSampler s(0, 3, 2, true, 0, drop);
+    EXPECT_EQ(s.size(), 0);
+    EXPECT_TRUE(s.indices().empty());
+  }
+  // n < R: every rank gets one index, wrapping around the order (PyTorch repeats it as needed).
+  for (int r = 0; r < 5; ++r) {
+    DistributedSampler s(2, 5, r, /*shuffle=*/false);
+    EXPECT_EQ(s.indices(), (std::vector<int64_t>{r % 2})) << "rank " << r;
+  }
+  // n < R with drop_last: nobody reads anything.
+  EXPECT_TRUE(DistributedSampler(2, 5, 4, true, 0, true).indices().empty());
+  // Single replica with shuffle is a permutation of everything.
+  auto all = DistributedSampler(50, 1, 0, true, 3).indices();
+  std::sort(all.begin(), all.end());
+  for (int64_t i = 0; i < 50; ++i) EXPECT_EQ(all[static_cast<size_t>(i)], i);
+}
+
+TEST(Sampler, InvalidArgumentsAreNamed) {
+  auto message = [](auto fn) {
+    try {
+      fn();
+    } catch (const InvalidArgument& e) {
+      return std::string(e.what());
+    }
+    return std::string("no InvalidArgument");
+  };
+  EXPECT_NE(message([] { DistributedSampler(10, 2, 2); }).find("rank 2"), std::string::npos);
+  EXPECT_NE(message([] { DistributedSampler(10, 2, -1); }).find("rank -1"), std::string::npos);
+  EXPECT_NE(message([] { DistributedSampler(10, 0, 0); }).find("num_replicas"), std::string::npos);
+  EXPECT_NE(message([] { DistributedSampler(-1, 2, 0); }).find("dataset_size"), std::string::npos);
+}
+
+// Runs python3 on `code` (written to a file: no shell quoting) and returns its stdout; empty, with a
+// test failure, if it did not exit 0.
+std::string runPython(const std::string& code) {
+  TempDir dir;
+  const std::string script = dir.path() + "/check.py";
+  std::ofstream(script) << code;
+  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
+  if (!pipe) {
+    ADD_FAILURE() << "popen failed";
+    return "";
+  }
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
+  int status = pclose(pipe.release());
+  if (status != 0) {
+    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
+    return "";
+  }
+  return out;
+}
+
+// The whole padded order over ranks, reassembled: order[r + i*R] = indices of rank r at i.
+std::vector<int64_t> fullOrder(int64_t n, int replicas, uint64_t seed, int64_t epoch, bool drop_last) {
+  int64_t total = DistributedSampler(n, replicas, 0, true, seed, drop_last).totalSize();
+  std::vector<int64_t> order(static_cast<size_t>(total));
+  for (int r = 0; r < replicas; ++r) {
+    DistributedSampler s(n, replicas, r, true, seed, drop_last);
+    s.setEpoch(epoch);
+    auto idx = s.indices();
+    for (size_t i = 0; i < idx.size(); ++i) order[r + i * replicas] = idx[i];
+  }
+  return order;
+}
+
+TEST(Sampler, MatchesPythonDistributedSampler) {
+  struct Case {
+    int64_t n;
+    int replicas;
+    uint64_t seed;
+    int64_t epoch;
+    bool drop_last;
+  };
+  // Small and large n (randperm takes a different path above a size threshold), padding and truncation.
+  const Case cases[] = {{10, 3, 0, 0, false}, {17, 4, 42, 3, true}, {5, 7, 1, 2, false}, {20000, 3, 123, 1, false}};
+  std::ostringstream code;
+  code << "import torch\n"
+          "from torch.utils.data.distributed import DistributedSampler as S\n";
+  for (const auto& c : cases) {
+    // Python's own DistributedSampler, over every rank, on a dataset that is just range(n).
+    code << "n,R,seed,ep,dl=" << c.n << "," << c.replicas << "," << c.seed << "," << c.epoch << ","
+         << (c.drop_last ? "True" : "False") << "\n"
+         << "out=[]\n"
+            "for r in range(R):\n"
+            "  s=S(range(n),num_replicas=R,rank=r,shuffle=True,seed=seed,drop_last=dl); s.set_epoch(ep)\n"
+            "  out.append(list(s))\n"
+            "order=[out[j%R][j//R] for j in range(len(out[0])*R)]\n"
+            "g=torch.Generator().manual_seed(seed+ep)\n"
+            "perm=torch.randperm(n,generator=g).tolist()\n"
+            "print(' '.join(map(str,order)))\n"
+            "print(' '.join(map(str,perm)))\n";
+  }
+  std::istringstream lines(runPython(code.str()));
+  for (const auto& c : cases) {
+    SCOPED_TRACE(::testing::Message() << "n=" << c.n << " R=" << c.replicas << " seed=" << c.seed
+                                      << " epoch=" << c.epoch << " drop_last=" << c.drop_last);
+    auto parse = [&lines] {
+      std::string line;
+      std::getline(lines, line);
+      std::istringstream is(line);
+      std::vector<int64_t> v;
+      for (int64_t x; is >> x;) v.push_back(x);
+      return v;
+    };
+    auto py_order = parse(), py_perm = parse();
+    ASSERT_EQ(py_perm.size(), static_cast<size_t>(c.n));
+    EXPECT_EQ(fullOrder(c.n, c.replicas, c.seed, c.epoch, c.drop_last), py_order);
+    // And the permutation itself, straight from torch.randperm with a seeded generator.
+    auto gen = at::make_generator<at::CPUGeneratorImpl>(c.seed + static_cast<uint64_t>(c.epoch));
+    auto perm = torch::randperm(c.n, gen, torch::kLong);
+    EXPECT_EQ(std::vector<int64_t>(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + c.n), py_perm);
+  }
+}
+
+}  // namespace
+}  // namespace dtrain::test
