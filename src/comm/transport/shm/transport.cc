@@ -16,6 +16,7 @@
 // a sleeper checks the abort records (a failed rank writes its error there) and whether the peers it
 // waits for are still alive, so a dead peer is named within a fraction of a second, not at the timeout.
 #include <fcntl.h>
+#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -48,7 +49,7 @@ namespace {
 constexpr uint64_t kSegMagic = 0x4D48535F4E525444ull;  // "DTRN_SHM"
 constexpr size_t kPiece = 64u << 10;                    // publish progress at least this often
 constexpr size_t kMinRing = 4096;
-constexpr size_t kChunkSmall = 64u << 10;
+constexpr size_t kChunkSmall = 256u << 10;
 constexpr size_t kChunkLarge = 1u << 20;
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 
@@ -88,6 +89,26 @@ size_t pow2Floor(size_t v) {
   return p;
 }
 
+// Cores this process may run on (its affinity mask, which taskset and cgroups narrow), not the
+// machine's count.
+int usableCores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
+  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+}
+
+// Brief busy-waiting before sleeping on the futex, yielding now and then: when the peer we wait for
+// shares our core (another job, or more ranks than cores) it gets to run instead of us burning the
+// time slice. ~1000 pauses cover a typical small-message round trip (a few microseconds).
+constexpr unsigned kSpins = 1024;
+inline void spinPause(unsigned i) {
+  if ((i & 63) == 63) {
+    sched_yield();
+  } else {
+    DTRAIN_CPU_RELAX();
+  }
+}
+
 long futexWait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::milliseconds d) {
   timespec ts{static_cast<time_t>(d.count() / 1000), static_cast<long>((d.count() % 1000) * 1000000)};
   return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
@@ -110,15 +131,16 @@ class ShmTransport : public Transport {
     slots_off_ = roundUp(sizeof(SegHeader), 64);
     ctl_off_ = slots_off_ + roundUp(sizeof(RankSlot), 64) * size;
     data_off_ = roundUp(ctl_off_ + sizeof(RingCtl) * size * size, 4096);
-    // Direct-allreduce chunks. With a core per rank, small chunks keep a chunk's staging, reduction and
-    // gather in cache (2 ranks, 16 MiB: 4.6 GB/s busbw with 64 KiB chunks, 3.6 with 1 MiB). With more
-    // ranks than cores every wait is a context switch, so chunks must be large to amortise them
-    // (4 ranks on 2 cores, 4 MiB: 2.8 GB/s with 1 MiB chunks, 1.5 with 64 KiB). A configured segment
-    // size (tests) overrides both.
+    // Direct-allreduce chunks. With a core per rank, smaller chunks keep a chunk's staging, reduction
+    // and gather in cache (2 ranks idle, 16 MiB: 4.6 GB/s busbw with 64 KiB chunks, 4.5 with 256 KiB,
+    // 3.6 with 1 MiB); but each chunk costs three waits, and when another job takes a core every wait
+    // is a context switch, so 256 KiB is the compromise. With more ranks than cores waits are always
+    // context switches and chunks must be large (4 ranks on 2 cores, 4 MiB: 2.8 GB/s with 1 MiB
+    // chunks, 1.5 with 64 KiB). A configured segment size (tests) overrides both.
     if (opts.segment_bytes) {
       chunk_ = std::max<size_t>(ring_ / 2, kMinRing);
     } else {
-      chunk_ = static_cast<unsigned>(size) > std::thread::hardware_concurrency() ? kChunkLarge : kChunkSmall;
+      chunk_ = size > usableCores() ? kChunkLarge : kChunkSmall;
     }
     coll_ctl_off_ = data_off_ + ring_ * size * size;
     coll_data_off_ = roundUp(coll_ctl_off_ + sizeof(Counter) * 3 * size, 4096);
@@ -170,8 +192,8 @@ class ShmTransport : public Transport {
     if (rank == 0) shm_unlink(name.c_str());
     for (int r = 0; r < size; ++r) pids_.push_back(slot(r)->pid.load());
     ring_mask_.assign(size, 0);
-    oversubscribed_ = static_cast<unsigned>(size) > std::thread::hardware_concurrency();
-    spin_ = oversubscribed_ ? 0 : 4000;
+    oversubscribed_ = size > usableCores();
+    spin_ = oversubscribed_ ? 0 : kSpins;
   }
 
   ~ShmTransport() override {
@@ -482,8 +504,7 @@ class ShmTransport : public Transport {
       auto b = behind();
       if (b.empty()) return;
       if (spins < spin_) {
-        ++spins;
-        DTRAIN_CPU_RELAX();
+        spinPause(spins++);
         continue;
       }
       checkAborts(label, describe(b));
@@ -532,7 +553,7 @@ class ShmTransport : public Transport {
     auto* me = slot(rank_);
     for (unsigned i = 0; i < spin_; ++i) {
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
-      DTRAIN_CPU_RELAX();
+      spinPause(i);
     }
     for (;;) {
       checkAborts(label, waitingFor());
