@@ -1,0 +1,109 @@
+// milnce: the flagship job. MIL-NCE video-text training (HowTo100M style) on generated data.
+//
+//   milnce gen-data --out data/milnce                         # videos, captions, word vectors, eval clips
+//   dtrain-run --standalone --nproc-per-node 2 milnce train --data data/milnce --out runs/milnce
+//   milnce eval --data data/milnce --run runs/milnce          # R@1/5/10 and median rank of the newest checkpoint
+//
+// Every command also runs as a single process; train evaluates before and after training.
+#include <torch/torch.h>
+
+#include <CLI/CLI.hpp>
+#include <cstdio>
+
+#include "dtrain/checkpoint.h"
+#include "dtrain/comm/error.h"
+#include "dtrain/distributed.h"
+#include "milnce/data.h"
+#include "milnce/train.h"
+
+namespace {
+
+void addLoaderOptions(CLI::App* c, milnce::LoaderOptions& lo) {
+  c->add_option("--candidates", lo.num_candidates, "K: candidate captions per clip (MIL-NCE's bag)")->check(CLI::PositiveNumber);
+  c->add_option("--max-words", lo.max_words, "words per caption (pad or cut)")->check(CLI::PositiveNumber);
+  c->add_option("--clip-steps", lo.clip_steps, "feature time steps per clip")->check(CLI::PositiveNumber);
+  c->add_option("--min-time", lo.min_time, "shortest clip span in seconds");
+}
+
+void addModelOptions(CLI::App* c, milnce::ModelOptions& mo) {
+  c->add_option("--hidden", mo.hidden, "hidden width of both encoders")->check(CLI::PositiveNumber);
+  c->add_option("--embed", mo.embed, "joint embedding dimension")->check(CLI::PositiveNumber);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"milnce: MIL-NCE video-text training on dtrain"};
+  app.require_subcommand(1);
+
+  milnce::GenOptions g;
+  auto* gen = app.add_subcommand("gen-data", "generate a dataset in the reference's layout");
+  gen->add_option("--out", g.out, "output directory")->required();
+  gen->add_option("--videos", g.videos, "training videos")->check(CLI::PositiveNumber);
+  gen->add_option("--eval-videos", g.eval_videos, "held-out videos for evaluation")->check(CLI::PositiveNumber);
+  gen->add_option("--concepts", g.concepts, "latent concepts")->check(CLI::PositiveNumber);
+  gen->add_option("--noise", g.noise, "feature noise (std of the noise around a concept's prototype)");
+  gen->add_option("--misalign", g.misalign, "probability that a caption describes a neighbouring segment")
+      ->check(CLI::Range(0.0, 1.0));
+  gen->add_option("--seed", g.seed, "random seed");
+  gen->add_option("--feature-dim", g.feature_dim, "feature dimension F")->check(CLI::PositiveNumber);
+  gen->add_option("--word-dim", g.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
+
+  milnce::TrainOptions t;
+  auto* tr = app.add_subcommand("train", "train (under dtrain-run for several processes), evaluating before and after");
+  tr->add_option("--data", t.data, "data directory (milnce gen-data)")->required();
+  tr->add_option("--out", t.out, "run directory: checkpoints/, metrics.jsonl, eval.json");
+  tr->add_option("--epochs", t.epochs, "epochs")->check(CLI::PositiveNumber);
+  tr->add_option("--batch", t.batch, "clips per rank per micro-batch")->check(CLI::PositiveNumber);
+  tr->add_option("--accum", t.accum, "micro-batches per optimizer step (gradient accumulation)")->check(CLI::PositiveNumber);
+  tr->add_option("--lr", t.lr, "Adam learning rate (peak, after warmup)");
+  tr->add_option("--warmup", t.warmup, "fraction of steps for linear warmup")->check(CLI::Range(0.0, 1.0));
+  tr->add_option("--seed", t.seed, "seed for the model and the loader");
+  tr->add_flag("--resume", t.resume, "continue from the newest checkpoint in --out");
+  tr->add_option("--stop-after", t.stop_after, "stop after this many epochs (as if interrupted; resume later)");
+  tr->add_option("--keep", t.keep, "checkpoints to keep");
+  tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluation before and after");
+  tr->add_flag("--no-progress{false}", t.progress, "no progress bar");
+  addLoaderOptions(tr, t.loader);
+  addModelOptions(tr, t.model);
+
+  milnce::TrainOptions e;
+  std::string checkpoint;
+  auto* ev = app.add_subcommand("eval", "retrieval R@1/5/10 and median rank of a checkpoint");
+  ev->add_option("--data", e.data, "data directory")->required();
+  ev->add_option("--run", e.out, "run directory (its newest checkpoint is used)");
+  ev->add_option("--checkpoint", checkpoint, "a checkpoint file instead of --run's newest");
+  ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
+  addLoaderOptions(ev, e.loader);
+  addModelOptions(ev, e.model);
+
+  CLI11_PARSE(app, argc, argv);
+  try {
+    torch::set_num_threads(1);
+    if (*gen) {
+      milnce::generateData(g);
+      std::printf("wrote %d training and %d evaluation videos to %s\n", g.videos, g.eval_videos, g.out.c_str());
+    } else if (*tr) {
+      auto dist = dtrain::init();
+      milnce::train(dist, t);
+    } else if (*ev) {
+      auto data = milnce::Dataset::load(e.data);
+      auto mo = e.model;
+      mo.feature_dim = data.feature_dim;
+      milnce::MilNceNet model(data.word_vectors, mo);
+      std::optional<dtrain::CheckpointState> st;
+      if (!checkpoint.empty()) st = dtrain::Checkpointer::load(checkpoint);
+      else st = dtrain::Checkpointer(e.out + "/checkpoints").loadLatest();
+      if (!st) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
+      st->restoreModel(*model);
+      auto r = milnce::evaluate(model, data, e.loader, e.eval_windows);
+      std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
+                  milnce::formatRetrieval(fmt::format("epoch {}", st->epoch), r).c_str(),
+                  milnce::chanceRow(r.clips).c_str());
+    }
+  } catch (const std::exception& ex) {
+    std::fprintf(stderr, "milnce: %s\n", ex.what());
+    return 1;
+  }
+  return 0;
+}

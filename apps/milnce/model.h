@@ -1,0 +1,56 @@
+// The MIL-NCE model: a video encoder over feature sequences and the reference's text encoder, both
+// mapping into a joint D-dimensional space; and the MIL-NCE loss.
+#pragma once
+#include <torch/nn/module.h>
+#include <torch/nn/modules/conv.h>
+#include <torch/nn/modules/embedding.h>
+#include <torch/nn/modules/linear.h>
+#include <torch/nn/pimpl.h>
+
+namespace milnce {
+
+struct ModelOptions {
+  int64_t feature_dim = 64;
+  int64_t hidden = 256;
+  int64_t embed = 128;
+};
+
+// Video: features [B, T, F] -> gated temporal convolution (Conv1d to 2H channels, GLU) -> max over
+// time -> Linear(H, D). A small stand-in for the reference's S3D over frames.
+struct VideoEncoderImpl : torch::nn::Module {
+  VideoEncoderImpl(int64_t feature_dim, int64_t hidden, int64_t embed);
+  at::Tensor forward(const at::Tensor& video);
+  torch::nn::Conv1d conv{nullptr};
+  torch::nn::Linear proj{nullptr};
+};
+TORCH_MODULE(VideoEncoder);
+
+// Text, as the reference's Sentence_Embedding: frozen word vectors -> Linear(E, H) + ReLU -> max
+// over the words (padding excluded) -> Linear(H, D). Token ids [B, W] (0 = padding).
+struct TextEncoderImpl : torch::nn::Module {
+  TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden, int64_t embed);
+  at::Tensor forward(const at::Tensor& tokens);
+  torch::nn::Embedding words{nullptr};
+  torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+};
+TORCH_MODULE(TextEncoder);
+
+struct MilNceNetImpl : torch::nn::Module {
+  MilNceNetImpl(const at::Tensor& word_vectors, const ModelOptions& o);
+  // video [B, T, F] -> [B, D]
+  at::Tensor encodeVideo(const at::Tensor& video) { return video_enc->forward(video); }
+  // tokens [N, W] -> [N, D]
+  at::Tensor encodeText(const at::Tensor& tokens) { return text_enc->forward(tokens); }
+  VideoEncoder video_enc{nullptr};
+  TextEncoder text_enc{nullptr};
+};
+TORCH_MODULE(MilNceNet);
+
+// MIL-NCE (Miech et al. 2020), exactly as the reference computes it. video [B, D], text [B*K, D]
+// where rows i*K .. i*K+K-1 are the K candidate captions of clip i:
+//   x[i,j,k] = v_i . t_(j,k);  numerator_i = logsumexp_k x[i,i,k];
+//   denominator_i = logsumexp of {x[i,j,k] for all j,k} together with {x[j,i,k] for all j,k};
+//   loss = mean_i (denominator_i - numerator_i).
+at::Tensor milNceLoss(const at::Tensor& video, const at::Tensor& text);
+
+}  // namespace milnce

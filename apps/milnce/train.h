@@ -1,0 +1,71 @@
+// Training and evaluation of the MIL-NCE model, distributed with dtrain.
+#pragma once
+#include <optional>
+#include <random>
+#include <string>
+
+#include "dtrain/ddp.h"
+#include "dtrain/distributed.h"
+#include "milnce/data.h"
+#include "milnce/model.h"
+
+namespace milnce {
+
+struct TrainOptions {
+  std::string data;          // generated data directory
+  std::string out = "runs/milnce";  // checkpoints/, metrics.jsonl, eval.json
+  int epochs = 30;
+  int batch = 32;            // clips per rank per step
+  int accum = 1;             // micro-batches per optimizer step (DDP no_sync in between)
+  double lr = 1e-3;
+  double warmup = 0.1;       // fraction of the optimizer steps spent warming up linearly
+  uint64_t seed = 0;
+  bool resume = false;
+  int stop_after = 0;        // stop once this many epochs are done (0: run all), as if interrupted
+  int keep = 10;             // checkpoints kept
+  int eval_windows = 4;
+  bool eval = true;          // evaluate before and after training
+  bool progress = true;
+  LoaderOptions loader;
+  ModelOptions model;
+};
+
+struct Retrieval {
+  int clips = 0;
+  double r1 = 0, r5 = 0, r10 = 0, median_rank = 0;
+};
+// Text-to-video retrieval on the held-out clips: each clip's video embedding is the mean over
+// `windows` windows of the clip. Ranks are 1-based; chance is R@k = k / clips, median (clips + 1) / 2.
+Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows);
+std::string formatRetrieval(const std::string& label, const Retrieval& r);
+std::string retrievalHeader(int clips);
+std::string chanceRow(int clips);
+
+// Linear warmup to the base rate, then cosine decay to 0, by optimizer step.
+double learningRate(double base, int64_t step, int64_t total, int64_t warmup_steps);
+
+// One optimizer step's worth of work, shared by the CLI and the tests: embeddings of the local
+// batch, all-gathered across ranks (the gradient flows back to each rank's slice), the MIL-NCE loss
+// on the global batch, backward through DDP.
+class Trainer {
+ public:
+  Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o);
+  // Forward + backward of one micro-batch; `sync` false accumulates without communicating.
+  double lossAndBackward(const Batch& local, bool sync = true);
+  void optimizerStep(int64_t step, int64_t total, int64_t warmup_steps);
+  MilNceNet& model() { return model_; }
+  torch::optim::Adam& optimizer() { return *opt_; }
+  dtrain::DistributedDataParallel& ddp() { return *ddp_; }
+
+ private:
+  const dtrain::Distributed& dist_;
+  TrainOptions o_;
+  MilNceNet model_{nullptr};
+  std::unique_ptr<dtrain::DistributedDataParallel> ddp_;
+  std::unique_ptr<torch::optim::Adam> opt_;
+};
+
+// The whole job: evaluate, train for o.epochs (resuming if asked), checkpoint every epoch, evaluate.
+void train(const dtrain::Distributed& dist, const TrainOptions& o);
+
+}  // namespace milnce

@@ -1,0 +1,221 @@
+// The MIL-NCE job: the loss and its gradient against closed forms and an independent PyTorch
+// computation, world 2 against world 1 on the same global batch, bit-for-bit resume, and the point of
+// MIL-NCE: with misaligned narrations, K=4 candidate captions retrieve better than K=1.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <cstdlib>
+#include <fstream>
+#include <sstream>
+
+#include "dtrain/checkpoint.h"
+#include "harness.h"
+#include "milnce/data.h"
+#include "milnce/model.h"
+#include "milnce/train.h"
+
+namespace milnce {
+namespace {
+#ifndef MISALIGN
+#define MISALIGN 0.6
+#define CONCEPTS 24
+#define SEED 1
+#define EPOCHS 15
+#endif
+
+class OneThread : public ::testing::Environment {
+ public:
+  void SetUp() override { at::set_num_threads(1); }  // no OpenMP pool when the harness forks ranks
+};
+const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
+
+dtrain::Distributed worldOfOne() {
+  auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
+  return dtrain::Distributed(pg, pg, dtrain::comm::WorldInfo{});
+}
+
+TEST(MilNceLoss, HandCheckedCases) {
+  // One clip, two candidates: numerator = lse(a, b), denominator = lse(a, b, a, b) = lse(a, b) + log 2.
+  auto v = torch::tensor({{1.0, 2.0}}, torch::kDouble);
+  auto t = torch::tensor({{0.5, -1.0}, {3.0, 0.25}}, torch::kDouble);
+  EXPECT_NEAR(milNceLoss(v, t).item<double>(), std::log(2.0), 1e-12);
+  // Two clips, one candidate each: x = [[a, b], [c, d]];
+  // loss = mean(lse(a, b, a, c) - a, lse(c, d, b, d) - d).
+  v = torch::tensor({{1.0, 0.0}, {0.0, 1.0}}, torch::kDouble);
+  t = torch::tensor({{2.0, 1.0}, {-1.0, 3.0}}, torch::kDouble);
+  double a = 2, b = -1, c = 1, d = 3;
+  auto lse = [](std::vector<double> xs) {
+    double m = *std::max_element(xs.begin(), xs.end()), s = 0;
+    for (double x : xs) s += std::exp(x - m);
+    return m + std::log(s);
+  };
+  double want = 0.5 * ((lse({a, b, a, c}) - a) + (lse({c, d, b, d}) - d));
+  EXPECT_NEAR(milNceLoss(v, t).item<double>(), want, 1e-12);
+}
+
+// The loss and its gradients equal benches/milnce_torch.py's `milnce` (the reference code's formula),
+// run by Python's PyTorch on the same inputs.
+TEST(MilNceLoss, MatchesPyTorchReference) {
+  dtrain::test::TempDir dir;
+  torch::manual_seed(3);
+  auto v = torch::randn({6, 8}, torch::kDouble).requires_grad_();
+  auto t = torch::randn({18, 8}, torch::kDouble).requires_grad_();  // K = 3
+  auto loss = milNceLoss(v, t);
+  loss.backward();
+  writeNpy(dir.path() + "/v.npy", v.detach().to(torch::kFloat));
+  writeNpy(dir.path() + "/t.npy", t.detach().to(torch::kFloat));
+  std::string script = dir.path() + "/check.py";
+  std::ofstream(script) << "import importlib.util, sys, numpy as np, torch\n"
+                           "spec = importlib.util.spec_from_file_location('ref', '" DTRAIN_SOURCE_DIR "/benches/milnce_torch.py')\n"
+                           "ref = importlib.util.module_from_spec(spec); spec.loader.exec_module(ref)\n"
+                           "d = sys.argv[1]\n"
+                           "v = torch.from_numpy(np.load(d + '/v.npy')).double().requires_grad_()\n"
+                           "t = torch.from_numpy(np.load(d + '/t.npy')).double().requires_grad_()\n"
+                           "l = ref.milnce(v, t); l.backward()\n"
+                           "np.save(d + '/gv.npy', v.grad.float().numpy()); np.save(d + '/gt.npy', t.grad.float().numpy())\n"
+                           "print(repr(l.item()))\n";
+  std::string cmd = "/usr/bin/python3 " + script + " " + dir.path() + " 2>&1";
+  FILE* p = popen(cmd.c_str(), "r");
+  ASSERT_NE(p, nullptr);
+  std::string out;
+  char buf[512];
+  while (fgets(buf, sizeof buf, p)) out += buf;
+  ASSERT_EQ(pclose(p), 0) << "python3 with torch is needed (scripts/setup.sh installs python3-torch): " << out;
+  // Inputs went through float32 files: compare at float precision.
+  auto vf = v.detach().to(torch::kFloat).to(torch::kDouble), tf = t.detach().to(torch::kFloat).to(torch::kDouble);
+  EXPECT_NEAR(std::stod(out), milNceLoss(vf, tf).item<double>(), 1e-5) << out;
+  auto gv = readNpy(dir.path() + "/gv.npy").to(torch::kDouble), gt = readNpy(dir.path() + "/gt.npy").to(torch::kDouble);
+  EXPECT_LT((gv - v.grad()).abs().max().item<double>(), 1e-4);
+  EXPECT_LT((gt - t.grad()).abs().max().item<double>(), 1e-4);
+}
+
+GenOptions smallData(const std::string& out, double misalign = 0.3, int videos = 120) {
+  GenOptions g;
+  g.out = out;
+  g.videos = videos;
+  g.eval_videos = 20;
+  g.misalign = misalign;
+  return g;
+}
+
+// World 2 (each rank its half of the global batch, embeddings all-gathered, DDP) gives the same loss
+// and gradients as world 1 on the whole global batch.
+TEST(MilNceTraining, WorldTwoEqualsWorldOne) {
+  dtrain::test::TempDir dir;
+  generateData(smallData(dir.path()));
+  dtrain::test::StoreServer server;
+  auto results = dtrain::test::runRanks(2, [&](int rank) {
+    Dataset data = Dataset::load(dir.path());
+    TrainOptions o;
+    o.data = dir.path();
+    o.model.hidden = 64;
+    o.model.embed = 32;
+    std::mt19937_64 rng(42);
+    std::vector<int64_t> rows;
+    for (int64_t i = 0; i < 16; ++i) rows.push_back(i);
+    Batch global = makeBatch(data, rows, o.loader, rng);
+    Batch local{global.video.narrow(0, rank * 8, 8), global.text.narrow(0, rank * 8, 8)};
+
+    dtrain::comm::GroupOptions go;
+    go.timeout = std::chrono::seconds(30);
+    auto pg = dtrain::comm::ProcessGroup::create(server.client(), rank, 2, go);
+    dtrain::Distributed two(pg, pg, dtrain::comm::WorldInfo{rank, 2, rank, 2, "explicit"});
+    Trainer dist_trainer(two, data, o);
+    double loss2 = dist_trainer.lossAndBackward(local);
+
+    auto one = worldOfOne();
+    Trainer ref(one, data, o);
+    double loss1 = ref.lossAndBackward(global);
+    EXPECT_NEAR(loss2, loss1, 1e-6 * std::abs(loss1));
+    auto p2 = dist_trainer.model()->named_parameters(), p1 = ref.model()->named_parameters();
+    for (const auto& item : p1) {
+      if (!item.value().requires_grad()) continue;
+      auto g1 = item.value().grad(), g2 = p2[item.key()].grad();
+      double scale = std::max(1e-3, g1.abs().max().item<double>());
+      EXPECT_LT((g1 - g2).abs().max().item<double>() / scale, 1e-4) << item.key();
+    }
+  });
+  dtrain::test::expectAllOk(results);
+}
+
+std::vector<std::string> lossesOf(const std::string& metrics) {
+  std::ifstream f(metrics);
+  std::vector<std::string> out;
+  std::string line;
+  while (std::getline(f, line)) {
+    auto k = line.find("\"loss\":");
+    out.push_back(line.substr(k, line.find(',', k) - k));
+  }
+  return out;
+}
+
+// Stopping after 2 epochs and resuming gives the same 3rd epoch, bit for bit, as running 3 at once.
+TEST(MilNceTraining, ResumeContinuesBitForBit) {
+  dtrain::test::TempDir dir;
+  generateData(smallData(dir.path() + "/data"));
+  auto one = worldOfOne();
+  TrainOptions o;
+  o.data = dir.path() + "/data";
+  o.eval = false;
+  o.progress = false;
+  o.batch = 16;
+  o.model.hidden = 64;
+  o.model.embed = 32;
+  o.epochs = 3;
+  o.out = dir.path() + "/straight";
+  train(one, o);
+  o.out = dir.path() + "/resumed";
+  o.stop_after = 2;
+  train(one, o);
+  o.stop_after = 0;
+  o.resume = true;
+  train(one, o);
+  auto a = lossesOf(dir.path() + "/straight/metrics.jsonl"), b = lossesOf(dir.path() + "/resumed/metrics.jsonl");
+  ASSERT_EQ(a.size(), 3u);
+  ASSERT_EQ(b.size(), 3u);
+  for (int e = 0; e < 3; ++e) EXPECT_EQ(a[e], b[e]) << "epoch " << e + 1;
+  auto sa = dtrain::Checkpointer(dir.path() + "/straight/checkpoints").loadLatest();
+  auto sb = dtrain::Checkpointer(dir.path() + "/resumed/checkpoints").loadLatest();
+  ASSERT_TRUE(sa && sb);
+  for (const auto& [name, t] : sa->model) EXPECT_TRUE(torch::equal(t, sb->model.at(name))) << name;
+}
+
+// Narrations that describe a neighbouring segment half the time: a bag of K=4 nearby captions lets
+// MIL-NCE find the right one; K=1 trains on the wrong caption half the time.
+TEST(MilNceTraining, CandidatesHelpWithMisalignedNarration) {
+  dtrain::test::TempDir dir;
+  GenOptions g = smallData(dir.path() + "/data", /*misalign=*/MISALIGN, /*videos=*/300);
+  g.eval_videos = 40;
+  g.concepts = CONCEPTS;
+  g.seed = SEED;
+  generateData(g);
+  auto one = worldOfOne();
+  Dataset data = Dataset::load(g.out);
+  auto score = [&](int k) {
+    TrainOptions o;
+    o.data = g.out;
+    o.eval = false;
+    o.progress = false;
+    o.epochs = EPOCHS;
+    o.model.hidden = 128;
+    o.model.embed = 64;
+    o.loader.num_candidates = k;
+    o.out = dir.path() + "/k" + std::to_string(k);
+    train(one, o);
+    auto st = dtrain::Checkpointer(o.out + "/checkpoints").loadLatest();
+    ModelOptions mo = o.model;
+    mo.feature_dim = data.feature_dim;
+    MilNceNet model(data.word_vectors, mo);
+    st->restoreModel(*model);
+    return evaluate(model, data, o.loader, 4);
+  };
+  Retrieval k1 = score(1), k4 = score(4);
+  std::printf("K=1: R@1 %.3f R@5 %.3f R@10 %.3f median %.1f\nK=4: R@1 %.3f R@5 %.3f R@10 %.3f median %.1f\n", k1.r1,
+              k1.r5, k1.r10, k1.median_rank, k4.r1, k4.r5, k4.r10, k4.median_rank);
+  EXPECT_GT(k4.r10, k1.r10);
+  EXPECT_LT(k4.median_rank, k1.median_rank);
+}
+
+}  // namespace
+}  // namespace milnce
