@@ -233,7 +233,9 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
   std::vector<int> concept;
   for (int s = 0; s < nseg; ++s) {
     bounds.push_back(bounds.back() + o.min_seg_sec + (o.max_seg_sec - o.min_seg_sec) * uniform01(rng));
-    concept.push_back(static_cast<int>(uniformInt(rng, 0, o.concepts - 1)));
+    const bool next_step = uniform01(rng) < o.procedure;
+    const int random_concept = static_cast<int>(uniformInt(rng, 0, o.concepts - 1));
+    concept.push_back(s > 0 && next_step ? (concept.back() + 1) % o.concepts : random_concept);
   }
   const double total = bounds.back();
 
@@ -261,7 +263,10 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
       if (concept[n] != concept[s]) other.push_back(n);
     }
     const auto& pool = other.empty() ? neighbours : other;
-    const int pick = pool.empty() ? -1 : pool[static_cast<size_t>(uniformInt(rng, 0, pool.size() - 1))];
+    // Lead (next segment) or lag (previous), when both are possible.
+    const bool to_next = uniform01(rng) < o.lead;
+    int pick = pool.empty() ? -1 : pool[0];
+    if (pool.size() == 2) pick = to_next ? pool[1] : pool[0];
     const int described = (shift && pick >= 0) ? concept[pick] : concept[s];
 
     Caption c;
@@ -301,6 +306,8 @@ void validate(const GenOptions& o) {
   check(o.concepts >= 1, fmt::format("concepts must be >= 1 (got {})", o.concepts));
   check(std::isfinite(o.noise) && o.noise >= 0, fmt::format("noise must be >= 0 (got {})", o.noise));
   check(o.misalign >= 0 && o.misalign <= 1, fmt::format("misalign must be in [0, 1] (got {})", o.misalign));
+  check(o.procedure >= 0 && o.procedure <= 1, fmt::format("procedure must be in [0, 1] (got {})", o.procedure));
+  check(o.lead >= 0 && o.lead <= 1, fmt::format("lead must be in [0, 1] (got {})", o.lead));
   check(o.feature_dim >= 1, fmt::format("feature_dim must be >= 1 (got {})", o.feature_dim));
   check(o.word_dim >= 1, fmt::format("word_dim must be >= 1 (got {})", o.word_dim));
   check(std::isfinite(o.rate) && o.rate > 0, fmt::format("rate must be > 0 (got {})", o.rate));
@@ -713,6 +720,8 @@ void generateData(const GenOptions& o) {
   meta["options"] = {{"videos", o.videos},
                      {"eval_videos", o.eval_videos},
                      {"concepts", o.concepts},
+                     {"procedure", o.procedure},
+                     {"lead", o.lead},
                      {"noise", o.noise},
                      {"misalign", o.misalign},
                      {"seed", o.seed},

@@ -57,6 +57,14 @@ struct GenOptions {
   int concepts = 24;
   double noise = 1.0;          // std of the per-row feature noise around the concept prototype
   double misalign = 0.3;       // probability that a training caption describes a neighbouring segment
+  // Probability that a segment is the next step of the procedure (concept of the previous segment + 1,
+  // mod concepts) rather than a random concept. Instructional videos follow a procedure, so a narration
+  // that is off by one segment systematically names the previous or next step: the misalignment that a
+  // single caption cannot undo and a bag of nearby candidates (MIL-NCE) can.
+  double procedure = 0.8;
+  // Of the misaligned captions, the fraction that describes the NEXT segment (narrators announce the
+  // step they are about to do); the rest describe the previous one.
+  double lead = 0.8;
   uint64_t seed = 1;
   int feature_dim = 64;        // F
   int word_dim = 48;           // E

@@ -45,6 +45,10 @@ int main(int argc, char** argv) {
   gen->add_option("--noise", g.noise, "feature noise (std of the noise around a concept's prototype)");
   gen->add_option("--misalign", g.misalign, "probability that a caption describes a neighbouring segment")
       ->check(CLI::Range(0.0, 1.0));
+  gen->add_option("--procedure", g.procedure, "probability that a segment is the next step of a procedure")
+      ->check(CLI::Range(0.0, 1.0));
+  gen->add_option("--lead", g.lead, "fraction of misaligned captions that describe the next segment")
+      ->check(CLI::Range(0.0, 1.0));
   gen->add_option("--seed", g.seed, "random seed");
   gen->add_option("--feature-dim", g.feature_dim, "feature dimension F")->check(CLI::PositiveNumber);
   gen->add_option("--word-dim", g.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);

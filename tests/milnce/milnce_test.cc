@@ -17,12 +17,6 @@
 
 namespace milnce {
 namespace {
-#ifndef MISALIGN
-#define MISALIGN 0.6
-#define CONCEPTS 24
-#define SEED 1
-#define EPOCHS 15
-#endif
 
 class OneThread : public ::testing::Environment {
  public:
@@ -181,14 +175,16 @@ TEST(MilNceTraining, ResumeContinuesBitForBit) {
   for (const auto& [name, t] : sa->model) EXPECT_TRUE(torch::equal(t, sb->model.at(name))) << name;
 }
 
-// Narrations that describe a neighbouring segment half the time: a bag of K=4 nearby captions lets
-// MIL-NCE find the right one; K=1 trains on the wrong caption half the time.
+// Narrations that mostly announce the next step of the procedure (misalign 0.8, lead 1): a single
+// caption pairs each clip with the wrong step most of the time, so K=1 learns the shifted pairing; a
+// bag of K=4 nearby captions contains the right one and MIL-NCE finds it. (Measured over seeds 1-3:
+// R@10 29-31% for K=4 against 4-13% for K=1, median rank 20-22 against 39-65.)
 TEST(MilNceTraining, CandidatesHelpWithMisalignedNarration) {
   dtrain::test::TempDir dir;
-  GenOptions g = smallData(dir.path() + "/data", /*misalign=*/MISALIGN, /*videos=*/300);
+  GenOptions g = smallData(dir.path() + "/data", /*misalign=*/0.8, /*videos=*/300);
   g.eval_videos = 40;
-  g.concepts = CONCEPTS;
-  g.seed = SEED;
+  g.concepts = 40;
+  g.lead = 1.0;
   generateData(g);
   auto one = worldOfOne();
   Dataset data = Dataset::load(g.out);
@@ -197,7 +193,7 @@ TEST(MilNceTraining, CandidatesHelpWithMisalignedNarration) {
     o.data = g.out;
     o.eval = false;
     o.progress = false;
-    o.epochs = EPOCHS;
+    o.epochs = 15;
     o.model.hidden = 128;
     o.model.embed = 64;
     o.loader.num_candidates = k;
@@ -213,7 +209,7 @@ TEST(MilNceTraining, CandidatesHelpWithMisalignedNarration) {
   Retrieval k1 = score(1), k4 = score(4);
   std::printf("K=1: R@1 %.3f R@5 %.3f R@10 %.3f median %.1f\nK=4: R@1 %.3f R@5 %.3f R@10 %.3f median %.1f\n", k1.r1,
               k1.r5, k1.r10, k1.median_rank, k4.r1, k4.r5, k4.r10, k4.median_rank);
-  EXPECT_GT(k4.r10, k1.r10);
+  EXPECT_GT(k4.r10, 1.5 * k1.r10);
   EXPECT_LT(k4.median_rank, k1.median_rank);
 }
 
