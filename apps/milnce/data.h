@@ -52,7 +52,7 @@ namespace milnce {
 
 struct GenOptions {
   std::string out;             // output directory (created; existing files are overwritten)
-  int videos = 400;            // training videos
+  int videos = 2000;           // training videos
   int eval_videos = 60;        // held-out videos; every caption of theirs is an eval clip
   int concepts = 24;
   double noise = 1.0;          // std of the per-row feature noise around the concept prototype

@@ -31,11 +31,17 @@ TextEncoderImpl::TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden,
 }
 
 at::Tensor TextEncoderImpl::forward(const at::Tensor& tokens) {
-  auto h = torch::relu(fc1->forward(words->forward(tokens)));  // [N, W, H]
-  // Max over real words only; a caption with no known word embeds as zeros (ReLU outputs are >= 0).
-  auto mask = (tokens > 0).unsqueeze(-1);
-  h = std::get<0>(h.masked_fill(~mask, 0).max(/*dim=*/1));
-  return fc2->forward(h);
+  // Linear + ReLU act on each word alone and the word vectors are frozen, so they are computed once
+  // per distinct word of the batch and gathered: the same function as applying them to every token
+  // (as the reference does), at a fraction of the cost (a batch of 128 captions x 12 words holds a
+  // few hundred distinct words; this layer was half of a training step).
+  auto [distinct, where] = at::_unique(tokens.reshape(-1), /*sorted=*/false, /*return_inverse=*/true);
+  // Max over real words only: padding (id 0) contributes zeros, which never win a max of ReLU outputs
+  // (>= 0) and make a caption with no known word embed as zeros. Zeroing the padding row among the
+  // distinct words costs nothing, unlike masking every token.
+  auto per_word = torch::relu(fc1->forward(words->forward(distinct))) * (distinct != 0).unsqueeze(1);  // [U, H]
+  auto h = per_word.index_select(0, where).view({tokens.size(0), tokens.size(1), -1});  // [N, W, H]
+  return fc2->forward(std::get<0>(h.max(/*dim=*/1)));
 }
 
 MilNceNetImpl::MilNceNetImpl(const at::Tensor& word_vectors, const ModelOptions& o) {

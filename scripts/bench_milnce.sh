@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# MIL-NCE training throughput: dtrain's milnce against the same job in PyTorch (benches/milnce_torch.py:
+# DDP over gloo, one thread per rank), side by side in one run, on the same generated data.
+# Usage: scripts/bench_milnce.sh [WORLD...]   (default: 1 2). Env: BUILD_DIR, DATA_DIR, STEPS (PyTorch timed steps).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+data=${DATA_DIR:-$root/data/milnce}
+worlds=("$@")
+((${#worlds[@]})) || worlds=(1 2)
+tmp=$(mktemp -d)
+trap 'rm -rf "$tmp"' EXIT
+[[ -f $data/meta.json ]] || "$build/bin/milnce" gen-data --out "$data" >/dev/null
+echo "# MIL-NCE training throughput (batch 32 per rank, K=4); $(date -u +%F) $(nproc) cores"
+for w in "${worlds[@]}"; do
+  # dtrain: 3 epochs without evaluation; samples/s of the last two epochs (the first warms up).
+  "$build/bin/dtrain-run" --standalone --nproc-per-node "$w" "$build/bin/milnce" train --data "$data" \
+    --out "$tmp/run$w" --epochs 3 --no-eval --no-progress >/dev/null
+  ours=$(/usr/bin/python3 -c "import json,sys; l=[json.loads(x) for x in open(sys.argv[1])][1:]; print(f'{sum(x[\"samples_per_s\"] for x in l)/len(l):.1f}')" "$tmp/run$w/metrics.jsonl")
+  theirs=$(/usr/bin/python3 "$root/benches/milnce_torch.py" "$data" "$w" --steps "${STEPS:-40}" | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
+  ratio=$(/usr/bin/python3 -c "print(f'{$ours/$theirs:.2f}')")
+  echo "world=$w dtrain_samples_per_s=$ours pytorch_samples_per_s=$theirs ratio=${ratio}x"
+done
