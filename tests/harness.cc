@@ -7,7 +7,9 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdio>
+#include <memory>
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
@@ -120,6 +122,36 @@ StoreServer::~StoreServer() = default;
 uint16_t StoreServer::port() const { return server_->port(); }
 std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeout) const {
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
+}
+
+std::string runPython(const std::string& code) {
+  TempDir dir;
+  const std::string script = dir.path() + "/check.py";
+  std::ofstream(script) << code;
+  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
+  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
+  if (!pipe) {
+    ADD_FAILURE() << "popen failed";
+    return "";
+  }
+  std::string out;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
+  int status = pclose(pipe.release());
+  if (status != 0) {
+    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
+    return "";
+  }
+  return out;
+}
+
+long rssKiB() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line))
+    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
+  return -1;
 }
 
 TempDir::TempDir() {

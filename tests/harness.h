@@ -45,6 +45,13 @@ class StoreServer {
   std::unique_ptr<comm::TcpStoreServer> server_;
 };
 
+// Runs /usr/bin/python3 on `code` (written to a file: no shell quoting) and returns its output; empty,
+// with a test failure, if it did not exit 0. (python3-torch and numpy come from scripts/setup.sh.)
+std::string runPython(const std::string& code);
+
+// Resident memory of this process, in KiB (from /proc/self/status).
+long rssKiB();
+
 // A fresh temporary directory removed (recursively) on destruction.
 class TempDir {
  public:

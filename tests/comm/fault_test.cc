@@ -27,13 +27,6 @@ GroupOptions opts(const std::string& transport, std::chrono::milliseconds timeou
   return o;
 }
 
-long rssKiB() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
 
 class Faults : public ::testing::TestWithParam<std::string> {};
 

@@ -26,6 +26,7 @@ namespace milnce {
 namespace {
 namespace fs = std::filesystem;
 using dtrain::InvalidArgument;
+using dtrain::test::runPython;
 using dtrain::test::TempDir;
 
 // One torch thread: the other torch tests fork, and this keeps every test binary alike.
@@ -45,29 +46,6 @@ std::string slurp(const fs::path& p) {
 }
 void spit(const fs::path& p, const std::string& s) { std::ofstream(p, std::ios::binary) << s; }
 
-// Runs /usr/bin/python3 on `code` (written to a file: no shell quoting) and returns its stdout; empty, with
-// a test failure, if it did not exit 0 (numpy comes with python3-torch, which scripts/setup.sh installs).
-std::string runPython(const std::string& code) {
-  TempDir dir;
-  const std::string script = dir.path() + "/check.py";
-  std::ofstream(script) << code;
-  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
-  if (!pipe) {
-    ADD_FAILURE() << "popen failed";
-    return "";
-  }
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
-  int status = pclose(pipe.release());
-  if (status != 0) {
-    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
-    return "";
-  }
-  return out;
-}
 
 // A Python string literal for s.
 std::string pyStr(const std::string& s) { return nlohmann::json(s).dump(); }
@@ -401,7 +379,7 @@ TEST(GenerateData, DefaultOptionsLoad) {
   g.out = dir.path();
   generateData(g);
   const Dataset ds = Dataset::load(dir.path());
-  EXPECT_EQ(ds.videos.size(), 400u);
+  EXPECT_EQ(ds.videos.size(), static_cast<size_t>(GenOptions().videos));
   EXPECT_EQ(ds.eval_videos.size(), 60u);
   EXPECT_EQ(ds.feature_dim, 64);
   EXPECT_EQ(ds.wordDim(), 48);

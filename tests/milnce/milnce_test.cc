@@ -59,23 +59,17 @@ TEST(MilNceLoss, MatchesPyTorchReference) {
   loss.backward();
   writeNpy(dir.path() + "/v.npy", v.detach().to(torch::kFloat));
   writeNpy(dir.path() + "/t.npy", t.detach().to(torch::kFloat));
-  std::string script = dir.path() + "/check.py";
-  std::ofstream(script) << "import importlib.util, sys, numpy as np, torch\n"
-                           "spec = importlib.util.spec_from_file_location('ref', '" DTRAIN_SOURCE_DIR "/benches/milnce_torch.py')\n"
-                           "ref = importlib.util.module_from_spec(spec); spec.loader.exec_module(ref)\n"
-                           "d = sys.argv[1]\n"
-                           "v = torch.from_numpy(np.load(d + '/v.npy')).double().requires_grad_()\n"
-                           "t = torch.from_numpy(np.load(d + '/t.npy')).double().requires_grad_()\n"
-                           "l = ref.milnce(v, t); l.backward()\n"
-                           "np.save(d + '/gv.npy', v.grad.float().numpy()); np.save(d + '/gt.npy', t.grad.float().numpy())\n"
-                           "print(repr(l.item()))\n";
-  std::string cmd = "/usr/bin/python3 " + script + " " + dir.path() + " 2>&1";
-  FILE* p = popen(cmd.c_str(), "r");
-  ASSERT_NE(p, nullptr);
-  std::string out;
-  char buf[512];
-  while (fgets(buf, sizeof buf, p)) out += buf;
-  ASSERT_EQ(pclose(p), 0) << "python3 with torch is needed (scripts/setup.sh installs python3-torch): " << out;
+  std::string out = dtrain::test::runPython(
+      "import importlib.util, sys, numpy as np, torch\n"
+      "spec = importlib.util.spec_from_file_location('ref', '" DTRAIN_SOURCE_DIR "/benches/milnce_torch.py')\n"
+      "ref = importlib.util.module_from_spec(spec); spec.loader.exec_module(ref)\n"
+      "d = '" + dir.path() + "'\n"
+      "v = torch.from_numpy(np.load(d + '/v.npy')).double().requires_grad_()\n"
+      "t = torch.from_numpy(np.load(d + '/t.npy')).double().requires_grad_()\n"
+      "l = ref.milnce(v, t); l.backward()\n"
+      "np.save(d + '/gv.npy', v.grad.float().numpy()); np.save(d + '/gt.npy', t.grad.float().numpy())\n"
+      "print(repr(l.item()))\n");
+  ASSERT_FALSE(out.empty());
   // Inputs went through float32 files: compare at float precision.
   auto vf = v.detach().to(torch::kFloat).to(torch::kDouble), tf = t.detach().to(torch::kFloat).to(torch::kDouble);
   EXPECT_NEAR(std::stod(out), milNceLoss(vf, tf).item<double>(), 1e-5) << out;

@@ -26,6 +26,7 @@ namespace dtrain::comm {
 namespace {
 
 using namespace std::chrono_literals;
+using dtrain::test::rssKiB;
 using Clock = std::chrono::steady_clock;
 
 // Runs fn, which must throw Exc, and returns the exception's message for the caller to inspect.
@@ -339,14 +340,6 @@ Bytes wireHeader(uint32_t magic, uint16_t version, uint16_t cmd, uint32_t len) {
   return b;
 }
 
-// Resident memory of this process (the server runs in it), in KiB.
-long rssKiB() {
-  std::ifstream f("/proc/self/status");
-  std::string line;
-  while (std::getline(f, line))
-    if (line.rfind("VmRSS:", 0) == 0) return std::stol(line.substr(6));
-  return -1;
-}
 
 net::Socket rawClient(uint16_t port) { return net::Socket::connect("127.0.0.1", port, net::deadlineAfter(2s)); }
 

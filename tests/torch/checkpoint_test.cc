@@ -372,29 +372,6 @@ TEST(Checkpoint, RanksWriteOnceAndAllRead) {
             (std::vector<std::string>{"ckpt-000000-000000002.pt", "ckpt-000000-000000003.pt"}));
 }
 
-// Runs python3 on `code` (written to a file: no shell quoting) and returns its stdout; empty, with a
-// test failure, if it did not exit 0 (python3 without torch fails the test: setup installs it).
-std::string runPython(const std::string& code) {
-  TempDir dir;
-  const std::string script = dir.path() + "/check.py";
-  std::ofstream(script) << code;
-  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
-  if (!pipe) {
-    ADD_FAILURE() << "popen failed";
-    return "";
-  }
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
-  int status = pclose(pipe.release());
-  if (status != 0) {
-    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
-    return "";
-  }
-  return out;
-}
 
 TEST(Checkpoint, PythonTorchLoadReadsIt) {
   TempDir dir;

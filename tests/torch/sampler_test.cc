@@ -142,29 +142,6 @@ TEST(Sampler, InvalidArgumentsAreNamed) {
   EXPECT_NE(message([] { DistributedSampler(-1, 2, 0); }).find("dataset_size"), std::string::npos);
 }
 
-// Runs python3 on `code` (written to a file: no shell quoting) and returns its stdout; empty, with a
-// test failure, if it did not exit 0.
-std::string runPython(const std::string& code) {
-  TempDir dir;
-  const std::string script = dir.path() + "/check.py";
-  std::ofstream(script) << code;
-  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
-  std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
-  if (!pipe) {
-    ADD_FAILURE() << "popen failed";
-    return "";
-  }
-  std::string out;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
-  int status = pclose(pipe.release());
-  if (status != 0) {
-    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
-    return "";
-  }
-  return out;
-}
 
 // The whole padded order over ranks, reassembled: order[r + i*R] = indices of rank r at i.
 std::vector<int64_t> fullOrder(int64_t n, int replicas, uint64_t seed, int64_t epoch, bool drop_last) {
