@@ -65,29 +65,8 @@ double busFactor(Coll c, int n) {
 // Values small enough to be exact in every dtype after summing over the ranks.
 double valueOf(int rank, size_t i) { return static_cast<double>((rank + 1 + i) % 4); }
 
-void setElem(void* buf, DType t, size_t i, double v) {
-  switch (t) {
-    case DType::f32: static_cast<float*>(buf)[i] = static_cast<float>(v); break;
-    case DType::f64: static_cast<double*>(buf)[i] = v; break;
-    case DType::f16: static_cast<uint16_t*>(buf)[i] = comm::floatToHalf(static_cast<float>(v)); break;
-    case DType::bf16: static_cast<uint16_t*>(buf)[i] = comm::floatToBf16(static_cast<float>(v)); break;
-    case DType::i32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); break;
-    case DType::i64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); break;
-    case DType::u8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); break;
-  }
-}
-double getElem(const void* buf, DType t, size_t i) {
-  switch (t) {
-    case DType::f32: return static_cast<const float*>(buf)[i];
-    case DType::f64: return static_cast<const double*>(buf)[i];
-    case DType::f16: return comm::halfToFloat(static_cast<const uint16_t*>(buf)[i]);
-    case DType::bf16: return comm::bf16ToFloat(static_cast<const uint16_t*>(buf)[i]);
-    case DType::i32: return static_cast<const int32_t*>(buf)[i];
-    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
-    case DType::u8: return static_cast<const uint8_t*>(buf)[i];
-  }
-  return 0;
-}
+void setElem(void* buf, DType t, size_t i, double v) { comm::storeElement(buf, t, i, v); }
+double getElem(const void* buf, DType t, size_t i) { return comm::loadElement(buf, t, i); }
 
 class Runner {
  public:

@@ -118,6 +118,31 @@ void reduceTo(void* out, const void* a, const void* b, size_t n, DType t, Reduce
   throw InvalidArgument(fmt::format("reduce: unknown dtype code {}", static_cast<int>(t)));
 }
 
+double loadElement(const void* buf, DType t, size_t i) {
+  switch (t) {
+    case DType::f32: return static_cast<const float*>(buf)[i];
+    case DType::f64: return static_cast<const double*>(buf)[i];
+    case DType::f16: return halfToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::bf16: return bf16ToFloat(static_cast<const uint16_t*>(buf)[i]);
+    case DType::i32: return static_cast<const int32_t*>(buf)[i];
+    case DType::i64: return static_cast<double>(static_cast<const int64_t*>(buf)[i]);
+    case DType::u8: return static_cast<const uint8_t*>(buf)[i];
+  }
+  return 0;
+}
+
+void storeElement(void* buf, DType t, size_t i, double v) {
+  switch (t) {
+    case DType::f32: static_cast<float*>(buf)[i] = static_cast<float>(v); return;
+    case DType::f64: static_cast<double*>(buf)[i] = v; return;
+    case DType::f16: static_cast<uint16_t*>(buf)[i] = floatToHalf(static_cast<float>(v)); return;
+    case DType::bf16: static_cast<uint16_t*>(buf)[i] = floatToBf16(static_cast<float>(v)); return;
+    case DType::i32: static_cast<int32_t*>(buf)[i] = static_cast<int32_t>(v); return;
+    case DType::i64: static_cast<int64_t*>(buf)[i] = static_cast<int64_t>(v); return;
+    case DType::u8: static_cast<uint8_t*>(buf)[i] = static_cast<uint8_t>(v); return;
+  }
+}
+
 void reduceInto(void* dst, const void* src, size_t n, DType t, ReduceOp op) { reduceTo(dst, dst, src, n, t, op); }
 
 void divideBy(void* buf, size_t n, DType t, int d) {

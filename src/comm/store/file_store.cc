@@ -26,6 +26,7 @@
 #include <unordered_map>
 
 #include "comm/net/socket.h"
+#include "comm/store/quote.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/store.h"
 
@@ -50,27 +51,6 @@ uint64_t getLE(const uint8_t* p, int bytes) {
   return v;
 }
 
-// A key as error messages show it: quoted, non-printable bytes escaped, long keys shortened.
-std::string quote(const std::string& s) {
-  constexpr size_t kShown = 200;
-  std::string out = "'";
-  for (size_t i = 0; i < s.size() && i < kShown; ++i) {
-    auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') out += static_cast<char>(c);
-    else out += fmt::format("\\x{:02x}", c);
-  }
-  out += "'";
-  if (s.size() > kShown) out += fmt::format("...({} bytes)", s.size());
-  return out;
-}
-
-std::string quoteList(const std::vector<std::string>& keys) {
-  constexpr size_t kShown = 16;
-  std::string out;
-  for (size_t i = 0; i < keys.size() && i < kShown; ++i) out += (i ? ", " : "") + quote(keys[i]);
-  if (keys.size() > kShown) out += fmt::format(" and {} more", keys.size() - kShown);
-  return out;
-}
 
 bool parseInt(const Bytes& v, int64_t* out) {
   auto* b = reinterpret_cast<const char*>(v.data());
@@ -266,13 +246,13 @@ namespace {
 void checkKey(const std::string& path, const std::string& key, const char* op) {
   if (key.size() > kMaxStoreKeyBytes) {
     throw InvalidArgument(fmt::format("FileStore '{}' {}({}): key of {} bytes exceeds the limit of {}", path, op,
-                                      quote(key), key.size(), kMaxStoreKeyBytes));
+                                      quoteKey(key), key.size(), kMaxStoreKeyBytes));
   }
 }
 void checkValue(const std::string& path, const std::string& key, const Bytes& value, const char* op) {
   if (value.size() > kMaxStoreValueBytes) {
     throw InvalidArgument(fmt::format("FileStore '{}' {}({}): value of {} bytes exceeds the limit of {}", path,
-                                      op, quote(key), value.size(), kMaxStoreValueBytes));
+                                      op, quoteKey(key), value.size(), kMaxStoreValueBytes));
   }
 }
 void checkKeys(const std::string& path, const std::vector<std::string>& keys, const char* op) {
@@ -291,13 +271,13 @@ FileStore::~FileStore() = default;
 void FileStore::set(const std::string& key, const Bytes& value) {
   checkKey(impl_->path, key, "set");
   checkValue(impl_->path, key, value, "set");
-  std::string what = fmt::format("set({})", quote(key));
+  std::string what = fmt::format("set({})", quoteKey(key));
   impl_->locked(net::deadlineAfter(timeout()), what, [&] { impl_->append(kOpSet, key, value, what); });
 }
 
 Bytes FileStore::get(const std::string& key) {
   checkKey(impl_->path, key, "get");
-  const std::string what = fmt::format("get({})", quote(key));
+  const std::string what = fmt::format("get({})", quoteKey(key));
   const Deadline deadline = net::deadlineAfter(timeout());
   Backoff backoff;
   for (;;) {
@@ -311,7 +291,7 @@ Bytes FileStore::get(const std::string& key) {
     if (found) return value;
     if (Clock::now() >= deadline) {
       throw TimeoutError(fmt::format("{} timed out after {}ms waiting for key {}", impl_->where(what),
-                                     timeout().count(), quote(key)));
+                                     timeout().count(), quoteKey(key)));
     }
     backoff.sleepUntilAtMost(deadline);
   }
@@ -319,13 +299,13 @@ Bytes FileStore::get(const std::string& key) {
 
 int64_t FileStore::add(const std::string& key, int64_t delta) {
   checkKey(impl_->path, key, "add");
-  std::string what = fmt::format("add({}, {})", quote(key), delta);
+  std::string what = fmt::format("add({}, {})", quoteKey(key), delta);
   return impl_->locked(net::deadlineAfter(timeout()), what, [&] {
     int64_t cur = 0;
     auto it = impl_->cache.find(key);
     if (it != impl_->cache.end() && !parseInt(it->second, &cur)) {
       throw InvalidArgument(fmt::format("{}: the value of the key is not an integer: {}", impl_->where(what),
-                                        quote(toString(it->second))));
+                                        quoteKey(toString(it->second))));
     }
     int64_t next = 0;
     if (__builtin_add_overflow(cur, delta, &next)) {
@@ -339,7 +319,7 @@ int64_t FileStore::add(const std::string& key, int64_t delta) {
 Bytes FileStore::compareSet(const std::string& key, const Bytes& expected, const Bytes& desired) {
   checkKey(impl_->path, key, "compareSet");
   checkValue(impl_->path, key, desired, "compareSet");
-  std::string what = fmt::format("compareSet({})", quote(key));
+  std::string what = fmt::format("compareSet({})", quoteKey(key));
   return impl_->locked(net::deadlineAfter(timeout()), what, [&]() -> Bytes {
     auto it = impl_->cache.find(key);
     // A missing key matches an empty expected value; otherwise it stays missing (answer: empty).
@@ -354,7 +334,7 @@ Bytes FileStore::compareSet(const std::string& key, const Bytes& expected, const
 
 bool FileStore::deleteKey(const std::string& key) {
   checkKey(impl_->path, key, "deleteKey");
-  std::string what = fmt::format("deleteKey({})", quote(key));
+  std::string what = fmt::format("deleteKey({})", quoteKey(key));
   return impl_->locked(net::deadlineAfter(timeout()), what, [&] {
     if (!impl_->cache.count(key)) return false;
     impl_->append(kOpDelete, key, Bytes(), what);
@@ -364,7 +344,7 @@ bool FileStore::deleteKey(const std::string& key) {
 
 bool FileStore::check(const std::vector<std::string>& keys) {
   checkKeys(impl_->path, keys, "check");
-  std::string what = fmt::format("check([{}])", quoteList(keys));
+  std::string what = fmt::format("check([{}])", quoteKeys(keys));
   return impl_->locked(net::deadlineAfter(timeout()), what, [&] {
     return std::all_of(keys.begin(), keys.end(), [&](const std::string& k) { return impl_->cache.count(k) > 0; });
   });
@@ -372,7 +352,7 @@ bool FileStore::check(const std::vector<std::string>& keys) {
 
 void FileStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   checkKeys(impl_->path, keys, "wait");
-  const std::string what = fmt::format("wait([{}])", quoteList(keys));
+  const std::string what = fmt::format("wait([{}])", quoteKeys(keys));
   const Deadline deadline = net::deadlineAfter(timeout);
   Backoff backoff;
   for (;;) {
@@ -385,7 +365,7 @@ void FileStore::wait(const std::vector<std::string>& keys, Duration timeout) {
     if (missing.empty()) return;
     if (Clock::now() >= deadline) {
       throw TimeoutError(fmt::format("{} timed out after {}ms waiting for key{} {}", impl_->where(what),
-                                     timeout.count(), missing.size() == 1 ? "" : "s", quoteList(missing)));
+                                     timeout.count(), missing.size() == 1 ? "" : "s", quoteKeys(missing)));
     }
     backoff.sleepUntilAtMost(deadline);
   }

@@ -39,6 +39,7 @@
 #include <unordered_map>
 
 #include "comm/net/socket.h"
+#include "comm/store/quote.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/store.h"
 
@@ -198,27 +199,6 @@ class Reader {
   size_t left_;
 };
 
-// A key as error messages show it: quoted, non-printable bytes escaped, long keys shortened.
-std::string quote(const std::string& s) {
-  constexpr size_t kShown = 200;
-  std::string out = "'";
-  for (size_t i = 0; i < s.size() && i < kShown; ++i) {
-    auto c = static_cast<unsigned char>(s[i]);
-    if (c >= 0x20 && c < 0x7f && c != '\'' && c != '\\') out += static_cast<char>(c);
-    else out += fmt::format("\\x{:02x}", c);
-  }
-  out += "'";
-  if (s.size() > kShown) out += fmt::format("...({} bytes)", s.size());
-  return out;
-}
-
-std::string quoteList(const std::vector<std::string>& keys) {
-  constexpr size_t kShown = 16;
-  std::string out;
-  for (size_t i = 0; i < keys.size() && i < kShown; ++i) out += (i ? ", " : "") + quote(keys[i]);
-  if (keys.size() > kShown) out += fmt::format(" and {} more", keys.size() - kShown);
-  return out;
-}
 
 std::string msText(Duration d) { return fmt::format("{}ms", d.count()); }
 
@@ -476,12 +456,12 @@ void TcpStoreServer::Impl::handleRequest(Conn& c) {
       if (it != data.end() && !parseInt(it->second, &cur)) {
         return answer(c, kInvalidArgument,
                       std::move(w.str(fmt::format("add({}, {}): the value of the key is not an integer: {}",
-                                                  quote(key), delta, quote(toString(it->second))))));
+                                                  quoteKey(key), delta, quoteKey(toString(it->second))))));
       }
       int64_t next = 0;
       if (__builtin_add_overflow(cur, delta, &next)) {
         return answer(c, kInvalidArgument,
-                      std::move(w.str(fmt::format("add({}, {}): {} + {} overflows int64", quote(key), delta,
+                      std::move(w.str(fmt::format("add({}, {}): {} + {} overflows int64", quoteKey(key), delta,
                                                   cur, delta))));
       }
       const bool created = it == data.end();
@@ -650,7 +630,7 @@ Bytes TcpStore::Impl::call(Bytes frame, Duration timeout, const std::string& wha
       std::vector<std::string> missing = missingKeys(*awaited, timeout);
       throw TimeoutError(fmt::format("TcpStore {} timed out after {} waiting for key{} {} (store server {})",
                                      what, msText(timeout), missing.size() == 1 ? "" : "s",
-                                     quoteList(missing), addr));
+                                     quoteKeys(missing), addr));
     }
     throw TimeoutError(fmt::format("TcpStore {}: no answer from the store server {} within {}: {}", what, addr,
                                    msText(timeout), e.what()));
@@ -685,13 +665,13 @@ std::vector<std::string> TcpStore::Impl::missingKeys(const std::vector<std::stri
 namespace {
 void checkKey(const std::string& key, const char* op) {
   if (key.size() > kMaxStoreKeyBytes) {
-    throw InvalidArgument(fmt::format("store {}({}): key of {} bytes exceeds the limit of {}", op, quote(key),
+    throw InvalidArgument(fmt::format("store {}({}): key of {} bytes exceeds the limit of {}", op, quoteKey(key),
                                       key.size(), kMaxStoreKeyBytes));
   }
 }
 void checkValue(const std::string& key, const Bytes& value, const char* op) {
   if (value.size() > kMaxStoreValueBytes) {
-    throw InvalidArgument(fmt::format("store {}({}): value of {} bytes exceeds the limit of {}", op, quote(key),
+    throw InvalidArgument(fmt::format("store {}({}): value of {} bytes exceeds the limit of {}", op, quoteKey(key),
                                       value.size(), kMaxStoreValueBytes));
   }
 }
@@ -720,14 +700,14 @@ void TcpStore::set(const std::string& key, const Bytes& value) {
   checkKey(key, "set");
   checkValue(key, value, "set");
   impl_->call(Writer().str(key).str(value).finish(code(Cmd::kSet)), timeout(),
-              fmt::format("set({})", quote(key)));
+              fmt::format("set({})", quoteKey(key)));
 }
 
 Bytes TcpStore::get(const std::string& key) {
   checkKey(key, "get");
   std::vector<std::string> awaited{key};
   Bytes answer = impl_->call(Writer().str(key).finish(code(Cmd::kGet)), timeout(),
-                             fmt::format("get({})", quote(key)), &awaited);
+                             fmt::format("get({})", quoteKey(key)), &awaited);
   Reader r(answer);
   Bytes value = r.value();
   r.end();
@@ -737,7 +717,7 @@ Bytes TcpStore::get(const std::string& key) {
 int64_t TcpStore::add(const std::string& key, int64_t delta) {
   checkKey(key, "add");
   Bytes answer = impl_->call(Writer().str(key).i64(delta).finish(code(Cmd::kAdd)), timeout(),
-                             fmt::format("add({}, {})", quote(key), delta));
+                             fmt::format("add({}, {})", quoteKey(key), delta));
   Reader r(answer);
   int64_t v = r.i64();
   r.end();
@@ -749,7 +729,7 @@ Bytes TcpStore::compareSet(const std::string& key, const Bytes& expected, const 
   checkValue(key, expected, "compareSet");
   checkValue(key, desired, "compareSet");
   Bytes answer = impl_->call(Writer().str(key).str(expected).str(desired).finish(code(Cmd::kCompareSet)),
-                             timeout(), fmt::format("compareSet({})", quote(key)));
+                             timeout(), fmt::format("compareSet({})", quoteKey(key)));
   Reader r(answer);
   Bytes value = r.value();
   r.end();
@@ -759,7 +739,7 @@ Bytes TcpStore::compareSet(const std::string& key, const Bytes& expected, const 
 bool TcpStore::deleteKey(const std::string& key) {
   checkKey(key, "deleteKey");
   Bytes answer = impl_->call(Writer().str(key).finish(code(Cmd::kDelete)), timeout(),
-                             fmt::format("deleteKey({})", quote(key)));
+                             fmt::format("deleteKey({})", quoteKey(key)));
   Reader r(answer);
   bool existed = r.u8() != 0;
   r.end();
@@ -769,7 +749,7 @@ bool TcpStore::deleteKey(const std::string& key) {
 bool TcpStore::check(const std::vector<std::string>& keys) {
   checkKeyList(keys, "check");
   Bytes answer = impl_->call(Writer().keys(keys).finish(code(Cmd::kCheck)), timeout(),
-                             fmt::format("check([{}])", quoteList(keys)));
+                             fmt::format("check([{}])", quoteKeys(keys)));
   if (answer.size() != keys.size()) {
     throw ProtocolError(fmt::format("TcpStore check: {} answers for {} keys from the store server {}",
                                     answer.size(), keys.size(), impl_->addr));
@@ -779,7 +759,7 @@ bool TcpStore::check(const std::vector<std::string>& keys) {
 
 void TcpStore::wait(const std::vector<std::string>& keys, Duration timeout) {
   checkKeyList(keys, "wait");
-  impl_->call(Writer().keys(keys).finish(code(Cmd::kWait)), timeout, fmt::format("wait([{}])", quoteList(keys)),
+  impl_->call(Writer().keys(keys).finish(code(Cmd::kWait)), timeout, fmt::format("wait([{}])", quoteKeys(keys)),
               &keys);
 }
 
