@@ -29,13 +29,6 @@ using dtrain::InvalidArgument;
 using dtrain::test::runPython;
 using dtrain::test::TempDir;
 
-// One torch thread: the other torch tests fork, and this keeps every test binary alike.
-class OneThread : public ::testing::Environment {
- public:
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 // ---- helpers ----
 
 std::string slurp(const fs::path& p) {

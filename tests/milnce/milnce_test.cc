@@ -18,12 +18,6 @@
 namespace milnce {
 namespace {
 
-class OneThread : public ::testing::Environment {
- public:
-  void SetUp() override { at::set_num_threads(1); }  // no OpenMP pool when the harness forks ranks
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 dtrain::Distributed worldOfOne() {
   auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
   return dtrain::Distributed(pg, pg, dtrain::comm::WorldInfo{});

@@ -11,13 +11,6 @@
 namespace dtrain::test {
 namespace {
 
-class OneThread : public ::testing::Environment {
- public:
-  // libtorch's OpenMP pool must not exist when the harness forks ranks.
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 constexpr int64_t kCols = 3;
 
 // Uneven dim-0 sizes, with an empty rank from world 2 on: [2], [2, 0], [2, 0, 4].

@@ -20,13 +20,6 @@ namespace dtrain::test {
 namespace {
 namespace fs = std::filesystem;
 
-// One torch thread, set before any torch op: one test forks ranks, and OpenMP workers do not survive a fork.
-class OneThread : public ::testing::Environment {
- public:
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 // Parameters at two depths plus buffers (batch norm running stats and its step counter).
 struct NetImpl : torch::nn::Module {
   explicit NetImpl(int64_t in = 4) {

@@ -10,13 +10,6 @@
 namespace dtrain::test {
 namespace {
 
-class OneThread : public ::testing::Environment {
- public:
-  // One intra-op thread per replica, as data_parallel.h recommends.
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 using torch::nn::Sequential;
 
 // A BatchNorm-free MLP in double precision, the same weights on every call.

@@ -11,13 +11,6 @@
 namespace dtrain::test {
 namespace {
 
-class OneThread : public ::testing::Environment {
- public:
-  // libtorch's OpenMP pool must not exist when the harness forks ranks.
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 struct NetImpl : torch::nn::Module {
   explicit NetImpl(bool batchnorm = false, bool unused_branch = false) {
     fc1 = register_module("fc1", torch::nn::Linear(6, 16));

@@ -19,13 +19,6 @@
 namespace dtrain::test {
 namespace {
 
-// One torch thread: the other torch tests fork, and this keeps every test binary alike.
-class OneThread : public ::testing::Environment {
- public:
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 // How many times each index appears over all ranks.
 std::map<int64_t, int> countOverRanks(int64_t n, int replicas, bool shuffle, bool drop_last, int64_t epoch = 0) {
   std::map<int64_t, int> counts;

@@ -15,13 +15,6 @@
 namespace dtrain::test {
 namespace {
 
-// Children are forked: torch's OpenMP pool must not exist before the fork (see harness.h callers).
-class OneThread : public ::testing::Environment {
- public:
-  void SetUp() override { at::set_num_threads(1); }
-};
-const auto* const kEnv = ::testing::AddGlobalTestEnvironment(new OneThread);
-
 using Clock = std::chrono::steady_clock;  // CLOCK_MONOTONIC: one clock for all processes on the host
 
 int64_t nowUs() {
