@@ -507,25 +507,13 @@ class ShmTransport : public Transport {
         spinPause(spins++);
         continue;
       }
-      checkAborts(label, describe(b));
-      checkSameCollective(label);
-      auto now = Clock::now();
-      if (now >= deadline) {
-        throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                       label.timeout.count() / 1000.0, describe(b)));
-      }
       for (int p : b) {
         if (kill(pids_[p], 0) != 0 && errno == ESRCH && counter(k, p)->v.load() < g) {
           throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it {}",
                                     rank_, label.what, peerName(p), doing));
         }
       }
-      me->sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (me->doorbell.load(std::memory_order_seq_cst) == bell) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
-        futexWait(&me->doorbell, bell, std::min<std::chrono::milliseconds>(left, kSleepSlice));
-      }
-      me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      sleepSlice(bell, deadline, label, describe(b));
     }
   }
 
@@ -556,19 +544,30 @@ class ShmTransport : public Transport {
       spinPause(i);
     }
     for (;;) {
-      checkAborts(label, waitingFor());
-      checkSameCollective(label);
-      auto now = Clock::now();
-      if (now >= deadline) throwTimeout(label);
-      me->sleepers.fetch_add(1, std::memory_order_seq_cst);
-      if (me->doorbell.load(std::memory_order_seq_cst) == bell) {
-        auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
-        futexWait(&me->doorbell, bell, std::min<std::chrono::milliseconds>(left, kSleepSlice));
-      }
-      me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
+      sleepSlice(bell, deadline, label, waitingFor());
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
       checkPeersAlive(label);
     }
+  }
+
+  // One slice of waiting for this rank's doorbell to move from `bell`, shared by every wait: first the
+  // checks that end a wait early (a peer's abort record, a peer in a different collective, the
+  // deadline), then sleep on the futex for at most kSleepSlice. `waiting` names what we wait for.
+  void sleepSlice(uint32_t bell, Deadline deadline, const Label& label, const std::string& waiting) {
+    checkAborts(label, waiting);
+    checkSameCollective(label);
+    auto now = Clock::now();
+    if (now >= deadline) {
+      throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
+                                     label.timeout.count() / 1000.0, waiting));
+    }
+    auto* me = slot(rank_);
+    me->sleepers.fetch_add(1, std::memory_order_seq_cst);
+    if (me->doorbell.load(std::memory_order_seq_cst) == bell) {
+      auto left = std::chrono::duration_cast<std::chrono::milliseconds>(deadline - now) + std::chrono::milliseconds(1);
+      futexWait(&me->doorbell, bell, std::min<std::chrono::milliseconds>(left, kSleepSlice));
+    }
+    me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 
   void checkAborts(const Label& label, const std::string& waiting) {
@@ -613,11 +612,6 @@ class ShmTransport : public Transport {
       waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(p), r ? (s ? "send+recv" : "recv") : "send");
     }
     return waiting;
-  }
-
-  [[noreturn]] void throwTimeout(const Label& label) {
-    throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                   label.timeout.count() / 1000.0, waitingFor()));
   }
 
   char* base_ = nullptr;
