@@ -9,6 +9,9 @@
 
 #include <CLI/CLI.hpp>
 #include <cstdio>
+#include <fstream>
+
+#include <nlohmann/json.hpp>
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
@@ -72,12 +75,13 @@ int main(int argc, char** argv) {
   addModelOptions(tr, t.model);
 
   milnce::TrainOptions e;
-  std::string checkpoint;
+  std::string checkpoint, eval_json;
   auto* ev = app.add_subcommand("eval", "retrieval R@1/5/10 and median rank of a checkpoint");
   ev->add_option("--data", e.data, "data directory")->required();
   ev->add_option("--run", e.out, "run directory (its newest checkpoint is used)");
   ev->add_option("--checkpoint", checkpoint, "a checkpoint file instead of --run's newest");
   ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
+  ev->add_option("--json", eval_json, "where to write the results (default: RUN/eval-epochN.json)");
   addLoaderOptions(ev, e.loader);
   addModelOptions(ev, e.model);
 
@@ -104,6 +108,11 @@ int main(int argc, char** argv) {
       std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
                   milnce::formatRetrieval(fmt::format("epoch {}", st->epoch), r).c_str(),
                   milnce::chanceRow(r.clips).c_str());
+      if (eval_json.empty()) eval_json = fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
+      nlohmann::json j = {{"epoch", st->epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
+                          {"median_rank", r.median_rank}, {"chance_R@10", std::min(1.0, 10.0 / std::max(1, r.clips))}};
+      std::ofstream(eval_json) << j.dump(2) << "\n";
+      std::printf("wrote %s\n", eval_json.c_str());
     }
   } catch (const std::exception& ex) {
     std::fprintf(stderr, "milnce: %s\n", ex.what());
