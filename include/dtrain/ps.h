@@ -1,0 +1,177 @@
+// Parameter server: workers push gradients of named float32 tensors to server processes, which
+// aggregate them and (optionally) run the optimizer; workers pull the new values.
+//
+// \code
+//   // every process (under `dtrain-run --servers S`):
+//   if (dtrain::ps::runServerIfRole()) return 0;           // a server process serves until done
+//   auto store = dtrain::ps::storeFromEnv();
+//   dtrain::ps::Worker ps(store, rank, world, num_servers, opts);
+//   for (auto& p : params) ps.declare(name(p), p);          // same order on every worker; worker 0's values win
+//   for (step...) {
+//     ps.pull(name, p);                                     // BSP: waits for the previous step's update
+//     ...forward/backward...
+//     ps.push(name, p.grad());
+//     ps.clock();                                           // ends this worker's step
+//   }
+//   ps.finish();
+// \endcode
+//
+// Processes: workers 0..W-1 and servers 0..S-1. Each (worker, server) pair has its own 2-rank
+// ProcessGroup (store prefix "ps/w<w>s<s>", worker = rank 0, server = rank 1). A tensor is cut into
+// partitions of at most partition_bytes; each partition goes to the server with the fewest bytes so
+// far (ties: lowest index). Sparse tables (declareRows) put row r on server r % S.
+//
+// Wire protocol: every request and reply is a fixed-size Header (kHeaderBytes) followed by a payload
+// whose size the receiver derives from its own view of the layout: a header that claims more than the
+// declared partition (or more rows than one message may carry) is a ProtocolError; nothing is ever
+// allocated from a peer's claim beyond partition_bytes.
+//
+// Consistency (dense tensors):
+//  - bsp: push of clock c for a partition is summed with the other workers' pushes of clock c; when all
+//    W have arrived the server applies ONE update with the mean gradient (sum / W), so BSP equals
+//    single-process training on the global batch when each worker's loss is a mean over an equal local
+//    batch. A pull at clock c waits until step c-1 has been applied (version >= c). A server that waits
+//    longer than `timeout` fails with an error naming the workers whose pushes are missing.
+//  - asp: each push is applied at once as its own optimizer step (lr * grad, no 1/W scaling); pulls
+//    return the current values.
+//  - ssp(s): pushes applied at once as in asp; a pull at clock c waits while c - min_clock > s, where
+//    min_clock is the slowest unfinished worker's clock (clock() messages reach every server).
+// Update modes: sgd (momentum, like torch::optim::SGD), adam (like torch::optim::Adam), sum_only (a
+// summation service: in bsp a pull at clock c returns the SUM of the W pushes of step c-1 — divide by W
+// for the mean and run your optimizer locally; in asp/ssp the value accumulates every push: value += push,
+// so workers push their own deltas).
+// Sparse tables: rows are created as zeros on first touch; each pushRows is applied to its rows at once
+// (the update mode per row, no 1/W scaling); pullRows obeys the clock gate (bsp: all workers have reached
+// the puller's clock; ssp: staleness). Only the touched rows travel.
+//
+// Failures: every error a worker raises names the server ("[worker w] server s: ..."); a dead server is
+// found by the transport (connection closed / process gone) at once. Worker groups use a deadline of
+// timeout + max(1s, timeout/4), so a server's own (more informative) timeout error arrives first. A
+// server waits for a worker's next request without a practical deadline (a worker may compute for
+// long); a dead worker is found by the transport at once. A
+// server fails on its first error (a worker gone, a protocol error, a BSP/SSP wait past the timeout):
+// it tells every worker, and run() throws.
+#pragma once
+#include <ATen/core/Tensor.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/comm/process_group.h"
+#include "dtrain/comm/store.h"
+
+namespace dtrain::ps {
+
+enum class Consistency { bsp, asp, ssp };
+
+struct PSOptions {
+  Consistency consistency = Consistency::bsp;
+  int staleness = 0;  // ssp only
+  size_t partition_bytes = 4u << 20;
+  enum class Update { sum_only, sgd, adam } update = Update::sgd;
+  double lr = 0.1, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  std::chrono::milliseconds timeout{60000};
+};
+
+// Bytes of one request or reply header on the wire (counted by bytesSent/bytesReceived).
+inline constexpr int64_t kHeaderBytes = 40;
+
+// Calls are synchronous (each returns when its requests were sent and, for pulls, the replies are in);
+// the requests of one call go to all the servers concerned before any reply is awaited. One thread.
+class Worker {
+ public:
+  // Connects to every server (collective with them: each server constructs its Server).
+  Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts);
+  ~Worker();
+  Worker(const Worker&) = delete;
+  Worker& operator=(const Worker&) = delete;
+
+  // Every worker declares the same tensors in the same order. Worker 0's values are stored.
+  void declare(const std::string& name, const at::Tensor& init);
+  // A sparse table of num_rows x dim float32 rows, created as zeros on first touch.
+  void declareRows(const std::string& name, int64_t num_rows, int64_t dim);
+
+  // grad / out: float32, CPU, same numel as declared (out must be contiguous).
+  void push(const std::string& name, const at::Tensor& grad);
+  void pull(const std::string& name, at::Tensor& out);
+  // push then pull in one round trip per partition; in bsp the values returned include this step's
+  // update (the pull waits for version clock+1).
+  void pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out);
+  // Ends this worker's step: clock() += 1 on every server.
+  void clock();
+  int clockValue() const { return clock_; }
+
+  // rows: int64 [n] (distinct not required; duplicates are applied in turn), grads: float32 [n, dim].
+  void pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
+  at::Tensor pullRows(const std::string& name, const at::Tensor& rows);
+
+  // Every byte this worker sent to / received from servers (headers included).
+  int64_t bytesSent() const { return sent_.load(); }
+  int64_t bytesReceived() const { return received_.load(); }
+
+  // Says goodbye to every server (waits for their acknowledgement). Idempotent; the destructor calls it
+  // (ignoring errors) if the user did not.
+  void finish();
+
+  int rank() const { return rank_; }
+  int numServers() const { return num_servers_; }
+
+  struct Part {
+    uint32_t key;
+    int server;
+    int64_t offset;  // elements into the tensor
+    int64_t count;
+  };
+  struct Entry {
+    bool sparse = false;
+    int64_t numel = 0;             // dense
+    std::vector<Part> parts;       // dense
+    int64_t num_rows = 0, dim = 0; // sparse
+    uint32_t key = 0;              // sparse: the table's key (same on every server)
+  };
+
+ private:
+  const Entry& entry(const std::string& name, bool sparse) const;
+  void pullImpl(const std::string& name, const at::Tensor* grad, at::Tensor& out);
+  struct Conn;
+
+  int rank_, num_workers_, num_servers_;
+  PSOptions opts_;
+  std::vector<std::unique_ptr<Conn>> conns_;
+  std::map<std::string, Entry> entries_;
+  std::vector<int64_t> load_;  // bytes per server
+  uint32_t next_key_ = 0;
+  int clock_ = 0;
+  bool finished_ = false;
+  std::atomic<int64_t> sent_{0}, received_{0};
+};
+
+class Server {
+ public:
+  Server(std::shared_ptr<comm::Store> store, int index, int num_servers, int num_workers, PSOptions opts);
+  ~Server();
+  Server(const Server&) = delete;
+  Server& operator=(const Server&) = delete;
+  // Serves until every worker said goodbye; throws the first error (naming the server and the worker).
+  void run();
+
+  struct State;
+
+ private:
+  std::unique_ptr<State> state_;
+};
+
+// The store a dtrain-run job's processes share: TcpStore at MASTER_ADDR:MASTER_PORT (the launcher hosts
+// it: DTRAIN_USE_AGENT_STORE=1), keys under "gen<DTRAIN_RESTART_COUNT>/ps".
+std::shared_ptr<comm::Store> storeFromEnv(std::chrono::milliseconds timeout = std::chrono::seconds(60));
+
+// With DTRAIN_ROLE=server: builds a Server from DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS,
+// DTRAIN_NUM_WORKERS and storeFromEnv(), runs it and returns true. Otherwise returns false at once.
+bool runServerIfRole(PSOptions opts = {});
+
+}  // namespace dtrain::ps
