@@ -341,8 +341,9 @@ void Worker::pullImpl(const std::string& name, const at::Tensor* grad, at::Tenso
     g = floatCpu(*grad, "gradient");
     DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
   }
-  Batch b(rank_, sent_, received_);
-  for (const auto& p : e.parts) {
+  float* dst = out.data_ptr<float>();
+  // Sends a partition's request (and, for pushPull, its gradient) to its server.
+  auto request = [&](Batch& b, const Part& p) {
     Header h;
     h.op = grad ? kPushPull : kPull;
     h.key = p.key;
@@ -351,10 +352,8 @@ void Worker::pullImpl(const std::string& name, const at::Tensor* grad, at::Tenso
     auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
     b.sendHeader(p.server, pg, h);
     if (grad) b.send(p.server, pg, g.data_ptr<float>() + p.offset, p.count, DType::f32);
-  }
-  b.waitAll();
-  float* dst = out.data_ptr<float>();
-  for (const auto& p : e.parts) {
+  };
+  auto reply = [&](Batch& b, const Part& p) {
     auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
     Header h = b.recvReply(p.server, pg, kValues);
     if (h.key != p.key || h.count != p.count) {
@@ -362,7 +361,23 @@ void Worker::pullImpl(const std::string& name, const at::Tensor* grad, at::Tenso
                                       rank_, p.server, h.key, h.count, p.key, p.count));
     }
     b.recv(p.server, pg, dst + p.offset, p.count, DType::f32);
+  };
+  if (grad) {
+    // One partition at a time: while a server sends a large reply it reads nothing, so a second large
+    // gradient queued behind the first on the same connection would deadlock both sides.
+    for (const auto& p : e.parts) {
+      Batch b(rank_, sent_, received_);
+      request(b, p);
+      b.waitAll();
+      reply(b, p);
+    }
+    return;
   }
+  // Pull requests are headers only: post them all, then collect the replies.
+  Batch b(rank_, sent_, received_);
+  for (const auto& p : e.parts) request(b, p);
+  b.waitAll();
+  for (const auto& p : e.parts) reply(b, p);
 }
 
 void Worker::pull(const std::string& name, at::Tensor& out) { pullImpl(name, nullptr, out); }

@@ -516,3 +516,30 @@ TEST(PSFaults, KilledServerIsNamedPromptly) {
 
 }  // namespace
 }  // namespace dtrain::test
+
+namespace dtrain::test {
+namespace {
+
+// pushPull of a tensor cut into several large partitions on one server: each partition's gradient and
+// reply are bigger than the socket buffers, which once deadlocked worker and server. The result is the
+// BSP update of the mean gradient: p1 = p0 - lr * mean_w(g_w).
+TEST(PSBsp, PushPullOfLargeMultiPartitionTensor) {
+  PSOptions o;
+  o.consistency = ps::Consistency::bsp;
+  o.update = PSOptions::Update::sgd;
+  o.lr = 0.5;
+  o.partition_bytes = 2u << 20;  // 3 partitions of a 6 MB tensor, all on the one server
+  o.timeout = std::chrono::seconds(30);
+  const int64_t n = 3 * (512 * 1024);
+  runPS(2, 1, o, [&](ps::Worker& wk, int w, comm::Store&) {
+    wk.declare("big", torch::ones({n}));
+    auto grad = torch::full({n}, static_cast<float>(w + 1));  // mean over 2 workers: 1.5
+    auto out = torch::empty({n});
+    wk.pushPull("big", grad, out);
+    EXPECT_TRUE(torch::allclose(out, torch::full({n}, 1.0f - 0.5f * 1.5f))) << out.slice(0, 0, 4);
+    wk.clock();
+  });
+}
+
+}  // namespace
+}  // namespace dtrain::test

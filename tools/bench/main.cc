@@ -8,6 +8,7 @@
 
 #include "bench/collectives_bench.h"
 #include "bench/ddp_bench.h"
+#include "bench/ps_bench.h"
 #include "dtrain/comm/error.h"
 
 int main(int argc, char** argv) {
@@ -15,6 +16,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   dtrain::bench::addCollectiveCommands(app);
   dtrain::bench::addDdpCommand(app);
+  dtrain::bench::addPsCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

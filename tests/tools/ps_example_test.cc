@@ -1,0 +1,49 @@
+// The parameter-server CTR example trains under dtrain-run (1 server, 2 workers) and learns: rank 0
+// prints one line per epoch and the held-out AUC and loss of the last epoch beat the first's.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <regex>
+#include <string>
+#include <vector>
+
+namespace {
+
+// Runs a shell command (bounded by `timeout`), returns its exit status and output.
+std::pair<int, std::string> run(const std::string& cmd) {
+  std::string out;
+  FILE* p = popen(("timeout 120 " + cmd + " 2>&1").c_str(), "r");
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
+struct Epoch {
+  int epoch;
+  double test_loss, auc;
+};
+
+std::vector<Epoch> epochs(const std::string& out) {
+  std::regex re(R"(\[rank 0\]: epoch (\d+) .*test_loss ([0-9.]+)\s+auc ([0-9.]+))");
+  std::vector<Epoch> v;
+  for (std::sregex_iterator it(out.begin(), out.end(), re), end; it != end; ++it)
+    v.push_back({std::stoi((*it)[1]), std::stod((*it)[2]), std::stod((*it)[3])});
+  return v;
+}
+
+TEST(PsExample, CtrTrainsWithOneServerAndTwoWorkers) {
+  auto [rc, out] = run(DTRAIN_BIN_DIR "/dtrain-run --standalone --servers 1 --nproc-per-node 2 " DTRAIN_BIN_DIR
+                                      "/example-ps-ctr");
+  ASSERT_EQ(rc, 0) << out;
+  auto e = epochs(out);
+  ASSERT_EQ(e.size(), 5u) << out;
+  for (size_t i = 0; i < e.size(); ++i) EXPECT_EQ(e[i].epoch, static_cast<int>(i)) << out;
+  EXPECT_NE(out.find("(2 workers"), std::string::npos) << out;
+  EXPECT_GT(e.back().auc, e.front().auc + 0.01) << out;
+  EXPECT_LT(e.back().test_loss, e.front().test_loss) << out;
+  EXPECT_GT(e.back().auc, 0.7) << out;
+}
+
+}  // namespace

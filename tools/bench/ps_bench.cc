@@ -1,0 +1,276 @@
+// dtrain-bench ps: the parameter server (run under `dtrain-run --servers S`; the same binary is a
+// server or a worker by DTRAIN_ROLE).
+//
+//   --mode mlp: the reference MLP of ../shared/anchors/torch_ddp.py (784-2048-2048-1024-10, batch 64 per
+//     worker, SGD momentum 0.9 applied by the servers, BSP) trained through the PS; a pull and a push per
+//     parameter per step. Prints
+//       dtrain-ps workers=2 servers=1 params=7912458 batch_per_worker=64 ms_per_step=... samples_per_s=...
+//     Compare with `dtrain-bench ddp` under the same launcher (without --servers).
+//   --mode sparse: an embedding table of 1M x 64 floats; each step touches --rows random rows (1%):
+//     pullRows + pushRows of the row gradients through the PS, against the dense alternative, an
+//     allreduce of the whole 1M x 64 gradient (256 MB) over the workers' group. Prints time and bytes
+//     per step for both and the speedup.
+// Both modes check the PS's arithmetic on known updates (a small dense tensor pushed every step, and in
+// sparse mode a row table) and exit 1 on a mismatch.
+#include "bench/ps_bench.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/distributed.h"
+#include "dtrain/ps.h"
+
+namespace dtrain::bench {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+struct Options {
+  std::string mode = "mlp";
+  int steps = 20;
+  int warmup = 3;
+  int batch = 64;
+  int64_t table_rows = 1000000;
+  int64_t dim = 64;
+  int64_t rows = 10000;
+  int dense_steps = 5;
+};
+
+ps::PSOptions psOptions(const Options& o) {
+  ps::PSOptions p;
+  p.update = ps::PSOptions::Update::sgd;
+  p.lr = 0.01;
+  p.momentum = o.mode == "mlp" ? 0.9 : 0.0;  // sparse: plain SGD so the row check is order-independent
+  return p;
+}
+
+double seconds(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// A small dense tensor of zeros pushed in every step next to the real work: worker w's gradient is
+// (w+1) everywhere, so BSP applies SGD (with the servers' momentum) to the mean (W+1)/2 once per step;
+// the value after n steps is known in closed form.
+struct DenseCheck {
+  ps::Worker& w;
+  ps::PSOptions p;
+  int world;
+  int steps = 0;
+  DenseCheck(ps::Worker& worker, const ps::PSOptions& opts, int W) : w(worker), p(opts), world(W) {
+    w.declare("check_dense", torch::zeros({1000}));
+  }
+  void push() {  // before clock()
+    w.push("check_dense", torch::full({1000}, static_cast<float>(w.rank() + 1)));
+    ++steps;
+  }
+  bool verify() {  // after the last clock()
+    auto out = torch::empty({1000});
+    w.pull("check_dense", out);
+    double g = (world + 1) / 2.0, buf = 0, val = 0;
+    for (int i = 0; i < steps; ++i) {
+      buf = p.momentum * buf + g;
+      val -= p.lr * buf;
+    }
+    bool ok = torch::allclose(out, torch::full({1000}, static_cast<float>(val)), 1e-4, 1e-6);
+    if (!ok) std::fprintf(stderr, "[worker %d] check_dense after %d steps: got %f, want %f\n", w.rank(), steps,
+                          out[0].item<double>(), val);
+    return ok;
+  }
+};
+
+// Rows 0..99 of a fresh table; every worker pushes (w+1) on even rows; each push is its own SGD step.
+bool checkRows(ps::Worker& w, int world, const ps::PSOptions& p, int64_t dim) {
+  w.declareRows("check_rows", 1000, dim);
+  auto even = torch::arange(0, 100, 2, torch::kLong);
+  w.pushRows("check_rows", even, torch::full({even.size(0), dim}, static_cast<float>(w.rank() + 1)));
+  w.clock();
+  auto got = w.pullRows("check_rows", torch::arange(0, 100, torch::kLong));  // BSP gate: every worker pushed
+  double sum = world * (world + 1) / 2.0;
+  auto want = torch::zeros({100, dim});
+  want.index_fill_(0, even, static_cast<float>(-p.lr * sum));
+  bool ok = torch::allclose(got, want, 1e-5, 1e-7);
+  if (!ok) std::fprintf(stderr, "[worker %d] check_rows: max error %g\n", w.rank(), (got - want).abs().max().item<double>());
+  return ok;
+}
+
+torch::nn::Sequential referenceMlp() {
+  torch::manual_seed(0);
+  return torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
+                               torch::nn::ReLU(), torch::nn::Linear(2048, 1024), torch::nn::ReLU(),
+                               torch::nn::Linear(1024, 10));
+}
+
+int runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check) {
+  auto net = referenceMlp();
+  auto params = net->parameters();
+  int64_t nparams = 0;
+  for (size_t i = 0; i < params.size(); ++i) {
+    w.declare("p" + std::to_string(i), params[i].detach());
+    nparams += params[i].numel();
+  }
+  auto g = at::make_generator<at::CPUGeneratorImpl>(dist.rank());
+  auto x = at::randn({o.batch, 784}, g);
+  auto y = at::randint(0, 10, {o.batch}, g, torch::kLong);
+  double first_loss = 0, last_loss = 0;
+  // pull (BSP: waits for the previous step's update), forward/backward, push. (Separate push and pull:
+  // pushPull of a tensor cut into several partitions on one server stalled in our runs.)
+  auto step = [&] {
+    {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < params.size(); ++i) {
+        auto v = params[i].detach();
+        w.pull("p" + std::to_string(i), v);
+      }
+    }
+    net->zero_grad();
+    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+    loss.backward();
+    for (size_t i = 0; i < params.size(); ++i) w.push("p" + std::to_string(i), params[i].grad());
+    check.push();
+    w.clock();
+    return loss.item<double>();
+  };
+  for (int i = 0; i < o.warmup; ++i) first_loss = step();
+  dist.world()->barrier()->wait();
+  int64_t b0 = w.bytesSent() + w.bytesReceived();
+  auto t0 = Clock::now();
+  for (int i = 0; i < o.steps; ++i) last_loss = step();
+  dist.world()->barrier()->wait();
+  double dt = seconds(t0) / o.steps;
+  double bytes = static_cast<double>(w.bytesSent() + w.bytesReceived() - b0) / o.steps;
+  if (dist.isMain()) {
+    std::printf("dtrain-ps workers=%d servers=%d params=%lld batch_per_worker=%d ms_per_step=%.1f samples_per_s=%.1f "
+                "MB_per_step_per_worker=%.1f loss %.4f -> %.4f\n",
+                dist.size(), w.numServers(), static_cast<long long>(nparams), o.batch, dt * 1e3,
+                dist.size() * o.batch / dt, bytes / 1e6, first_loss, last_loss);
+  }
+  return 0;
+}
+
+struct SparseResult {
+  double ms = 0, pull_ms = 0, push_ms = 0, bytes = 0;
+};
+
+int runSparse(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check, SparseResult& r) {
+  w.declareRows("emb", o.table_rows, o.dim);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + dist.rank());
+  double pull_s = 0, push_s = 0;
+  auto step = [&] {
+    auto rows = at::randint(0, o.table_rows, {o.rows}, g, torch::kLong);
+    auto t = Clock::now();
+    auto values = w.pullRows("emb", rows);
+    pull_s += seconds(t);
+    auto grads = 0.01 * values + 1.0;  // stands in for the backward pass
+    t = Clock::now();
+    w.pushRows("emb", rows, grads);
+    push_s += seconds(t);
+    check.push();
+    w.clock();
+  };
+  for (int i = 0; i < o.warmup; ++i) step();
+  dist.world()->barrier()->wait();
+  pull_s = push_s = 0;
+  int64_t b0 = w.bytesSent() + w.bytesReceived();
+  auto t0 = Clock::now();
+  for (int i = 0; i < o.steps; ++i) step();
+  dist.world()->barrier()->wait();
+  double sparse_s = seconds(t0) / o.steps;
+  double sparse_bytes = static_cast<double>(w.bytesSent() + w.bytesReceived() - b0) / o.steps;
+
+  r.ms = sparse_s * 1e3;
+  r.pull_ms = pull_s * 1e3 / o.steps;
+  r.push_ms = push_s * 1e3 / o.steps;
+  r.bytes = sparse_bytes;
+  return 0;
+}
+
+// The dense alternative, timed after the PS servers have finished (so they take no CPU from it).
+int runDense(const Options& o, const Distributed& dist, const SparseResult& r, int servers) {
+  double sparse_s = r.ms / 1e3, sparse_bytes = r.bytes;
+  auto grad = torch::ones({o.table_rows, o.dim});
+  auto allreduce = [&] {
+    dist.world()->allreduce(grad.data_ptr<float>(), grad.numel(), comm::DType::f32, comm::ReduceOp::avg)->wait();
+  };
+  allreduce();
+  dist.world()->barrier()->wait();
+  auto t0 = Clock::now();
+  for (int i = 0; i < o.dense_steps; ++i) allreduce();
+  dist.world()->barrier()->wait();
+  double dense_s = seconds(t0) / o.dense_steps;
+  int W = dist.size();
+  // A ring allreduce sends and receives 2 (W-1)/W of the buffer per rank.
+  double table_bytes = static_cast<double>(grad.numel()) * 4;
+  double dense_bytes = W > 1 ? 2.0 * 2.0 * (W - 1) / W * table_bytes : 0.0;  // sent + received
+  if (!torch::allclose(grad, torch::ones_like(grad))) {
+    std::fprintf(stderr, "[worker %d] dense allreduce: wrong average\n", dist.rank());
+    return 1;
+  }
+  if (dist.isMain()) {
+    std::printf("dtrain-ps-sparse workers=%d servers=%d table=%lldx%lld rows_per_step=%lld (%.2f%%)\n", W,
+                servers, static_cast<long long>(o.table_rows), static_cast<long long>(o.dim),
+                static_cast<long long>(o.rows), 100.0 * o.rows / o.table_rows);
+    std::printf("  sparse PS (pullRows+pushRows): ms_per_step=%.2f (pull %.2f, push %.2f) MB_per_step_per_worker=%.2f "
+                "(sent+received)\n",
+                sparse_s * 1e3, r.pull_ms, r.push_ms, sparse_bytes / 1e6);
+    std::printf("  dense allreduce (%.0f MB, %s): ms_per_step=%.2f MB_per_step_per_worker=%.2f (ring estimate, sent+received)\n",
+                table_bytes / 1e6, dist.world()->transportName().c_str(), dense_s * 1e3, dense_bytes / 1e6);
+    std::printf("  speedup=%.1fx bytes_ratio=%.1fx\n", dense_s / sparse_s, sparse_bytes > 0 ? dense_bytes / sparse_bytes : 0.0);
+  }
+  return 0;
+}
+
+int run(const Options& o) {
+  torch::set_num_threads(1);
+  auto p = psOptions(o);
+  if (ps::runServerIfRole(p)) return 0;
+  const char* s = std::getenv("DTRAIN_NUM_SERVERS");
+  if (!s || std::getenv("DTRAIN_ROLE") == nullptr) {
+    std::fprintf(stderr, "dtrain-bench ps: run under dtrain-run --servers S (e.g. dtrain-run --standalone --servers 1 "
+                         "--nproc-per-node 2 dtrain-bench ps)\n");
+    return 1;
+  }
+  auto dist = dtrain::init();  // the workers' own group (barriers, the dense allreduce)
+  ps::Worker w(ps::storeFromEnv(), dist.rank(), dist.size(), std::atoi(s), p);
+  DenseCheck check(w, p, dist.size());
+  SparseResult r;
+  int rc = o.mode == "mlp" ? runMlp(o, w, dist, check) : runSparse(o, w, dist, check, r);
+  bool ok = check.verify();
+  if (o.mode == "sparse") ok = checkRows(w, dist.size(), p, o.dim) && ok;
+  w.finish();
+  if (rc == 0 && o.mode == "sparse") rc = runDense(o, dist, r, w.numServers());
+  if (dist.isMain()) std::printf("  check: %s\n", ok ? "ok" : "MISMATCH");
+  return rc == 0 && ok ? 0 : 1;
+}
+
+}  // namespace
+
+void addPsCommand(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand(
+      "ps",
+      "parameter server (under dtrain-run --servers S): --mode mlp trains the reference MLP through the PS (compare "
+      "with `dtrain-bench ddp` under the same dtrain-run without --servers); --mode sparse: 1M x 64 embedding rows "
+      "through the PS vs a dense allreduce of the whole gradient");
+  sub->add_option("--mode", o->mode, "mlp or sparse")->check(CLI::IsMember({"mlp", "sparse"}));
+  sub->add_option("--steps", o->steps, "timed steps");
+  sub->add_option("--warmup", o->warmup, "untimed steps first");
+  sub->add_option("--batch", o->batch, "mlp: batch per worker");
+  sub->add_option("--table-rows", o->table_rows, "sparse: rows of the table");
+  sub->add_option("--dim", o->dim, "sparse: floats per row");
+  sub->add_option("--rows", o->rows, "sparse: random rows touched per step");
+  sub->add_option("--dense-steps", o->dense_steps, "sparse: timed dense allreduce steps");
+  sub->callback([o] {
+    int rc = 1;
+    try {
+      rc = run(*o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dtrain-bench ps: %s\n", e.what());
+    }
+    std::fflush(stdout);
+    std::exit(rc);
+  });
+}
+
+}  // namespace dtrain::bench
