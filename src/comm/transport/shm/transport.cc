@@ -509,6 +509,7 @@ class ShmTransport : public Transport {
       }
       for (int p : b) {
         if (kill(pids_[p], 0) != 0 && errno == ESRCH && counter(k, p)->v.load() < g) {
+          checkAborts(label, describe(b));  // a rank that failed and exited left its reason: report that
           throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it {}",
                                     rank_, label.what, peerName(p), doing));
         }
@@ -596,6 +597,7 @@ class ShmTransport : public Transport {
         // Data it wrote before dying may still be in the ring: let the caller pump once more.
         RingCtl* c = ctl(p, rank_);
         if (rqi[p] < rq[p].size() && c->head.load() != c->tail.load()) return;
+        checkAborts(label, waitingFor());  // a rank that failed and exited left its reason: report that
         throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it",
                                   rank_, label.what, peerName(p)));
       }
