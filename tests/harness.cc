@@ -146,6 +146,17 @@ std::string runPython(const std::string& code) {
   return out;
 }
 
+std::pair<int, std::string> runCommand(const std::string& cmd, int timeout_seconds) {
+  std::string out;
+  std::string full = "timeout " + std::to_string(timeout_seconds) + " " + cmd + " 2>&1";
+  FILE* p = popen(full.c_str(), "r");
+  if (!p) return {-1, "popen failed"};
+  char buf[4096];
+  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
+  int st = pclose(p);
+  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
+}
+
 long rssKiB() {
   std::ifstream f("/proc/self/status");
   std::string line;

@@ -7,6 +7,7 @@
 #include <functional>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/comm/store.h"
@@ -48,6 +49,10 @@ class StoreServer {
 // Runs /usr/bin/python3 on `code` (written to a file: no shell quoting) and returns its output; empty,
 // with a test failure, if it did not exit 0. (python3-torch and numpy come from scripts/setup.sh.)
 std::string runPython(const std::string& code);
+
+// Runs a shell command under `timeout <seconds>` and returns its exit status (-1 if it did not exit)
+// and everything it printed on stdout and stderr.
+std::pair<int, std::string> runCommand(const std::string& cmd, int timeout_seconds = 120);
 
 // Resident memory of this process, in KiB (from /proc/self/status).
 long rssKiB();

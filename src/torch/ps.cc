@@ -211,6 +211,17 @@ class Batch {
   std::vector<std::pair<int, WorkPtr>> works_;
 };
 
+// Sends a header-only request (clock, goodbye) to every server.
+template <class Conns>
+void sendToAllServers(Batch& b, const Conns& conns, uint16_t op, int32_t clock) {
+  for (size_t s = 0; s < conns.size(); ++s) {
+    Header h;
+    h.op = op;
+    h.clock = clock;
+    b.sendHeader(static_cast<int>(s), *conns[s]->pg, h);
+  }
+}
+
 }  // namespace
 
 Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
@@ -390,12 +401,7 @@ void Worker::clock() {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: clock after finish()");
   ++clock_;
   Batch b(rank_, sent_, received_);
-  for (int s = 0; s < num_servers_; ++s) {
-    Header h;
-    h.op = kClock;
-    h.clock = clock_;
-    b.sendHeader(s, *conns_[static_cast<size_t>(s)]->pg, h);
-  }
+  sendToAllServers(b, conns_, kClock, clock_);
   b.waitAll();
 }
 
@@ -505,12 +511,7 @@ void Worker::finish() {
   if (finished_) return;
   finished_ = true;
   Batch b(rank_, sent_, received_);
-  for (int s = 0; s < num_servers_; ++s) {
-    Header h;
-    h.op = kBye;
-    h.clock = clock_;
-    b.sendHeader(s, *conns_[static_cast<size_t>(s)]->pg, h);
-  }
+  sendToAllServers(b, conns_, kBye, clock_);
   b.waitAll();
   for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
 }

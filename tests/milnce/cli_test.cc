@@ -10,14 +10,8 @@
 
 namespace {
 
-std::pair<int, std::string> run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(("timeout 240 " + cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
+// Every command here is bounded by `timeout 240`.
+std::pair<int, std::string> run(const std::string& cmd) { return dtrain::test::runCommand(cmd, 240); }
 
 const std::string kMilnce = DTRAIN_BIN_DIR "/milnce";
 const std::string kRun = DTRAIN_BIN_DIR "/dtrain-run";

@@ -1,21 +1,16 @@
 // The examples run unchanged alone (distribution off) and under dtrain-run, and learn.
 #include <gtest/gtest.h>
 
+#include "harness.h"
+
 #include <cstdio>
 #include <regex>
 #include <string>
 
 namespace {
 
-// Runs a shell command (bounded by `timeout`), returns its exit status and output.
-std::pair<int, std::string> run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(("timeout 120 " + cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
+// Every command here is bounded by `timeout 120`.
+std::pair<int, std::string> run(const std::string& cmd) { return dtrain::test::runCommand(cmd, 120); }
 
 double lastAccuracy(const std::string& out) {
   std::regex re("accuracy ([0-9.]+)");

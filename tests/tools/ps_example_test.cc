@@ -1,6 +1,8 @@
 // The parameter-server CTR example trains under dtrain-run (1 server, 2 workers) and learns: rank 0
 // prints one line per epoch and the held-out AUC and loss of the last epoch beat the first's.
 #include <gtest/gtest.h>
+
+#include "harness.h"
 #include <sys/wait.h>
 
 #include <cstdio>
@@ -10,15 +12,8 @@
 
 namespace {
 
-// Runs a shell command (bounded by `timeout`), returns its exit status and output.
-std::pair<int, std::string> run(const std::string& cmd) {
-  std::string out;
-  FILE* p = popen(("timeout 120 " + cmd + " 2>&1").c_str(), "r");
-  char buf[4096];
-  while (size_t n = fread(buf, 1, sizeof buf, p)) out.append(buf, n);
-  int st = pclose(p);
-  return {WIFEXITED(st) ? WEXITSTATUS(st) : -1, out};
-}
+// Every command here is bounded by `timeout 120`.
+std::pair<int, std::string> run(const std::string& cmd) { return dtrain::test::runCommand(cmd, 120); }
 
 struct Epoch {
   int epoch;
