@@ -129,7 +129,20 @@ TEST(MultiHost, ADeadHostMakesTheOtherFailPromptly) {
                                     "--min-bytes", "1M", "--max-bytes", "1M", "--iters", "1000000"};
   auto a = spawn(hosts.a(), launcher(0, bench), dir + "/mh2-a.log");
   auto b = spawn(hosts.b(), launcher(1, bench), dir + "/mh2-b.log");
-  std::this_thread::sleep_for(std::chrono::seconds(3));
+  // Kill host B only once all four ranks have joined and are in the allreduce loop (rank 0 prints
+  // the header after the group is formed); a fixed delay raced with a slow start on a loaded machine.
+  auto joinBy = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (slurp(a.log).find("# dtrain-bench allreduce: world=4") == std::string::npos) {
+    if (std::chrono::steady_clock::now() > joinBy) {
+      kill(a.pid, SIGKILL);
+      kill(b.pid, SIGKILL);
+      waitFor(a, std::chrono::seconds(5));
+      waitFor(b, std::chrono::seconds(5));
+      FAIL() << "the four ranks never formed a group:\n" << slurp(a.log) << slurp(b.log);
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::this_thread::sleep_for(std::chrono::seconds(1));
   kill(b.pid, SIGKILL);
   auto t0 = std::chrono::steady_clock::now();
   int ra = waitFor(a, std::chrono::seconds(60));
