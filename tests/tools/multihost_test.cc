@@ -58,6 +58,7 @@ struct Proc {
 Proc spawn(const std::string& ns, const std::vector<std::string>& argv, const std::string& log) {
   Proc p;
   p.log = log;
+  unlink(log.c_str());  // a previous run's log must not be read while the child has yet to truncate it
   p.pid = fork();
   if (p.pid == 0) {
     int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
