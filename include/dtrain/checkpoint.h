@@ -32,7 +32,7 @@
 //   {"format": "dtrain-checkpoint-v1", "model": {name: tensor}, "optimizer": uint8 tensor (the bytes of a
 //    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int,
 //    "rng": uint8 tensor (the default CPU generator's state, empty if not captured), "user_rng": str,
-//    "metrics": {str: float}}
+//    "metrics": {str: float}, "parameter_server": {name: tensor}}
 // Files are named ckpt-<epoch, 6 digits>-<step, 9 digits>.pt; the newest is the greatest (epoch, step).
 // A save writes .tmp-<name>, fsyncs it, renames it into place and fsyncs the directory, so a crash
 // leaves either the old set of checkpoints or the new one, never a half-written ckpt-*.pt.
@@ -69,6 +69,9 @@ struct CheckpointState {
   at::Tensor rng;                                // default CPU generator state; undefined: not captured
   std::string user_rng;                          // e.g. a std::mt19937 written with operator<<
   std::map<std::string, double> metrics;
+  // The parameter servers' state (values and optimizer state of every PS tensor and sparse table), as
+  // ps::Worker::saveState() returns it; empty when training does not use a parameter server.
+  std::map<std::string, at::Tensor> parameter_server;
 
   // Copies (CPU, detached) every named parameter and buffer of module, recursively.
   void captureModel(const torch::nn::Module& module);

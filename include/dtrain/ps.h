@@ -44,6 +44,23 @@
 // (the update mode per row, no 1/W scaling); pullRows obeys the clock gate (bsp: all workers have reached
 // the puller's clock; ssp: staleness). Only the touched rows travel.
 //
+// Asynchronous calls: every operation has an ...Async form returning a Work; the operations of one
+// Worker run in the order they were issued, on the Worker's own communication thread, so a caller can
+// push a bucket while backward computes the next one. The synchronous forms are the Async form plus
+// wait(). Tensors handed to an Async call must not be modified (grads) or read (outputs) until its
+// Work completed. After an operation failed, every later one fails with that error.
+//
+// Local aggregation (Worker(store, LocalAggregation, ...)): the workers of one host form one PS client.
+// They sum their gradients over shared memory (the local group) and only the host's local rank 0 talks
+// to the servers; pulled values are broadcast back over shared memory. The servers then count hosts,
+// not processes, as their workers (runServerIfRole with opts.local_aggregation reads DTRAIN_NUM_NODES).
+// The host pushes the MEAN of its workers' gradients (sum_only: the SUM, so a pull still returns the sum
+// over every process); sparse rows of all local workers are pushed (and pulled) together.
+//
+// Checkpoints: saveState() returns the servers' state (values, optimizer state, versions, sparse rows)
+// as named tensors — put them in CheckpointState::parameter_server — and loadState() puts it back (every
+// worker calls it after declaring; worker 0 sends the data; every worker's clock becomes the saved one).
+//
 // Failures: every error a worker raises names the server ("[worker w] server s: ..."); a dead server is
 // found by the transport (connection closed / process gone) at once. Worker groups use a deadline of
 // timeout + max(1s, timeout/4), so a server's own (more informative) timeout error arrives first. A
@@ -56,8 +73,11 @@
 
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
 #include <cstdint>
+#include <functional>
 #include <map>
+#include <mutex>
 #include <memory>
 #include <string>
 #include <vector>
@@ -71,6 +91,8 @@ enum class Consistency { bsp, asp, ssp };
 
 struct PSOptions {
   Consistency consistency = Consistency::bsp;
+  // Server side: the workers are hosts whose local workers aggregate first (see LocalAggregation).
+  bool local_aggregation = false;
   int staleness = 0;  // ssp only
   size_t partition_bytes = 4u << 20;
   enum class Update { sum_only, sgd, adam } update = Update::sgd;
@@ -81,12 +103,47 @@ struct PSOptions {
 // Bytes of one request or reply header on the wire (counted by bytesSent/bytesReceived).
 inline constexpr int64_t kHeaderBytes = 40;
 
-// Calls are synchronous (each returns when its requests were sent and, for pulls, the replies are in);
-// the requests of one call go to all the servers concerned before any reply is awaited. One thread.
+// The completion of an asynchronous PS operation.
+class Work {
+ public:
+  Work(std::string what, std::chrono::milliseconds default_timeout)
+      : what_(std::move(what)), default_timeout_(default_timeout) {}
+  // Waits until the operation completed and rethrows its error. TimeoutError naming the operation if it
+  // has not completed within timeout (the operation itself goes on).
+  void wait(std::chrono::milliseconds timeout);
+  // With the Worker's default deadline (4 x PSOptions::timeout): an operation's own waits are bounded by
+  // the timeout, so this deadline only fires when several long operations are queued ahead of it.
+  void wait() { wait(default_timeout_); }
+  bool completed() const;
+  const std::string& what() const { return what_; }
+  // Called by the Worker's thread.
+  void complete(std::exception_ptr error);
+
+ private:
+  std::string what_;
+  std::chrono::milliseconds default_timeout_;
+  mutable std::mutex mu_;
+  std::condition_variable cv_;
+  bool done_ = false;
+  std::exception_ptr error_;
+};
+using WorkHandle = std::shared_ptr<Work>;
+
+// The workers of one host acting as one PS client (see the file comment).
+struct LocalAggregation {
+  std::shared_ptr<comm::ProcessGroup> local;  // this host's workers (Distributed::local()); not used by the
+                                              // Worker itself: it makes its own group from it, collectively
+  int node = 0;                               // this host's index: the PS worker index
+  int num_nodes = 1;                          // hosts: the number of PS workers the servers count
+};
+
+// One thread calls a Worker's methods; the Worker's own thread does the communication.
 class Worker {
  public:
   // Connects to every server (collective with them: each server constructs its Server).
   Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts);
+  // Local aggregation: collective over agg.local; only its rank 0 connects to the servers.
+  Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts);
   ~Worker();
   Worker(const Worker&) = delete;
   Worker& operator=(const Worker&) = delete;
@@ -97,18 +154,40 @@ class Worker {
   void declareRows(const std::string& name, int64_t num_rows, int64_t dim);
 
   // grad / out: float32, CPU, same numel as declared (out must be contiguous).
-  void push(const std::string& name, const at::Tensor& grad);
-  void pull(const std::string& name, at::Tensor& out);
+  void push(const std::string& name, const at::Tensor& grad) { pushAsync(name, grad)->wait(); }
+  void pull(const std::string& name, at::Tensor& out) { pullAsync(name, out)->wait(); }
   // push then pull in one round trip per partition; in bsp the values returned include this step's
   // update (the pull waits for version clock+1).
-  void pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out);
+  void pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out) {
+    pushPullAsync(name, grad, out)->wait();
+  }
   // Ends this worker's step: clock() += 1 on every server.
-  void clock();
+  void clock() { clockAsync()->wait(); }
   int clockValue() const { return clock_; }
 
   // rows: int64 [n] (distinct not required; duplicates are applied in turn), grads: float32 [n, dim].
-  void pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
+  void pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+    pushRowsAsync(name, rows, grads)->wait();
+  }
   at::Tensor pullRows(const std::string& name, const at::Tensor& rows);
+
+  WorkHandle pushAsync(const std::string& name, const at::Tensor& grad);
+  WorkHandle pullAsync(const std::string& name, at::Tensor out);
+  WorkHandle pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out);
+  WorkHandle clockAsync();
+  WorkHandle pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
+  // out: contiguous float32 [rows.numel(), dim].
+  WorkHandle pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out);
+
+  // The servers' state, gated like a pull at this worker's clock (bsp: every update of the steps before
+  // it applied). Keys: "<name>" [slots, numel] (value, then momentum or Adam's m and v), "<name>#step"
+  // and "<name>#version" (per partition), "<name>#rows" / "<name>#data" / "<name>#steps" for sparse
+  // tables, "#clock". Collective with nothing: any worker may call it (worker 0 usually does).
+  std::map<std::string, at::Tensor> saveState();
+  // Every worker calls it with the same state, after declaring the same tensors: worker 0 sends the
+  // values and optimizer state, every worker's clock becomes state["#clock"]. In bsp the next pulls wait
+  // for worker 0's restore; in asp/ssp, synchronise the workers (a barrier) before training on.
+  void loadState(const std::map<std::string, at::Tensor>& state);
 
   // Every byte this worker sent to / received from servers (headers included).
   int64_t bytesSent() const { return sent_.load(); }
@@ -118,8 +197,13 @@ class Worker {
   // (ignoring errors) if the user did not.
   void finish();
 
+  // The PS worker index (with local aggregation: the host's index) and count.
   int rank() const { return rank_; }
+  int numWorkers() const { return num_workers_; }
   int numServers() const { return num_servers_; }
+  // Whether this process talks to the servers (false for local ranks > 0 under local aggregation).
+  bool connected() const { return !conns_.empty(); }
+  const PSOptions& options() const { return opts_; }
 
   struct Part {
     uint32_t key;
@@ -137,12 +221,25 @@ class Worker {
 
  private:
   const Entry& entry(const std::string& name, bool sparse) const;
-  void pullImpl(const std::string& name, const at::Tensor* grad, at::Tensor& out);
+  void connect(const std::shared_ptr<comm::Store>& store);
+  WorkHandle submit(std::string what, std::function<void()> fn);
+  // The network side of each operation (on the Worker's thread).
+  void netDeclare(const Entry& e, const at::Tensor& init);
+  void netDeclareRows(const Entry& e);
+  void netPush(const Entry& e, const at::Tensor& g, int clock);
+  void netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock);
+  void netClock(uint16_t flags, int clock);
+  void netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& grads, int clock);
+  void netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock);
+  void netFinish();
   struct Conn;
+  struct Thread;
 
   int rank_, num_workers_, num_servers_;
   PSOptions opts_;
+  std::shared_ptr<comm::ProcessGroup> local_;  // local aggregation: this host's workers (own group)
   std::vector<std::unique_ptr<Conn>> conns_;
+  std::unique_ptr<Thread> thread_;
   std::map<std::string, Entry> entries_;
   std::vector<int64_t> load_;  // bytes per server
   uint32_t next_key_ = 0;

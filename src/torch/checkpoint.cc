@@ -132,6 +132,7 @@ class Reader {
  public:
   Reader(const std::string& path, c10::impl::GenericDict dict) : path_(path), dict_(std::move(dict)) {}
 
+  bool has(const std::string& key) const { return dict_.find(key) != dict_.end(); }
   const c10::IValue& get(const std::string& key) const {
     auto it = dict_.find(key);
     if (it == dict_.end()) fail(key, "is missing");
@@ -307,6 +308,9 @@ std::string Checkpointer::save(const CheckpointState& s) const {
   dict.insert("rng", s.rng.defined() ? s.rng.contiguous() : torch::empty({0}, torch::kUInt8));
   dict.insert("user_rng", s.user_rng);
   dict.insert("metrics", metrics);
+  c10::Dict<std::string, at::Tensor> ps_state;
+  for (const auto& [name, t] : s.parameter_server) ps_state.insert(name, t);
+  dict.insert("parameter_server", ps_state);
   const std::vector<char> bytes = torch::pickle_save(dict);
 
   std::error_code ec;
@@ -391,6 +395,7 @@ CheckpointState Checkpointer::load(const std::string& path) {
   if (s.rng.numel() == 0) s.rng = at::Tensor();
   s.user_rng = r.str("user_rng");
   s.metrics = r.numbers("metrics");
+  if (r.has("parameter_server")) s.parameter_server = r.tensors("parameter_server");  // absent before PS state
   return s;
 }
 

@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdlib>
 #include <cstring>
+#include <deque>
 #include <mutex>
 #include <thread>
 #include <unordered_map>
@@ -39,11 +40,15 @@ enum Op : uint16_t {
   kPullRows = 7,
   kClock = 8,
   kBye = 9,
+  kGetState = 10,
+  kSetState = 11,
   kAck = 20,
   kValues = 21,
   kError = 22,
 };
-constexpr uint16_t kFlagInit = 1;
+constexpr uint16_t kFlagInit = 1;  // declare: this worker sends the initial values
+constexpr uint16_t kFlagRows = 2;  // get/set state: of a sparse table
+constexpr uint16_t kFlagSet = 4;   // clock: set to this value (restore), not advance
 constexpr int64_t kMaxErrorBytes = 4096;
 
 struct Header {
@@ -69,6 +74,8 @@ const char* opName(uint16_t op) {
     case kPullRows: return "pullRows";
     case kClock: return "clock";
     case kBye: return "goodbye";
+    case kGetState: return "getState";
+    case kSetState: return "setState";
     case kAck: return "ack";
     case kValues: return "values";
     case kError: return "error";
@@ -224,26 +231,136 @@ void sendToAllServers(Batch& b, const Conns& conns, uint16_t op, int32_t clock) 
 
 }  // namespace
 
+// ------------------------------------------------------------------------------------------------
+// Work and the Worker's communication thread
+// ------------------------------------------------------------------------------------------------
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
+    throw TimeoutError(fmt::format("ps: {} did not complete within {} ms", what_, timeout.count()));
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool Work::completed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+void Work::complete(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// Runs the Worker's operations in issue order. After one failed, the later ones fail with its error.
+struct Worker::Thread {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<WorkHandle, std::function<void()>>> queue;
+  bool stop = false;
+  std::exception_ptr sticky;  // the thread's own
+  std::thread thread;
+
+  void loop() {
+    for (;;) {
+      std::pair<WorkHandle, std::function<void()>> job;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      std::exception_ptr err;
+      if (sticky) {
+        try {
+          std::rethrow_exception(sticky);
+        } catch (const std::exception& e) {
+          err = sameType(e, fmt::format("{} not run: an earlier operation failed: {}", job.first->what(), e.what()));
+        }
+      } else {
+        try {
+          job.second();
+        } catch (...) {
+          err = std::current_exception();
+          sticky = err;
+        }
+      }
+      job.first->complete(err);
+    }
+  }
+};
+
+WorkHandle Worker::submit(std::string what, std::function<void()> fn) {
+  auto w = std::make_shared<Work>(fmt::format("[worker {}] {}", rank_, what), opts_.timeout * 4);
+  {
+    std::lock_guard<std::mutex> lk(thread_->mu);
+    thread_->queue.emplace_back(w, std::move(fn));
+  }
+  thread_->cv.notify_one();
+  return w;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Worker: construction, declarations, the calling thread's side of each operation
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+void checkWorkerOptions(int num_servers, const PSOptions& opts, const std::shared_ptr<comm::Store>& store) {
+  DTRAIN_CHECK(num_servers >= 1, InvalidArgument, "ps::Worker: {} servers", num_servers);
+  DTRAIN_CHECK(opts.staleness >= 0, InvalidArgument, "ps: staleness {} < 0", opts.staleness);
+  DTRAIN_CHECK(store != nullptr, InvalidArgument, "ps::Worker: no store");
+}
+}  // namespace
+
 Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
     : rank_(rank), num_workers_(num_workers), num_servers_(num_servers), opts_(opts) {
   DTRAIN_CHECK(num_workers >= 1 && rank >= 0 && rank < num_workers, InvalidArgument,
                "ps::Worker: rank {} of {} workers", rank, num_workers);
-  DTRAIN_CHECK(num_servers >= 1, InvalidArgument, "ps::Worker: {} servers", num_servers);
-  DTRAIN_CHECK(opts.staleness >= 0, InvalidArgument, "ps: staleness {} < 0", opts.staleness);
-  DTRAIN_CHECK(store != nullptr, InvalidArgument, "ps::Worker: no store");
-  load_.assign(static_cast<size_t>(num_servers), 0);
-  auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), opts.timeout / 4);
-  auto gopts = groupOptions(opts.timeout + grace);
-  for (int s = 0; s < num_servers; ++s) {
+  checkWorkerOptions(num_servers, opts, store);
+  connect(store);
+}
+
+Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
+    : rank_(agg.node), num_workers_(agg.num_nodes), num_servers_(num_servers), opts_(opts) {
+  DTRAIN_CHECK(agg.local != nullptr, InvalidArgument, "ps::Worker: local aggregation without a local group");
+  DTRAIN_CHECK(agg.num_nodes >= 1 && agg.node >= 0 && agg.node < agg.num_nodes, InvalidArgument,
+               "ps::Worker: node {} of {} nodes", agg.node, agg.num_nodes);
+  checkWorkerOptions(num_servers, opts, store);
+  std::vector<int> all(static_cast<size_t>(agg.local->size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+  // A group of its own: the Worker's thread issues collectives on it while the user may use agg.local.
+  local_ = agg.local->newGroup(all);
+  if (local_->rank() == 0) {
+    connect(store);
+  } else {
+    load_.assign(static_cast<size_t>(num_servers), 0);
+    thread_ = std::make_unique<Thread>();
+    thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
+  }
+}
+
+void Worker::connect(const std::shared_ptr<comm::Store>& store) {
+  load_.assign(static_cast<size_t>(num_servers_), 0);
+  auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), opts_.timeout / 4);
+  auto gopts = groupOptions(opts_.timeout + grace);
+  for (int s = 0; s < num_servers_; ++s) {
     auto c = std::make_unique<Conn>();
     c->server = s;
     try {
-      c->pg = ProcessGroup::create(pairStore(store, rank, s), 0, 2, gopts);
+      c->pg = ProcessGroup::create(pairStore(store, rank_, s), 0, 2, gopts);
     } catch (...) {
-      rethrowPrefixed(fmt::format("[worker {}] connecting to server {}: ", rank, s));
+      rethrowPrefixed(fmt::format("[worker {}] connecting to server {}: ", rank_, s));
     }
     conns_.push_back(std::move(c));
   }
+  thread_ = std::make_unique<Thread>();
+  thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
 }
 
 Worker::~Worker() {
@@ -251,9 +368,18 @@ Worker::~Worker() {
     finish();
   } catch (...) {
   }
+  if (thread_) {
+    {
+      std::lock_guard<std::mutex> lk(thread_->mu);
+      thread_->stop = true;
+    }
+    thread_->cv.notify_all();
+    thread_->thread.join();
+  }
 }
 
 const Worker::Entry& Worker::entry(const std::string& name, bool sparse) const {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: '{}' used after finish()", name);
   auto it = entries_.find(name);
   DTRAIN_CHECK(it != entries_.end(), InvalidArgument, "ps: '{}' was not declared", name);
   DTRAIN_CHECK(it->second.sparse == sparse, InvalidArgument, "ps: '{}' is a {} tensor", name,
@@ -278,21 +404,10 @@ void Worker::declare(const std::string& name, const at::Tensor& init) {
     e.parts.push_back(Part{next_key_++, s, off, count});
     off += count;
   }
-  Batch b(rank_, sent_, received_);
-  const float* data = t.data_ptr<float>();
-  for (const auto& p : e.parts) {
-    Header h;
-    h.op = kDeclare;
-    h.key = p.key;
-    h.count = p.count;
-    h.flags = rank_ == 0 ? kFlagInit : 0;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-    b.sendHeader(p.server, pg, h);
-    if (rank_ == 0) b.send(p.server, pg, data + p.offset, p.count, DType::f32);
-  }
-  b.waitAll();
-  for (const auto& p : e.parts) b.recvReply(p.server, *conns_[static_cast<size_t>(p.server)]->pg, kAck);
-  entries_.emplace(name, std::move(e));
+  entries_.emplace(name, e);
+  submit(fmt::format("declare '{}'", name), [this, e, t] {
+    if (connected()) netDeclare(e, t);
+  })->wait();
 }
 
 void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim) {
@@ -301,38 +416,210 @@ void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim)
   DTRAIN_CHECK(num_rows > 0 && dim > 0, InvalidArgument, "ps: table '{}' of {} x {}", name, num_rows, dim);
   DTRAIN_CHECK(dim <= partLimit(opts_), InvalidArgument, "ps: table '{}' rows of {} floats exceed partition_bytes",
                name, dim);
+  DTRAIN_CHECK(num_rows / num_servers_ < INT32_MAX, InvalidArgument,
+               "ps: table '{}' of {} rows: more than 2^31 rows per server", name, num_rows);
   Entry e;
   e.sparse = true;
   e.num_rows = num_rows;
   e.dim = dim;
   e.key = next_key_++;
+  entries_.emplace(name, e);
+  submit(fmt::format("declareRows '{}'", name), [this, e] {
+    if (connected()) netDeclareRows(e);
+  })->wait();
+}
+
+namespace {
+// The sum (on local rank 0) of the local workers' g; the mean unless the update is sum_only.
+at::Tensor localSum(comm::ProcessGroup& local, const at::Tensor& g, const PSOptions& o) {
+  const bool root = local.rank() == 0;
+  at::Tensor sum = root ? at::empty_like(g) : at::Tensor();
+  local.reduce(g.data_ptr<float>(), root ? sum.data_ptr<float>() : nullptr, static_cast<size_t>(g.numel()),
+               DType::f32, comm::ReduceOp::sum, 0)->wait();
+  if (root && o.update != PSOptions::Update::sum_only) sum.div_(static_cast<double>(local.size()));
+  return sum;
+}
+// Every local worker's rows (and, with grads, their rows' gradients), concatenated in local-rank order.
+// Returns the offset of this worker's rows.
+int64_t localRows(comm::ProcessGroup& local, const at::Tensor& ids, const at::Tensor* grads, int64_t dim,
+                  at::Tensor& all_ids, at::Tensor* all_grads) {
+  const size_t L = static_cast<size_t>(local.size());
+  int64_t n = ids.numel();
+  std::vector<int64_t> counts(L);
+  local.allgather(&n, counts.data(), 1, DType::i64)->wait();
+  std::vector<size_t> c(L), cd(L);
+  int64_t total = 0, offset = 0;
+  for (size_t r = 0; r < L; ++r) {
+    if (static_cast<int>(r) == local.rank()) offset = total;
+    c[r] = static_cast<size_t>(counts[r]);
+    cd[r] = static_cast<size_t>(counts[r] * dim);
+    total += counts[r];
+  }
+  all_ids = at::empty({total}, at::kLong);
+  local.allgatherv(ids.data_ptr<int64_t>(), all_ids.data_ptr<int64_t>(), c, DType::i64)->wait();
+  if (grads) {
+    *all_grads = at::empty({total, dim}, at::kFloat);
+    local.allgatherv(grads->data_ptr<float>(), all_grads->data_ptr<float>(), cd, DType::f32)->wait();
+  }
+  return offset;
+}
+void checkRows(const at::Tensor& rows, const Worker::Entry& e, const std::string& name) {
+  DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
+               InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU tensor", name);
+  auto r = rows.contiguous();
+  const int64_t* ids = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i) {
+    DTRAIN_CHECK(ids[i] >= 0 && ids[i] < e.num_rows, InvalidArgument, "ps: row {} of '{}' out of range [0, {})",
+                 ids[i], name, e.num_rows);
+  }
+}
+}  // namespace
+
+WorkHandle Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
+  const auto& e = entry(name, false);
+  auto g = floatCpu(grad, "gradient");
+  DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("push '{}'", name), [this, &e, g, c] {
+    if (!local_) return netPush(e, g, c);
+    auto sum = localSum(*local_, g, opts_);
+    if (connected()) netPush(e, sum, c);
+  });
+}
+
+WorkHandle Worker::pullAsync(const std::string& name, at::Tensor out) {
+  const auto& e = entry(name, false);
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pull '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("pull '{}'", name), [this, &e, out, c] {
+    if (connected()) netPull(e, nullptr, out, c);
+    if (local_) local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+  });
+}
+
+WorkHandle Worker::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {
+  const auto& e = entry(name, false);
+  auto g = floatCpu(grad, "gradient");
+  DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pushPull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("pushPull '{}'", name), [this, &e, g, out, c] {
+    if (!local_) return netPull(e, &g, out, c);
+    auto sum = localSum(*local_, g, opts_);
+    if (connected()) netPull(e, &sum, out, c);
+    local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+  });
+}
+
+WorkHandle Worker::clockAsync() {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: clock after finish()");
+  const int c = ++clock_;
+  return submit(fmt::format("clock {}", c), [this, c] {
+    if (connected()) netClock(0, c);
+  });
+}
+
+WorkHandle Worker::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+  const auto& e = entry(name, true);
+  checkRows(rows, e, name);
+  auto g = floatCpu(grads, "row gradients");
+  DTRAIN_CHECK(g.dim() == 2 && g.size(0) == rows.numel() && g.size(1) == e.dim, InvalidArgument,
+               "ps: pushRows '{}': grads must be [{}, {}]", name, rows.numel(), e.dim);
+  auto ids = rows.contiguous();
+  const int c = clock_;
+  return submit(fmt::format("pushRows '{}'", name), [this, &e, ids, g, c] {
+    if (!local_) return netPushRows(e, ids, g, c);
+    at::Tensor all_ids, all_g;
+    localRows(*local_, ids, &g, e.dim, all_ids, &all_g);
+    if (connected()) netPushRows(e, all_ids, all_g, c);
+  });
+}
+
+at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) {
+  const auto& e = entry(name, true);
+  auto out = at::empty({rows.numel(), e.dim}, at::kFloat);
+  pullRowsAsync(name, rows, out)->wait();
+  return out;
+}
+
+WorkHandle Worker::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
+  const auto& e = entry(name, true);
+  checkRows(rows, e, name);
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                   out.dim() == 2 && out.size(0) == rows.numel() && out.size(1) == e.dim,
+               InvalidArgument, "ps: pullRows '{}': out must be a contiguous float32 CPU tensor [{}, {}]", name,
+               rows.numel(), e.dim);
+  auto ids = rows.contiguous();
+  const int c = clock_;
+  return submit(fmt::format("pullRows '{}'", name), [this, &e, ids, out, c] {
+    if (!local_) return netPullRows(e, ids, out, c);
+    at::Tensor all_ids;
+    int64_t offset = localRows(*local_, ids, nullptr, e.dim, all_ids, nullptr);
+    auto values = at::empty({all_ids.numel(), e.dim}, at::kFloat);
+    if (connected()) netPullRows(e, all_ids, values, c);
+    local_->broadcast(values.data_ptr<float>(), static_cast<size_t>(values.numel()), DType::f32, 0)->wait();
+    out.copy_(values.narrow(0, offset, ids.numel()));
+  });
+}
+
+void Worker::finish() {
+  if (finished_) return;
+  finished_ = true;
+  if (!thread_) return;
+  submit("finish", [this] {
+    if (connected()) netFinish();
+  })->wait();
+}
+
+// ------------------------------------------------------------------------------------------------
+// Worker: the network side (on the Worker's thread)
+// ------------------------------------------------------------------------------------------------
+
+void Worker::netDeclare(const Entry& e, const at::Tensor& t) {
+  Batch b(rank_, sent_, received_);
+  const float* data = t.data_ptr<float>();
+  for (const auto& p : e.parts) {
+    Header h;
+    h.op = kDeclare;
+    h.key = p.key;
+    h.count = p.count;
+    h.clock = clock_;  // a tensor declared at step c starts at version c (bsp)
+    h.flags = rank_ == 0 ? kFlagInit : 0;
+    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    b.sendHeader(p.server, pg, h);
+    if (rank_ == 0) b.send(p.server, pg, data + p.offset, p.count, DType::f32);
+  }
+  b.waitAll();
+  for (const auto& p : e.parts) b.recvReply(p.server, *conns_[static_cast<size_t>(p.server)]->pg, kAck);
+}
+
+void Worker::netDeclareRows(const Entry& e) {
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
     Header h;
     h.op = kDeclareRows;
     h.key = e.key;
-    h.count = num_rows;
-    h.row_dim = dim;
+    h.count = e.num_rows;
+    h.row_dim = e.dim;
     h.flags = rank_ == 0 ? kFlagInit : 0;
     b.sendHeader(s, *conns_[static_cast<size_t>(s)]->pg, h);
   }
   b.waitAll();
   for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
-  entries_.emplace(name, std::move(e));
 }
 
-void Worker::push(const std::string& name, const at::Tensor& grad) {
-  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: push after finish()");
-  const auto& e = entry(name, false);
-  auto g = floatCpu(grad, "gradient");
-  DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
+void Worker::netPush(const Entry& e, const at::Tensor& g, int clock) {
   Batch b(rank_, sent_, received_);
   const float* data = g.data_ptr<float>();
   for (const auto& p : e.parts) {
     Header h;
     h.op = kPush;
     h.key = p.key;
-    h.clock = clock_;
+    h.clock = clock;
     h.count = p.count;
     auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
     b.sendHeader(p.server, pg, h);
@@ -341,28 +628,18 @@ void Worker::push(const std::string& name, const at::Tensor& grad) {
   b.waitAll();
 }
 
-void Worker::pullImpl(const std::string& name, const at::Tensor* grad, at::Tensor& out) {
-  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: pull after finish()");
-  const auto& e = entry(name, false);
-  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
-               InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU tensor", name);
-  DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pull '{}': numel", name));
-  at::Tensor g;
-  if (grad) {
-    g = floatCpu(*grad, "gradient");
-    DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
-  }
+void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock) {
   float* dst = out.data_ptr<float>();
   // Sends a partition's request (and, for pushPull, its gradient) to its server.
   auto request = [&](Batch& b, const Part& p) {
     Header h;
     h.op = grad ? kPushPull : kPull;
     h.key = p.key;
-    h.clock = clock_;
+    h.clock = clock;
     h.count = p.count;
     auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
     b.sendHeader(p.server, pg, h);
-    if (grad) b.send(p.server, pg, g.data_ptr<float>() + p.offset, p.count, DType::f32);
+    if (grad) b.send(p.server, pg, grad->data_ptr<float>() + p.offset, p.count, DType::f32);
   };
   auto reply = [&](Batch& b, const Part& p) {
     auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
@@ -391,63 +668,58 @@ void Worker::pullImpl(const std::string& name, const at::Tensor* grad, at::Tenso
   for (const auto& p : e.parts) reply(b, p);
 }
 
-void Worker::pull(const std::string& name, at::Tensor& out) { pullImpl(name, nullptr, out); }
-
-void Worker::pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out) {
-  pullImpl(name, &grad, out);
-}
-
-void Worker::clock() {
-  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: clock after finish()");
-  ++clock_;
+void Worker::netClock(uint16_t flags, int clock) {
   Batch b(rank_, sent_, received_);
-  sendToAllServers(b, conns_, kClock, clock_);
+  for (size_t s = 0; s < conns_.size(); ++s) {
+    Header h;
+    h.op = kClock;
+    h.flags = flags;
+    h.clock = clock;
+    b.sendHeader(static_cast<int>(s), *conns_[s]->pg, h);
+  }
   b.waitAll();
 }
 
 namespace {
-// Row ids checked and grouped by owning server (row % S): positions into the caller's rows.
-std::vector<std::vector<int64_t>> groupRows(const at::Tensor& rows, const Worker::Entry& e, int num_servers,
-                                           const std::string& name) {
-  DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
-               InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU tensor", name);
-  auto r = rows.contiguous();
-  const int64_t* ids = r.data_ptr<int64_t>();
+// The caller's row positions grouped by owning server (row % S). Empty groups when one server owns all.
+std::vector<std::vector<int64_t>> groupRows(const at::Tensor& ids, int num_servers) {
+  const int64_t* p = ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> by(static_cast<size_t>(num_servers));
-  for (int64_t i = 0; i < r.numel(); ++i) {
-    DTRAIN_CHECK(ids[i] >= 0 && ids[i] < e.num_rows, InvalidArgument, "ps: row {} of '{}' out of range [0, {})",
-                 ids[i], name, e.num_rows);
-    by[static_cast<size_t>(ids[i] % num_servers)].push_back(i);
-  }
+  if (num_servers == 1) return by;
+  for (int64_t i = 0; i < ids.numel(); ++i) by[static_cast<size_t>(p[i] % num_servers)].push_back(i);
   return by;
+}
+// Positions [start, start + n) of server s's group, as an index tensor (or, with one server, a range).
+at::Tensor positions(const std::vector<std::vector<int64_t>>& by, int s, size_t start, size_t n) {
+  const auto& pos = by[static_cast<size_t>(s)];
+  return at::from_blob(const_cast<int64_t*>(pos.data() + start), {static_cast<int64_t>(n)}, at::kLong).clone();
 }
 }  // namespace
 
-void Worker::pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
-  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: pushRows after finish()");
-  const auto& e = entry(name, true);
-  auto g = floatCpu(grads, "row gradients");
-  DTRAIN_CHECK(g.dim() == 2 && g.size(0) == rows.numel() && g.size(1) == e.dim, InvalidArgument,
-               "ps: pushRows '{}': grads must be [{}, {}]", name, rows.numel(), e.dim);
-  auto by = groupRows(rows, e, num_servers_, name);
-  auto ids = rows.contiguous();
-  const int64_t chunk = maxRowsPerMessage(opts_, e.dim);
-  // Owned copies stay alive until every send completed.
-  std::vector<at::Tensor> keep;
+void Worker::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
+  auto by = groupRows(ids, num_servers_);
+  const size_t chunk = static_cast<size_t>(maxRowsPerMessage(opts_, e.dim));
+  std::vector<at::Tensor> keep;  // owned copies stay alive until every send completed
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
-    const auto& pos = by[static_cast<size_t>(s)];
-    for (size_t start = 0; start < pos.size(); start += static_cast<size_t>(chunk)) {
-      size_t n = std::min(pos.size() - start, static_cast<size_t>(chunk));
-      auto idx = at::from_blob(const_cast<int64_t*>(pos.data() + start), {static_cast<int64_t>(n)}, at::kLong).clone();
-      auto sid = ids.index_select(0, idx).contiguous();
-      auto sg = g.index_select(0, idx).contiguous();
-      keep.push_back(sid);
-      keep.push_back(sg);
+    const size_t total = num_servers_ == 1 ? static_cast<size_t>(ids.numel()) : by[static_cast<size_t>(s)].size();
+    for (size_t start = 0; start < total; start += chunk) {
+      size_t n = std::min(total - start, chunk);
+      at::Tensor sid, sg;
+      if (num_servers_ == 1) {
+        sid = ids.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
+        sg = g.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
+      } else {
+        auto idx = positions(by, s, start, n);
+        sid = ids.index_select(0, idx);
+        sg = g.index_select(0, idx);
+        keep.push_back(sid);
+        keep.push_back(sg);
+      }
       Header h;
       h.op = kPushRows;
       h.key = e.key;
-      h.clock = clock_;
+      h.clock = clock;
       h.count = static_cast<int64_t>(n);
       h.row_dim = e.dim;
       auto& pg = *conns_[static_cast<size_t>(s)]->pg;
@@ -459,32 +731,33 @@ void Worker::pushRows(const std::string& name, const at::Tensor& rows, const at:
   b.waitAll();
 }
 
-at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) {
-  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: pullRows after finish()");
-  const auto& e = entry(name, true);
-  auto by = groupRows(rows, e, num_servers_, name);
-  auto ids = rows.contiguous();
-  auto out = at::empty({rows.numel(), e.dim}, at::kFloat);
-  const int64_t chunk = maxRowsPerMessage(opts_, e.dim);
+void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
+  auto by = groupRows(ids, num_servers_);
+  const size_t chunk = static_cast<size_t>(maxRowsPerMessage(opts_, e.dim));
   struct Req {
     int s;
-    at::Tensor idx, sid, values;
+    at::Tensor idx, sid, values;  // idx undefined: values is a slice of out
   };
   std::vector<Req> reqs;
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
-    const auto& pos = by[static_cast<size_t>(s)];
-    for (size_t start = 0; start < pos.size(); start += static_cast<size_t>(chunk)) {
-      size_t n = std::min(pos.size() - start, static_cast<size_t>(chunk));
+    const size_t total = num_servers_ == 1 ? static_cast<size_t>(ids.numel()) : by[static_cast<size_t>(s)].size();
+    for (size_t start = 0; start < total; start += chunk) {
+      size_t n = std::min(total - start, chunk);
       Req r;
       r.s = s;
-      r.idx = at::from_blob(const_cast<int64_t*>(pos.data() + start), {static_cast<int64_t>(n)}, at::kLong).clone();
-      r.sid = ids.index_select(0, r.idx).contiguous();
-      r.values = at::empty({static_cast<int64_t>(n), e.dim}, at::kFloat);
+      if (num_servers_ == 1) {
+        r.sid = ids.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
+        r.values = out.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
+      } else {
+        r.idx = positions(by, s, start, n);
+        r.sid = ids.index_select(0, r.idx);
+        r.values = at::empty({static_cast<int64_t>(n), e.dim}, at::kFloat);
+      }
       Header h;
       h.op = kPullRows;
       h.key = e.key;
-      h.clock = clock_;
+      h.clock = clock;
       h.count = static_cast<int64_t>(n);
       h.row_dim = e.dim;
       auto& pg = *conns_[static_cast<size_t>(s)]->pg;
@@ -502,18 +775,196 @@ at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) {
                                       rank_, r.s, h.count, h.row_dim, h.key, r.values.size(0), e.dim));
     }
     b.recv(r.s, pg, r.values.data_ptr<float>(), r.values.numel(), DType::f32);
-    out.index_copy_(0, r.idx, r.values);
+    if (r.idx.defined()) out.index_copy_(0, r.idx, r.values);
   }
-  return out;
 }
 
-void Worker::finish() {
-  if (finished_) return;
-  finished_ = true;
+void Worker::netFinish() {
   Batch b(rank_, sent_, received_);
   sendToAllServers(b, conns_, kBye, clock_);
   b.waitAll();
   for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Worker: server state for checkpoints
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+// Floats of state per element: the value, then the momentum buffer or Adam's m and v.
+int64_t stateSlots(const PSOptions& o) {
+  if (o.update == PSOptions::Update::adam) return 3;
+  if (o.update == PSOptions::Update::sgd && o.momentum != 0) return 2;
+  return 1;
+}
+// Rows of a table that server s of S serves (ids s, s+S, ...).
+int64_t localRowCount(int64_t num_rows, int s, int S) { return num_rows > s ? (num_rows - s + S - 1) / S : 0; }
+}  // namespace
+
+std::map<std::string, at::Tensor> Worker::saveState() {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: saveState after finish()");
+  DTRAIN_CHECK(connected(), InvalidArgument,
+               "ps: saveState on a process that does not talk to the servers (local rank > 0 under local "
+               "aggregation): call it on rank 0");
+  std::map<std::string, at::Tensor> state;
+  const int c = clock_;
+  submit("saveState", [this, &state, c] {
+    const int64_t slots = stateSlots(opts_);
+    Batch b(rank_, sent_, received_);
+    for (const auto& [name, e] : entries_) {
+      if (!e.sparse) {
+        auto all = at::empty({slots, e.numel}, at::kFloat);
+        auto steps = at::empty({static_cast<int64_t>(e.parts.size())}, at::kLong);
+        auto versions = at::empty_like(steps);
+        for (size_t i = 0; i < e.parts.size(); ++i) {
+          const auto& p = e.parts[i];
+          auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+          Header h;
+          h.op = kGetState;
+          h.key = p.key;
+          h.clock = c;
+          b.sendHeader(p.server, pg, h);
+          b.waitAll();
+          Header r = b.recvReply(p.server, pg, kValues);
+          if (r.key != p.key || r.count != p.count || r.row_dim != slots) {
+            throw ProtocolError(fmt::format("[worker {}] server {}: state of partition {} is {} x {}, expected {} x {} "
+                                            "(do the servers run the same update?)",
+                                            rank_, p.server, p.key, r.row_dim, r.count, slots, p.count));
+          }
+          auto buf = at::empty({slots, p.count}, at::kFloat);
+          b.recv(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+          all.narrow(1, p.offset, p.count).copy_(buf);
+          steps[static_cast<int64_t>(i)] = r.aux;
+          versions[static_cast<int64_t>(i)] = static_cast<int64_t>(r.clock);
+        }
+        state[name] = all;
+        state[name + "#step"] = steps;
+        state[name + "#version"] = versions;
+      } else {
+        std::vector<at::Tensor> ids, steps, data;
+        for (int s = 0; s < num_servers_; ++s) {
+          auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+          Header h;
+          h.op = kGetState;
+          h.flags = kFlagRows;
+          h.key = e.key;
+          h.clock = c;
+          b.sendHeader(s, pg, h);
+          b.waitAll();
+          Header r = b.recvReply(s, pg, kValues);
+          if (r.key != e.key || r.count < 0 || r.count > localRowCount(e.num_rows, s, num_servers_) ||
+              r.row_dim != slots * e.dim) {
+            throw ProtocolError(fmt::format("[worker {}] server {}: state of table {}: {} rows x {}, expected at most "
+                                            "{} x {}",
+                                            rank_, s, e.key, r.count, r.row_dim,
+                                            localRowCount(e.num_rows, s, num_servers_), slots * e.dim));
+          }
+          auto i = at::empty({r.count}, at::kLong), st = at::empty({r.count}, at::kLong);
+          auto d = at::empty({r.count, slots * e.dim}, at::kFloat);
+          b.recv(s, pg, i.data_ptr<int64_t>(), r.count, DType::i64);
+          b.recv(s, pg, st.data_ptr<int64_t>(), r.count, DType::i64);
+          b.recv(s, pg, d.data_ptr<float>(), d.numel(), DType::f32);
+          ids.push_back(i);
+          steps.push_back(st);
+          data.push_back(d);
+        }
+        state[name + "#rows"] = at::cat(ids);
+        state[name + "#steps"] = at::cat(steps);
+        state[name + "#data"] = at::cat(data);
+      }
+    }
+    state["#clock"] = at::full({1}, static_cast<int64_t>(c), at::kLong);
+  })->wait();
+  return state;
+}
+
+void Worker::loadState(const std::map<std::string, at::Tensor>& state) {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: loadState after finish()");
+  auto get = [&](const std::string& key, at::ScalarType t) {
+    auto it = state.find(key);
+    DTRAIN_CHECK(it != state.end(), InvalidArgument, "ps: loadState: the state has no '{}'", key);
+    DTRAIN_CHECK(it->second.scalar_type() == t && it->second.device().is_cpu(), InvalidArgument,
+                 "ps: loadState: '{}' is {}, expected {}", key, c10::toString(it->second.scalar_type()),
+                 c10::toString(t));
+    return it->second.contiguous();
+  };
+  const int64_t slots = stateSlots(opts_);
+  auto clk = get("#clock", at::kLong);
+  DTRAIN_CHECK(clk.numel() == 1 && clk.item<int64_t>() >= 0 && clk.item<int64_t>() < INT32_MAX, InvalidArgument,
+               "ps: loadState: bad '#clock'");
+  // Validate everything before anything is sent.
+  for (const auto& [name, e] : entries_) {
+    if (!e.sparse) {
+      auto v = get(name, at::kFloat);
+      DTRAIN_CHECK(v.dim() == 2 && v.size(0) == slots && v.size(1) == e.numel, InvalidArgument,
+                   "ps: loadState: '{}' is {}, expected [{}, {}] (the same tensors and update mode)", name,
+                   fmt::join(v.sizes(), ", "), slots, e.numel);
+      for (const char* k : {"#step", "#version"})
+        DTRAIN_CHECK(get(name + k, at::kLong).numel() == static_cast<int64_t>(e.parts.size()), InvalidArgument,
+                     "ps: loadState: '{}{}' has the wrong length (another partition_bytes?)", name, k);
+    } else {
+      auto ids = get(name + "#rows", at::kLong);
+      auto st = get(name + "#steps", at::kLong);
+      auto d = get(name + "#data", at::kFloat);
+      DTRAIN_CHECK(ids.dim() == 1 && st.numel() == ids.numel() && d.dim() == 2 && d.size(0) == ids.numel() &&
+                       d.size(1) == slots * e.dim,
+                   InvalidArgument, "ps: loadState: table '{}' state has inconsistent shapes", name);
+      checkRows(ids, e, name);
+    }
+  }
+  const int c = static_cast<int>(clk.item<int64_t>());
+  clock_ = c;
+  submit("loadState", [this, &get, slots, c] {
+    if (!connected()) return;
+    Batch b(rank_, sent_, received_);
+    if (rank_ == 0) {
+      for (const auto& [name, e] : entries_) {
+        if (!e.sparse) {
+          auto v = get(name, at::kFloat);
+          auto steps = get(name + "#step", at::kLong), versions = get(name + "#version", at::kLong);
+          for (size_t i = 0; i < e.parts.size(); ++i) {
+            const auto& p = e.parts[i];
+            auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+            auto buf = v.narrow(1, p.offset, p.count).contiguous();
+            Header h;
+            h.op = kSetState;
+            h.key = p.key;
+            h.count = p.count;
+            h.row_dim = slots;
+            h.aux = steps[static_cast<int64_t>(i)].item<int64_t>();
+            h.clock = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
+            b.sendHeader(p.server, pg, h);
+            b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+            b.waitAll();
+            b.recvReply(p.server, pg, kAck);
+          }
+        } else {
+          auto ids = get(name + "#rows", at::kLong), st = get(name + "#steps", at::kLong);
+          auto d = get(name + "#data", at::kFloat);
+          auto owner = ids.remainder(num_servers_);
+          for (int s = 0; s < num_servers_; ++s) {
+            auto idx = (owner == s).nonzero().flatten();
+            auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
+            auto sd = d.index_select(0, idx).contiguous();
+            auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+            Header h;
+            h.op = kSetState;
+            h.flags = kFlagRows;
+            h.key = e.key;
+            h.count = si.numel();
+            h.row_dim = slots * e.dim;
+            b.sendHeader(s, pg, h);
+            b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
+            b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
+            b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);
+            b.waitAll();
+            b.recvReply(s, pg, kAck);
+          }
+        }
+      }
+    }
+    netClock(kFlagSet, c);
+  })->wait();
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -529,11 +980,46 @@ struct Server::State {
     std::vector<at::Tensor> pending;  // bsp: this step's push of each worker
     int npending = 0;
   };
+  // A sparse table's rows on this server (ids index, index + S, ...): one flat store, rows in chunks
+  // allocated as rows are first touched, and an id -> position array. A row holds its value, then its
+  // optimizer state (momentum buffer; or Adam's m and v): `slots` x dim floats.
   struct Rows {
-    int64_t num_rows = 0, dim = 0;
-    // Per row: value, then optimizer state (momentum buffer; or adam's m and v).
-    std::unordered_map<int64_t, std::vector<float>> rows;
-    std::unordered_map<int64_t, int64_t> steps;  // adam
+    static constexpr int64_t kChunkRows = 1024;
+    int64_t num_rows = 0, dim = 0, slots = 1, stride = 0;
+    int num_servers = 1;
+    std::vector<int32_t> where;                    // id / S -> position, -1 absent
+    std::vector<int64_t> ids;                      // position -> id
+    std::vector<int64_t> steps;                    // position -> updates applied (adam's t; momentum started)
+    std::vector<std::unique_ptr<float[]>> chunks;  // zero-initialised
+
+    void init(int64_t rows, int64_t d, int64_t sl, int index, int S) {
+      num_rows = rows;
+      dim = d;
+      slots = sl;
+      stride = d * sl;
+      num_servers = S;
+      where.assign(static_cast<size_t>(localRowCount(rows, index, S)), -1);
+    }
+    float* at(int64_t pos) { return chunks[static_cast<size_t>(pos / kChunkRows)].get() + (pos % kChunkRows) * stride; }
+    // The row's position, or -1.
+    int64_t find(int64_t id) const { return where[static_cast<size_t>(id / num_servers)]; }
+    // The row's position, created as zeros if absent.
+    int64_t touch(int64_t id) {
+      int32_t& w = where[static_cast<size_t>(id / num_servers)];
+      if (w >= 0) return w;
+      const int64_t pos = static_cast<int64_t>(ids.size());
+      if (pos % kChunkRows == 0) chunks.emplace_back(new float[static_cast<size_t>(kChunkRows * stride)]());
+      ids.push_back(id);
+      steps.push_back(0);
+      w = static_cast<int32_t>(pos);
+      return pos;
+    }
+    void clear() {
+      std::fill(where.begin(), where.end(), -1);
+      ids.clear();
+      steps.clear();
+      chunks.clear();
+    }
   };
 
   std::shared_ptr<comm::Store> store;
@@ -629,12 +1115,9 @@ struct Server::State {
   // The update of one sparse row (lock held). Each push is applied at once.
   void applyRow(Rows& t, int64_t id, const float* g) {
     const int64_t dim = t.dim;
-    int slots = opts.update == PSOptions::Update::adam ? 3
-                : (opts.update == PSOptions::Update::sgd && opts.momentum != 0) ? 2
-                                                                                 : 1;
-    auto& r = t.rows[id];
-    if (r.empty()) r.assign(static_cast<size_t>(dim * slots), 0.0f);
-    float* p = r.data();
+    const int64_t pos = t.touch(id);
+    float* p = t.at(pos);
+    int64_t& step = t.steps[static_cast<size_t>(pos)];
     switch (opts.update) {
       case PSOptions::Update::sum_only:
         for (int64_t i = 0; i < dim; ++i) p[i] += g[i];
@@ -642,20 +1125,21 @@ struct Server::State {
       case PSOptions::Update::sgd:
         if (opts.momentum != 0) {
           float* b = p + dim;
-          bool first = !t.steps.count(id);
-          t.steps[id] = 1;
+          const bool first = step++ == 0;
+          const auto mom = static_cast<float>(opts.momentum), lr = static_cast<float>(opts.lr);
           for (int64_t i = 0; i < dim; ++i) {
-            b[i] = first ? g[i] : static_cast<float>(opts.momentum) * b[i] + g[i];
-            p[i] -= static_cast<float>(opts.lr) * b[i];
+            b[i] = first ? g[i] : mom * b[i] + g[i];
+            p[i] -= lr * b[i];
           }
         } else {
-          for (int64_t i = 0; i < dim; ++i) p[i] -= static_cast<float>(opts.lr) * g[i];
+          const auto lr = static_cast<float>(opts.lr);
+          for (int64_t i = 0; i < dim; ++i) p[i] -= lr * g[i];
         }
         break;
       case PSOptions::Update::adam: {
         float* m = p + dim;
         float* v = p + 2 * dim;
-        int64_t step = ++t.steps[id];
+        ++step;
         double bc1 = 1 - std::pow(opts.beta1, static_cast<double>(step));
         double bc2 = 1 - std::pow(opts.beta2, static_cast<double>(step));
         for (int64_t i = 0; i < dim; ++i) {
@@ -736,6 +1220,7 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
           Dense d;
           d.n = h.count;
           d.value = value;
+          d.version = std::max(0, h.clock);  // declared at step c: the first bsp step is c
           d.pending.resize(W);
           dense.emplace(h.key, std::move(d));
         }
@@ -762,8 +1247,7 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
       if (w == 0) {
         if (tables.count(h.key)) throw ProtocolError(fmt::format("{}: table {} declared twice", who, h.key));
         Rows t;
-        t.num_rows = h.count;
-        t.dim = h.row_dim;
+        t.init(h.count, h.row_dim, stateSlots(opts), index, num_servers);
         tables.emplace(h.key, std::move(t));
         cv.notify_all();
       } else {
@@ -866,13 +1350,17 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
                                         maxRowsPerMessage(opts, dim)));
       }
       const int64_t n = h.count;
-      std::vector<int64_t> ids(static_cast<size_t>(n));
+      // Per connection thread, reused across requests: no fresh pages per request.
+      thread_local std::vector<int64_t> ids;
+      thread_local std::vector<float> vals;
+      ids.resize(static_cast<size_t>(n));
+      vals.resize(static_cast<size_t>(n * dim));
       recvNow(pg, ids.data(), static_cast<size_t>(n), DType::i64);
-      std::vector<float> vals(static_cast<size_t>(n * dim));
-      if (h.op == kPushRows) recvNow(pg, vals.data(), vals.size(), DType::f32);
+      if (h.op == kPushRows) recvNow(pg, vals.data(), static_cast<size_t>(n * dim), DType::f32);
       std::unique_lock<std::mutex> lk(mu);
       Rows& t = tables.at(h.key);
-      for (int64_t id : ids) {
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t id = ids[static_cast<size_t>(i)];
         if (id < 0 || id >= t.num_rows || id % num_servers != index) {
           throw ProtocolError(fmt::format("{}: row {} of table {} is not served here ({} rows, {} servers)", who, id,
                                           h.key, t.num_rows, num_servers));
@@ -895,23 +1383,157 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
         });
       }
       for (int64_t i = 0; i < n; ++i) {
-        auto it = t.rows.find(ids[static_cast<size_t>(i)]);
+        const int64_t pos = t.find(ids[static_cast<size_t>(i)]);
         float* dst = vals.data() + i * dim;
-        if (it == t.rows.end()) {
+        if (pos < 0) {
           std::fill(dst, dst + dim, 0.0f);
         } else {
-          std::copy(it->second.begin(), it->second.begin() + dim, dst);
+          std::memcpy(dst, t.at(pos), static_cast<size_t>(dim) * sizeof(float));
         }
       }
       lk.unlock();
-      reply(pg, kValues, h.key, n, dim, vals.data(), vals.size(), DType::f32);
+      reply(pg, kValues, h.key, n, dim, vals.data(), static_cast<size_t>(n * dim), DType::f32);
+      return true;
+    }
+    case kGetState: {
+      const int64_t slots = stateSlots(opts);
+      std::unique_lock<std::mutex> lk(mu);
+      // Gated like a pull at the requester's clock.
+      if (opts.consistency == Consistency::bsp || opts.consistency == Consistency::ssp) {
+        const int64_t lag = opts.consistency == Consistency::ssp ? opts.staleness : 0;
+        waitFor(lk, [&] { return int64_t{h.clock} - minClock() <= lag; }, [&] {
+          return fmt::format("worker {}'s saveState at clock {} waits for workers {}", w, h.clock,
+                             behind(static_cast<int>(h.clock - lag)));
+        });
+      }
+      if (h.flags & kFlagRows) {
+        auto it = tables.find(h.key);
+        if (it == tables.end()) throw ProtocolError(fmt::format("{}: getState of unknown table {}", who, h.key));
+        Rows& t = it->second;
+        const int64_t m = static_cast<int64_t>(t.ids.size());
+        std::vector<float> data(static_cast<size_t>(m * t.stride));
+        for (int64_t pos = 0; pos < m; ++pos)
+          std::memcpy(data.data() + pos * t.stride, t.at(pos), static_cast<size_t>(t.stride) * sizeof(float));
+        std::vector<int64_t> ids = t.ids, steps = t.steps;
+        lk.unlock();
+        Header r;
+        r.op = kValues;
+        r.key = h.key;
+        r.count = m;
+        r.row_dim = t.stride;
+        sendAll(pg, {{&r, {sizeof(Header), DType::u8}},
+                     {ids.data(), {ids.size(), DType::i64}},
+                     {steps.data(), {steps.size(), DType::i64}},
+                     {data.data(), {data.size(), DType::f32}}});
+        return true;
+      }
+      auto it = dense.find(h.key);
+      if (it == dense.end()) throw ProtocolError(fmt::format("{}: getState of unknown partition {}", who, h.key));
+      Dense& d = it->second;
+      if (opts.consistency == Consistency::bsp) {
+        waitFor(lk, [&] { return d.version >= h.clock; }, [&] {
+          return fmt::format("BSP: worker {}'s saveState of partition {} at clock {} waits for step {}, which misses "
+                             "pushes from workers {}",
+                             w, h.key, h.clock, d.version, missingPushes(d));
+        });
+      }
+      auto all = at::zeros({slots, d.n}, at::kFloat);
+      all[0].copy_(d.value);
+      if (slots == 2 && d.buf.defined()) all[1].copy_(d.buf);
+      if (slots == 3 && d.m.defined()) {
+        all[1].copy_(d.m);
+        all[2].copy_(d.v);
+      }
+      Header r;
+      r.op = kValues;
+      r.key = h.key;
+      r.count = d.n;
+      r.row_dim = slots;
+      r.aux = d.t;
+      r.clock = static_cast<int32_t>(d.version);
+      lk.unlock();
+      sendAll(pg, {{&r, {sizeof(Header), DType::u8}}, {all.data_ptr<float>(), {static_cast<size_t>(all.numel()), DType::f32}}});
+      return true;
+    }
+    case kSetState: {
+      const int64_t slots = stateSlots(opts);
+      if (w != 0) throw ProtocolError(fmt::format("{}: only worker 0 restores state", who));
+      if (h.flags & kFlagRows) {
+        int64_t limit_rows, stride;
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          auto it = tables.find(h.key);
+          if (it == tables.end()) throw ProtocolError(fmt::format("{}: setState of unknown table {}", who, h.key));
+          limit_rows = static_cast<int64_t>(it->second.where.size());
+          stride = it->second.stride;
+        }
+        if (h.count < 0 || h.count > limit_rows || h.row_dim != stride) {
+          throw ProtocolError(fmt::format("{}: setState of table {} with {} rows x {} (at most {} x {} here)", who,
+                                          h.key, h.count, h.row_dim, limit_rows, stride));
+        }
+        std::vector<int64_t> ids(static_cast<size_t>(h.count)), steps(static_cast<size_t>(h.count));
+        std::vector<float> data(static_cast<size_t>(h.count * stride));
+        recvNow(pg, ids.data(), ids.size(), DType::i64);
+        recvNow(pg, steps.data(), steps.size(), DType::i64);
+        recvNow(pg, data.data(), data.size(), DType::f32);
+        {
+          std::lock_guard<std::mutex> lk(mu);
+          Rows& t = tables.at(h.key);
+          t.clear();
+          for (size_t i = 0; i < ids.size(); ++i) {
+            if (ids[i] < 0 || ids[i] >= t.num_rows || ids[i] % num_servers != index || t.find(ids[i]) >= 0) {
+              throw ProtocolError(fmt::format("{}: setState of table {}: row {} is not served here or repeated", who,
+                                              h.key, ids[i]));
+            }
+            const int64_t pos = t.touch(ids[i]);
+            t.steps[static_cast<size_t>(pos)] = steps[i];
+            std::memcpy(t.at(pos), data.data() + static_cast<int64_t>(i) * stride,
+                        static_cast<size_t>(stride) * sizeof(float));
+          }
+        }
+        reply(pg, kAck, h.key, 0, 0, nullptr, 0, DType::u8);
+        return true;
+      }
+      int64_t n;
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        auto it = dense.find(h.key);
+        if (it == dense.end()) throw ProtocolError(fmt::format("{}: setState of unknown partition {}", who, h.key));
+        n = it->second.n;
+      }
+      if (h.count != n || h.row_dim != slots || h.clock < 0 || h.aux < 0) {
+        throw ProtocolError(fmt::format("{}: setState of partition {} as {} x {} (here {} x {})", who, h.key,
+                                        h.row_dim, h.count, slots, n));
+      }
+      auto all = at::empty({slots, n}, at::kFloat);
+      recvNow(pg, all.data_ptr<float>(), static_cast<size_t>(all.numel()), DType::f32);
+      {
+        std::lock_guard<std::mutex> lk(mu);
+        Dense& d = dense.at(h.key);
+        d.value.copy_(all[0]);
+        if (slots == 2) d.buf = all[1].clone();
+        if (slots == 3) {
+          d.m = all[1].clone();
+          d.v = all[2].clone();
+        }
+        d.t = h.aux;
+        d.version = h.clock;
+        for (auto& p : d.pending) p = at::Tensor();
+        d.npending = 0;
+      }
+      cv.notify_all();
+      reply(pg, kAck, h.key, 0, 0, nullptr, 0, DType::u8);
       return true;
     }
     case kClock: {
       {
         std::lock_guard<std::mutex> lk(mu);
         int& c = clocks[static_cast<size_t>(w)];
-        if (h.clock != c + 1) throw ProtocolError(fmt::format("{}: clock {} after {}", who, h.clock, c));
+        if (h.flags & kFlagSet) {
+          if (h.clock < 0) throw ProtocolError(fmt::format("{}: clock set to {}", who, h.clock));
+        } else if (h.clock != c + 1) {
+          throw ProtocolError(fmt::format("{}: clock {} after {}", who, h.clock, c));
+        }
         c = h.clock;
       }
       cv.notify_all();
@@ -1041,9 +1663,12 @@ bool runServerIfRole(PSOptions opts) {
   if (!role || std::string(role) != "server") return false;
   int index = envInt("DTRAIN_SERVER_INDEX", -1);
   int servers = envInt("DTRAIN_NUM_SERVERS", -1);
-  int workers = envInt("DTRAIN_NUM_WORKERS", -1);
+  // With local aggregation the servers' workers are the hosts.
+  const char* count_var = opts.local_aggregation ? "DTRAIN_NUM_NODES" : "DTRAIN_NUM_WORKERS";
+  int workers = envInt(count_var, -1);
   if (index < 0 || servers < 1 || workers < 1) {
-    throw RendezvousError("ps: DTRAIN_ROLE=server needs DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS and DTRAIN_NUM_WORKERS");
+    throw RendezvousError(fmt::format("ps: DTRAIN_ROLE=server needs DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS and {}",
+                                      count_var));
   }
   Server server(storeFromEnv(), index, servers, workers, opts);
   server.run();

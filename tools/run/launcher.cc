@@ -455,6 +455,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     if (opts_.num_servers > 0) {
       vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
       vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
+      vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
     }
     specs.push_back({fmt::format("rank {}", rank), fmt::format("[rank {}]: ", rank), true, buildEnv(vars)});
   }
@@ -466,6 +467,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     vars["DTRAIN_SERVER_INDEX"] = std::to_string(i);
     vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
     vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
+    vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
     specs.push_back({fmt::format("server {}", i), fmt::format("[server {}]: ", i), false, buildEnv(vars)});
   }
 
