@@ -181,10 +181,12 @@ struct Pipeline::Impl {
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
 
-  std::string where(const char* what, int m) const {
-    if (m < 0) return fmt::format("[rank {}] pipeline stage {}/{} step {}: {}: ", pg->rank(), stage, stages, step_no, what);
-    return fmt::format("[rank {}] pipeline stage {}/{} step {}: {} of micro-batch {}: ", pg->rank(), stage, stages,
-                       step_no, what, m);
+  // "pipeline stage 1/3 step 4: forward of micro-batch 2 (input Double [4, 16] from rank 0): "
+  std::string where(const char* what, int m, const std::string& detail = {}) const {
+    std::string s = fmt::format("pipeline stage {}/{} step {}: {}", stage, stages, step_no, what);
+    if (m >= 0) s += fmt::format(" of micro-batch {}", m);
+    if (!detail.empty()) s += " (" + detail + ")";
+    return s + ": ";
   }
 
   // Runs the pending sends with `extra` receives as one concurrent batch and waits for it.
@@ -207,8 +209,8 @@ struct Pipeline::Impl {
   }
 
   void queueActivation(const at::Tensor& out, int mode, int m) {
-    DTRAIN_CHECK(out.dim() <= kMaxDims, InvalidArgument, "{}output has {} dims, at most {} can be sent",
-                 where("forward", m), out.dim(), kMaxDims);
+    DTRAIN_CHECK(out.dim() <= kMaxDims, InvalidArgument, "the output has {} dims, at most {} can be sent",
+                 out.dim(), kMaxDims);
     at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
     auto* p = h.data_ptr<int64_t>();
     p[0] = kMagic;
@@ -231,27 +233,25 @@ struct Pipeline::Impl {
     exchange({{comm::P2POp::kRecv, h.data_ptr(), kHeaderLen, comm::DType::i64, stage - 1, kTagHeader}});
     const auto* p = h.data_ptr<int64_t>();
     const int src = stage - 1;
-    DTRAIN_CHECK(p[0] == kMagic, ProtocolError, "{}rank {} (stage {}) sent something that is not a pipeline header",
-                 where("forward", m), src, src);
+    DTRAIN_CHECK(p[0] == kMagic, ProtocolError, "rank {} (stage {}) sent something that is not a pipeline header", src, src);
     const char* modes[] = {"step", "forward"};
     DTRAIN_CHECK(p[1] == mode && p[2] == step_no && p[3] == m, ProtocolError,
-                 "{}rank {} (stage {}) sent the activation of {} {} micro-batch {}, this rank expected {} {} "
+                 "rank {} (stage {}) sent the activation of {} {} micro-batch {}, this rank expected {} {} "
                  "micro-batch {}: do all stages call the same sequence of step() / forward()?",
-                 where("forward", m), src, src, (p[1] == 0 || p[1] == 1) ? modes[p[1]] : "?", p[2], p[3],
+                 src, src, (p[1] == 0 || p[1] == 1) ? modes[p[1]] : "?", p[2], p[3],
                  modes[mode], step_no, m);
     const int64_t ndim = p[5];
-    DTRAIN_CHECK(ndim >= 0 && ndim <= kMaxDims, ProtocolError, "{}rank {} sent a header with {} dims",
-                 where("forward", m), src, ndim);
+    DTRAIN_CHECK(ndim >= 0 && ndim <= kMaxDims, ProtocolError, "rank {} sent a header with {} dims", src, ndim);
     std::vector<int64_t> shape(p + 6, p + 6 + ndim);
     for (int64_t d : shape)
-      DTRAIN_CHECK(d >= 0, ProtocolError, "{}rank {} sent a negative dim", where("forward", m), src);
+      DTRAIN_CHECK(d >= 0, ProtocolError, "rank {} sent a negative dim", src);
     const auto type = static_cast<c10::ScalarType>(p[4]);
     toCommDType(type, "pipeline activation");
     if (param_dtype && at::isFloatingType(type) && type != *param_dtype) {
       throw InvalidArgument(fmt::format(
-          "{}rank {} (stage {}) sends a {} activation of shape {}, but this stage's parameters are {}: "
+          "rank {} (stage {}) sends a {} activation of shape {}, but this stage's parameters are {}: "
           "every stage must use the same floating dtype",
-          where("forward", m), src, src, c10::toString(type), shapeStr(shape), c10::toString(*param_dtype)));
+          src, src, c10::toString(type), shapeStr(shape), c10::toString(*param_dtype)));
     }
     at::Tensor x = at::empty(shape, at::TensorOptions().dtype(type));
     exchange({{comm::P2POp::kRecv, x.data_ptr(), static_cast<size_t>(x.numel()), toCommDType(type), src,
@@ -290,7 +290,7 @@ struct Pipeline::Impl {
   // Tells the pipeline peers why this rank stops (they fail promptly with the message instead of
   // timing out), then rethrows with where it happened.
   [[noreturn]] void fail(const std::string& context) {
-    std::string msg;
+    std::string msg;  // the abort prefixes "[rank r] " itself
     try {
       throw;
     } catch (const std::exception& e) {
@@ -305,27 +305,29 @@ struct Pipeline::Impl {
     } catch (const std::exception&) {
       // Expected: the abort op fails with msg by design (or the group had failed already).
     }
-    rethrowWithContext(context);
+    rethrowWithContext(fmt::format("[rank {}] {}", pg->rank(), context));
   }
 
   std::vector<at::Tensor> splitRows(const at::Tensor& t, const char* what) {
-    DTRAIN_CHECK(t.defined() && t.dim() >= 1, InvalidArgument,
-                 "[rank {}] pipeline stage {}/{}: the {} must be a tensor with a batch dimension", pg->rank(), stage,
-                 stages, what);
-    DTRAIN_CHECK(t.size(0) >= opts.micro_batches, InvalidArgument,
-                 "[rank {}] pipeline stage {}/{}: the {} has {} rows, fewer than the {} micro-batches", pg->rank(),
-                 stage, stages, what, t.size(0), opts.micro_batches);
+    DTRAIN_CHECK(t.defined() && t.dim() >= 1, InvalidArgument, "the {} must be a tensor with a batch dimension",
+                 what);
+    DTRAIN_CHECK(t.size(0) >= opts.micro_batches, InvalidArgument, "the {} has {} rows, fewer than the {} micro-batches",
+                 what, t.size(0), opts.micro_batches);
     return at::tensor_split(t, opts.micro_batches, 0);
   }
 
   double step(const at::Tensor& input, const at::Tensor& target, const LossFn& loss_fn) {
     beginStep();
+    // Bad arguments abort the group too: the other stages would wait for this one otherwise.
     std::vector<at::Tensor> inputs, targets;
-    if (first()) inputs = splitRows(input, "input");
-    if (last()) {
-      DTRAIN_CHECK(static_cast<bool>(loss_fn), InvalidArgument, "[rank {}] pipeline: no loss function",
-                   pg->rank());
-      targets = splitRows(target, "target");
+    try {
+      if (first()) inputs = splitRows(input, "input");
+      if (last()) {
+        DTRAIN_CHECK(static_cast<bool>(loss_fn), InvalidArgument, "no loss function");
+        targets = splitRows(target, "target");
+      }
+    } catch (...) {
+      fail(where("arguments", -1));
     }
     const double rows = last() ? static_cast<double>(target.size(0)) : 1.0;
     const auto order = pipelineOrder(opts.schedule, stage, stages, opts.micro_batches);
@@ -333,11 +335,13 @@ struct Pipeline::Impl {
     double loss_sum = 0;
     const auto t_step = Clock::now();
     const char* what = "forward";
+    std::string detail;
     int m = -1;
     try {
       for (size_t k = 0; k < order.size(); ++k) {
         m = order[k].second;
         Micro& mb = micro[static_cast<size_t>(m)];
+        detail.clear();
         if (order[k].first == 'F') {
           what = "forward";
           if (first()) {
@@ -346,6 +350,8 @@ struct Pipeline::Impl {
           } else {
             mb.input = receiveActivation(0, m);
             if (at::isFloatingType(mb.input.scalar_type())) mb.input.requires_grad_(true);
+            detail = fmt::format("input {} {} from rank {}", c10::toString(mb.input.scalar_type()),
+                                 shapeStr(mb.input.sizes()), stage - 1);
           }
           const auto t0 = Clock::now();
           mb.bytes = tensorBytes(mb.input);
@@ -410,7 +416,7 @@ struct Pipeline::Impl {
       what = "loss broadcast";
       pg->broadcast(&loss_sum, 1, comm::DType::f64, stages - 1)->wait();
     } catch (...) {
-      fail(where(what, m));
+      fail(where(what, m, detail));
     }
     return loss_sum;
   }
@@ -419,10 +425,10 @@ struct Pipeline::Impl {
     beginStep();
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> inputs, outputs;
-    if (first()) inputs = splitRows(input, "input");
     const auto t_step = Clock::now();
     int m = -1;
     try {
+      if (first()) inputs = splitRows(input, "input");
       for (m = 0; m < opts.micro_batches; ++m) {
         at::Tensor x;
         if (first()) {

@@ -16,6 +16,7 @@
 #include <cstring>
 #include <deque>
 #include <mutex>
+#include <shared_mutex>
 #include <thread>
 #include <unordered_map>
 
@@ -991,6 +992,9 @@ struct Server::State {
     std::vector<int64_t> ids;                      // position -> id
     std::vector<int64_t> steps;                    // position -> updates applied (adam's t; momentum started)
     std::vector<std::unique_ptr<float[]>> chunks;  // zero-initialised
+    // Guards the rows (not the table's existence, which `mu` guards): pulls copy rows under a shared
+    // lock, so the connections' threads copy in parallel; pushes and restores take it exclusively.
+    std::shared_mutex rw;
 
     void init(int64_t rows, int64_t d, int64_t sl, int index, int S) {
       num_rows = rows;
@@ -1112,10 +1116,15 @@ struct Server::State {
     ++d.version;
   }
 
-  // The update of one sparse row (lock held). Each push is applied at once.
-  void applyRow(Rows& t, int64_t id, const float* g) {
+  static void prefetchRow(Rows& t, int64_t pos) {
+    if (pos < 0) return;
+    const char* p = reinterpret_cast<const char*>(t.at(pos));
+    for (int64_t b = 0; b < t.stride * 4; b += 64) __builtin_prefetch(p + b);
+  }
+
+  // The update of one sparse row (its table's rw lock held exclusively). Each push is applied at once.
+  void applyRow(Rows& t, int64_t pos, const float* g) {
     const int64_t dim = t.dim;
-    const int64_t pos = t.touch(id);
     float* p = t.at(pos);
     int64_t& step = t.steps[static_cast<size_t>(pos)];
     switch (opts.update) {
@@ -1246,9 +1255,7 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
       std::unique_lock<std::mutex> lk(mu);
       if (w == 0) {
         if (tables.count(h.key)) throw ProtocolError(fmt::format("{}: table {} declared twice", who, h.key));
-        Rows t;
-        t.init(h.count, h.row_dim, stateSlots(opts), index, num_servers);
-        tables.emplace(h.key, std::move(t));
+        tables[h.key].init(h.count, h.row_dim, stateSlots(opts), index, num_servers);
         cv.notify_all();
       } else {
         waitFor(lk, [&] { return tables.count(h.key) > 0; },
@@ -1358,7 +1365,7 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
       recvNow(pg, ids.data(), static_cast<size_t>(n), DType::i64);
       if (h.op == kPushRows) recvNow(pg, vals.data(), static_cast<size_t>(n * dim), DType::f32);
       std::unique_lock<std::mutex> lk(mu);
-      Rows& t = tables.at(h.key);
+      Rows& t = tables.at(h.key);  // std::map: the reference stays valid
       for (int64_t i = 0; i < n; ++i) {
         const int64_t id = ids[static_cast<size_t>(i)];
         if (id < 0 || id >= t.num_rows || id % num_servers != index) {
@@ -1366,8 +1373,21 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
                                           h.key, t.num_rows, num_servers));
         }
       }
+      // Rows are random accesses over a large table: look the positions up first (prefetching the index),
+      // then touch the rows (prefetching a few ahead).
+      thread_local std::vector<int64_t> pos;
+      pos.resize(static_cast<size_t>(n));
+      constexpr int64_t kAhead = 8;
       if (h.op == kPushRows) {
-        for (int64_t i = 0; i < n; ++i) applyRow(t, ids[static_cast<size_t>(i)], vals.data() + i * dim);
+        lk.unlock();
+        {
+          std::unique_lock<std::shared_mutex> wl(t.rw);
+          for (int64_t i = 0; i < n; ++i) pos[static_cast<size_t>(i)] = t.touch(ids[static_cast<size_t>(i)]);
+          for (int64_t i = 0; i < n; ++i) {
+            if (i + kAhead < n) prefetchRow(t, pos[static_cast<size_t>(i + kAhead)]);
+            applyRow(t, pos[static_cast<size_t>(i)], vals.data() + i * dim);
+          }
+        }
         cv.notify_all();
         return true;
       }
@@ -1382,16 +1402,24 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
                              h.clock, behind(h.clock - opts.staleness));
         });
       }
-      for (int64_t i = 0; i < n; ++i) {
-        const int64_t pos = t.find(ids[static_cast<size_t>(i)]);
-        float* dst = vals.data() + i * dim;
-        if (pos < 0) {
-          std::fill(dst, dst + dim, 0.0f);
-        } else {
-          std::memcpy(dst, t.at(pos), static_cast<size_t>(dim) * sizeof(float));
+      lk.unlock();
+      {
+        std::shared_lock<std::shared_mutex> rl(t.rw);
+        for (int64_t i = 0; i < n; ++i) {
+          if (i + 2 * kAhead < n) __builtin_prefetch(&t.where[static_cast<size_t>(ids[static_cast<size_t>(i + 2 * kAhead)] / num_servers)]);
+          pos[static_cast<size_t>(i)] = t.find(ids[static_cast<size_t>(i)]);
+        }
+        for (int64_t i = 0; i < n; ++i) {
+          if (i + kAhead < n) prefetchRow(t, pos[static_cast<size_t>(i + kAhead)]);
+          const int64_t p = pos[static_cast<size_t>(i)];
+          float* dst = vals.data() + i * dim;
+          if (p < 0) {
+            std::fill(dst, dst + dim, 0.0f);
+          } else {
+            std::memcpy(dst, t.at(p), static_cast<size_t>(dim) * sizeof(float));
+          }
         }
       }
-      lk.unlock();
       reply(pg, kValues, h.key, n, dim, vals.data(), static_cast<size_t>(n * dim), DType::f32);
       return true;
     }
@@ -1410,11 +1438,13 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
         auto it = tables.find(h.key);
         if (it == tables.end()) throw ProtocolError(fmt::format("{}: getState of unknown table {}", who, h.key));
         Rows& t = it->second;
+        std::shared_lock<std::shared_mutex> rl(t.rw);
         const int64_t m = static_cast<int64_t>(t.ids.size());
         std::vector<float> data(static_cast<size_t>(m * t.stride));
         for (int64_t pos = 0; pos < m; ++pos)
           std::memcpy(data.data() + pos * t.stride, t.at(pos), static_cast<size_t>(t.stride) * sizeof(float));
         std::vector<int64_t> ids = t.ids, steps = t.steps;
+        rl.unlock();
         lk.unlock();
         Header r;
         r.op = kValues;
@@ -1479,6 +1509,7 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
         {
           std::lock_guard<std::mutex> lk(mu);
           Rows& t = tables.at(h.key);
+          std::unique_lock<std::shared_mutex> wl(t.rw);
           t.clear();
           for (size_t i = 0; i < ids.size(); ++i) {
             if (ids[i] < 0 || ids[i] >= t.num_rows || ids[i] % num_servers != index || t.find(ids[i]) >= 0) {

@@ -60,7 +60,7 @@ void trainAndCompare(int world, PipelineOptions po, int64_t rows, std::vector<si
     auto stage = pipelineStage(model, rank, world, splits);
     Pipeline pipe(stage, pg, po);
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
-    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1001).momentum(0.9));
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     for (int step = 0; step < 3; ++step) {
       auto [x, y] = batch(step, rows);
       opt.zero_grad();
@@ -201,7 +201,7 @@ TEST(PipelineErrors, ShapeMismatchNamesTheRanks) {
       ADD_FAILURE() << "step succeeded";
     } catch (const Error& e) {
       std::string m = e.what();
-      ADD_FAILURE() << "SHOW rank " << rank << ": " << m;
+      printf("rank %d: %s\n", rank, m.c_str());
       EXPECT_NE(m.find("[rank 1] pipeline stage 1/2"), std::string::npos) << m;
       EXPECT_NE(m.find("forward of micro-batch 0"), std::string::npos) << m;
       if (rank == 0) {
@@ -225,7 +225,7 @@ TEST(PipelineErrors, DtypeMismatchNamesTheSender) {
       ADD_FAILURE() << "step succeeded";
     } catch (const Error& e) {
       std::string m = e.what();
-      ADD_FAILURE() << "SHOW rank " << rank << ": " << m;
+      printf("rank %d: %s\n", rank, m.c_str());
       EXPECT_NE(m.find("rank 0 (stage 0) sends a Float activation of shape [2, 6], but this stage's parameters "
                        "are Double"),
                 std::string::npos)
