@@ -80,6 +80,7 @@
 #include <mutex>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
@@ -200,6 +201,9 @@ class Worker {
   // The PS worker index (with local aggregation: the host's index) and count.
   int rank() const { return rank_; }
   int numWorkers() const { return num_workers_; }
+  // Training processes behind the PS workers (with local aggregation: hosts x this host's workers,
+  // assuming equal hosts).
+  int numProcesses() const { return local_ ? num_workers_ * local_->size() : num_workers_; }
   int numServers() const { return num_servers_; }
   // Whether this process talks to the servers (false for local ranks > 0 under local aggregation).
   bool connected() const { return !conns_.empty(); }
@@ -256,11 +260,36 @@ class Server {
   Server& operator=(const Server&) = delete;
   // Serves until every worker said goodbye; throws the first error (naming the server and the worker).
   void run();
+  // Fails the server on purpose (from another thread): every worker gets `reason`, run() throws it.
+  void abort(const std::string& reason);
 
   struct State;
 
  private:
   std::unique_ptr<State> state_;
+};
+
+// A server as a thread of this process ("colocated" mode for one-machine runs: e.g. worker i < S hosts
+// server i). Construct it before this process's Worker; join() after the Worker's finish().
+class ColocatedServer {
+ public:
+  ColocatedServer(std::shared_ptr<comm::Store> store, int index, int num_servers, int num_workers, PSOptions opts);
+  // Waits up to the timeout for the server to end (the other workers may still train), then aborts it;
+  // ignores its error (call join() to see it).
+  ~ColocatedServer();
+  ColocatedServer(const ColocatedServer&) = delete;
+  ColocatedServer& operator=(const ColocatedServer&) = delete;
+  // Waits until the server ended (every worker said goodbye, or it failed) and rethrows its error.
+  void join();
+
+ private:
+  std::unique_ptr<Server> server_;
+  std::chrono::milliseconds timeout_;
+  std::thread thread_;
+  std::exception_ptr error_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  bool ended_ = false;
 };
 
 // The store a dtrain-run job's processes share: TcpStore at MASTER_ADDR:MASTER_PORT (the launcher hosts

@@ -965,6 +965,7 @@ void Worker::loadState(const std::map<std::string, at::Tensor>& state) {
       }
     }
     netClock(kFlagSet, c);
+    for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
   })->wait();
 }
 
@@ -1035,6 +1036,7 @@ struct Server::State {
   std::map<uint32_t, Dense> dense;
   std::map<uint32_t, Rows> tables;
   std::vector<int> clocks;
+  std::vector<int> restores;  // loadState clock-sets received, per worker
   std::vector<bool> done;
   std::vector<std::shared_ptr<ProcessGroup>> pgs;
   bool failed = false;
@@ -1557,17 +1559,29 @@ bool Server::State::handle(int w, ProcessGroup& pg, const Header& h) {
       return true;
     }
     case kClock: {
+      const bool set = h.flags & kFlagSet;
       {
-        std::lock_guard<std::mutex> lk(mu);
+        std::unique_lock<std::mutex> lk(mu);
         int& c = clocks[static_cast<size_t>(w)];
-        if (h.flags & kFlagSet) {
+        if (set) {
+          // loadState: worker 0 restored this server's state before this message; the others wait for
+          // that (their next pushes must not land before the restore), then everyone is acknowledged.
           if (h.clock < 0) throw ProtocolError(fmt::format("{}: clock set to {}", who, h.clock));
-        } else if (h.clock != c + 1) {
-          throw ProtocolError(fmt::format("{}: clock {} after {}", who, h.clock, c));
+          c = h.clock;
+          const int k = ++restores[static_cast<size_t>(w)];
+          if (w == 0) {
+            cv.notify_all();
+          } else {
+            waitFor(lk, [&] { return restores[0] >= k; },
+                    [&] { return fmt::format("worker {}'s loadState waits for worker 0's", w); });
+          }
+        } else {
+          if (h.clock != c + 1) throw ProtocolError(fmt::format("{}: clock {} after {}", who, h.clock, c));
+          c = h.clock;
         }
-        c = h.clock;
       }
       cv.notify_all();
+      if (set) reply(pg, kAck, 0, 0, 0, nullptr, 0, DType::u8);
       return true;
     }
     case kBye: {
@@ -1589,7 +1603,9 @@ void Server::State::serve(int w) {
   try {
     // The server waits for a worker's next request as long as it takes (a worker may compute for a long
     // time); dead workers are found by the transport at once. Its own waits (BSP/SSP) use opts.timeout.
-    pg = ProcessGroup::create(pairStore(store, w, index), 1, 2, groupOptions(std::chrono::hours(24 * 7)));
+    // A store connection per worker thread: the rendezvous waits of one do not hold up the others (nor,
+    // for a colocated server, the worker in this process).
+    pg = ProcessGroup::create(pairStore(store->clone(), w, index), 1, 2, groupOptions(std::chrono::hours(24 * 7)));
     {
       std::lock_guard<std::mutex> lk(mu);
       pgs[static_cast<size_t>(w)] = pg;
@@ -1646,11 +1662,17 @@ Server::Server(std::shared_ptr<comm::Store> store, int index, int num_servers, i
   s.num_workers = num_workers;
   s.opts = opts;
   s.clocks.assign(static_cast<size_t>(num_workers), 0);
+  s.restores.assign(static_cast<size_t>(num_workers), 0);
   s.done.assign(static_cast<size_t>(num_workers), false);
   s.pgs.resize(static_cast<size_t>(num_workers));
 }
 
 Server::~Server() = default;
+
+void Server::abort(const std::string& reason) {
+  const std::string msg = fmt::format("{} {}", state_->tag(), reason);
+  state_->fail(msg, std::make_exception_ptr(Error(msg)));
+}
 
 void Server::run() {
   auto& s = *state_;
@@ -1658,6 +1680,43 @@ void Server::run() {
   for (int w = 0; w < s.num_workers; ++w) threads.emplace_back([&s, w] { s.serve(w); });
   for (auto& t : threads) t.join();
   if (s.first_error) std::rethrow_exception(s.first_error);
+}
+
+ColocatedServer::ColocatedServer(std::shared_ptr<comm::Store> store, int index, int num_servers, int num_workers,
+                                 PSOptions opts)
+    : server_(std::make_unique<Server>(std::move(store), index, num_servers, num_workers, opts)),
+      timeout_(opts.timeout) {
+  thread_ = std::thread([this] {
+    try {
+      server_->run();
+    } catch (...) {
+      error_ = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lk(mu_);
+      ended_ = true;
+    }
+    cv_.notify_all();
+  });
+}
+
+ColocatedServer::~ColocatedServer() {
+  if (!thread_.joinable()) return;
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!cv_.wait_for(lk, timeout_, [&] { return ended_; })) {
+    lk.unlock();
+    server_->abort(fmt::format("colocated server stopped: its process is shutting down and the workers did not "
+                               "finish within {} ms",
+                               timeout_.count()));
+  } else {
+    lk.unlock();
+  }
+  thread_.join();
+}
+
+void ColocatedServer::join() {
+  if (thread_.joinable()) thread_.join();
+  if (error_) std::rethrow_exception(error_);
 }
 
 // ------------------------------------------------------------------------------------------------

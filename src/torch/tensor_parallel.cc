@@ -67,6 +67,12 @@ struct ScatterToFn : torch::autograd::Function<ScatterToFn> {
   }
 };
 
+// Every rank must hold at least one row / column: an empty shard has nothing to compute.
+void checkShard(int64_t n, const comm::ProcessGroup& pg, const char* layer, const char* dim) {
+  DTRAIN_CHECK(n >= pg.size(), InvalidArgument, "[rank {}] {}: {} {} cannot be split over {} ranks", pg.rank(), layer,
+               n, dim, pg.size());
+}
+
 at::Tensor maybeBias(bool on, const at::Tensor& full_bias, const char* layer, int rank) {
   DTRAIN_CHECK(on == full_bias.defined(), InvalidArgument,
                "[rank {}] {}: options.bias is {} but the full layer {} a bias", rank, layer, on, on ? "has no" : "has");
@@ -111,6 +117,7 @@ void ColumnParallelLinearImpl::init(const at::Tensor& full_weight, const at::Ten
   torch::NoGradGuard no_grad;
   out_features = full_weight.size(0);
   in_features = full_weight.size(1);
+  checkShard(out_features, *pg_, "ColumnParallelLinear", "output features");
   std::tie(out_begin, out_end) = partitionRange(out_features, pg_->size(), pg_->rank());
   weight = register_parameter("weight", full_weight.narrow(0, out_begin, out_end - out_begin).clone());
   if (full_bias.defined()) bias = register_parameter("bias", full_bias.narrow(0, out_begin, out_end - out_begin).clone());
@@ -139,6 +146,7 @@ void RowParallelLinearImpl::init(const at::Tensor& full_weight, const at::Tensor
   torch::NoGradGuard no_grad;
   out_features = full_weight.size(0);
   in_features = full_weight.size(1);
+  checkShard(in_features, *pg_, "RowParallelLinear", "input features");
   std::tie(in_begin, in_end) = partitionRange(in_features, pg_->size(), pg_->rank());
   weight = register_parameter("weight", full_weight.narrow(1, in_begin, in_end - in_begin).clone());
   if (full_bias.defined()) bias = register_parameter("bias", full_bias.clone());
@@ -185,6 +193,7 @@ void VocabParallelEmbeddingImpl::init(const at::Tensor& full_weight) {
   torch::NoGradGuard no_grad;
   num_embeddings = full_weight.size(0);
   embedding_dim = full_weight.size(1);
+  checkShard(num_embeddings, *pg_, "VocabParallelEmbedding", "embeddings");
   std::tie(vocab_begin, vocab_end) = partitionRange(num_embeddings, pg_->size(), pg_->rank());
   weight = register_parameter("weight", full_weight.narrow(0, vocab_begin, vocab_end - vocab_begin).clone());
 }

@@ -28,10 +28,12 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step, int64_t rows) {
 
 at::Tensor lossFn(const at::Tensor& out, const at::Tensor& y) { return torch::nn::functional::cross_entropy(out, y); }
 
-std::shared_ptr<comm::ProcessGroup> group(const StoreServer& s, int rank, int world, size_t segment_bytes = 0) {
+std::shared_ptr<comm::ProcessGroup> group(const StoreServer& s, int rank, int world, size_t segment_bytes = 0,
+                                          const std::string& transport = "auto") {
   comm::GroupOptions o;
   o.timeout = std::chrono::seconds(30);
   o.segment_bytes = segment_bytes;
+  o.transport = transport;
   return comm::ProcessGroup::create(s.client(), rank, world, o);
 }
 
@@ -52,10 +54,10 @@ std::string caseName(const testing::TestParamInfo<Case>& i) {
 // Trains `steps` steps with the pipeline on `world` ranks and, on each rank, the reference (one
 // process, whole model, whole batch); compares the loss of every step and the stage's parameters.
 void trainAndCompare(int world, PipelineOptions po, int64_t rows, std::vector<size_t> splits = {},
-                     size_t segment_bytes = 0, int64_t width = 16) {
+                     size_t segment_bytes = 0, int64_t width = 16, const std::string& transport = "auto") {
   StoreServer server;
   auto results = runRanks(world, [&](int rank) {
-    auto pg = group(server, rank, world, segment_bytes);
+    auto pg = group(server, rank, world, segment_bytes, transport);
     auto model = makeModel(width), ref = makeModel(width);
     auto stage = pipelineStage(model, rank, world, splits);
     Pipeline pipe(stage, pg, po);
@@ -140,6 +142,12 @@ TEST(Pipeline, BlockingSendsDoNotDeadlock) {
   }
 }
 
+TEST(Pipeline, OverTcp) {
+  PipelineOptions po;
+  po.micro_batches = 4;
+  trainAndCompare(3, po, /*rows=*/64, {}, /*segment_bytes=*/0, /*width=*/64, "tcp");
+}
+
 TEST(Pipeline, ForwardOnlyEqualsWholeModel) {
   StoreServer server;
   auto results = runRanks(2, [&](int rank) {
@@ -156,6 +164,21 @@ TEST(Pipeline, ForwardOnlyEqualsWholeModel) {
     }
   });
   expectAllOk(results);
+}
+
+// A world of one: the pipeline is gradient accumulation over micro-batches, with no communication.
+TEST(Pipeline, OneStageIsGradientAccumulation) {
+  auto pg = comm::ProcessGroup::create(nullptr, 0, 1);
+  auto model = makeModel(), ref = makeModel();
+  Pipeline pipe(model, pg, PipelineOptions{3, PipelineSchedule::one_f_one_b});
+  auto [x, y] = batch(0, 7);
+  double loss = pipe.step(x, y, lossFn);
+  auto ref_loss = lossFn(ref->forward(x), y);
+  ref_loss.backward();
+  EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-12);
+  auto rp = ref->parameters(), pp = model->parameters();
+  for (size_t i = 0; i < rp.size(); ++i) EXPECT_LE(relDiff(pp[i].grad(), rp[i].grad()), 1e-12);
+  EXPECT_EQ(pipe.stats().peak_stored_activations, 1);
 }
 
 TEST(Pipeline, BalanceByParameters) {

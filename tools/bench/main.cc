@@ -8,6 +8,7 @@
 
 #include "bench/collectives_bench.h"
 #include "bench/ddp_bench.h"
+#include "bench/pipeline_bench.h"
 #include "bench/ps_bench.h"
 #include "dtrain/comm/error.h"
 
@@ -16,6 +17,7 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   dtrain::bench::addCollectiveCommands(app);
   dtrain::bench::addDdpCommand(app);
+  dtrain::bench::addPipelineCommand(app);
   dtrain::bench::addPsCommand(app);
   try {
     app.parse(argc, argv);

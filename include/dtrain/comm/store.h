@@ -46,6 +46,9 @@ class Store {
   virtual void wait(const std::vector<std::string>& keys, Duration timeout) = 0;
   void wait(const std::vector<std::string>& keys) { wait(keys, timeout()); }
   virtual int64_t numKeys() = 0;
+  // Another client of the same store with its own connection (a blocking get/wait on one client
+  // holds that client: threads that wait on keys each need their own). Same timeout.
+  virtual std::shared_ptr<Store> clone() const = 0;
 
   Duration timeout() const { return timeout_; }
   void setTimeout(Duration t) { timeout_ = t; }
@@ -87,6 +90,7 @@ class TcpStore : public Store {
   void wait(const std::vector<std::string>& keys, Duration timeout) override;
   using Store::wait;
   int64_t numKeys() override;
+  std::shared_ptr<Store> clone() const override;
 
   struct Impl;
 
@@ -109,6 +113,7 @@ class FileStore : public Store {
   void wait(const std::vector<std::string>& keys, Duration timeout) override;
   using Store::wait;
   int64_t numKeys() override;
+  std::shared_ptr<Store> clone() const override;
 
   struct Impl;
 
@@ -129,6 +134,7 @@ class PrefixStore : public Store {
   void wait(const std::vector<std::string>& keys, Duration timeout) override;
   using Store::wait;
   int64_t numKeys() override;
+  std::shared_ptr<Store> clone() const override;
 
  private:
   std::string k(const std::string& key) const { return prefix_ + "/" + key; }

@@ -377,3 +377,7 @@ int64_t FileStore::numKeys() {
 }
 
 }  // namespace dtrain::comm
+
+namespace dtrain::comm {
+std::shared_ptr<Store> FileStore::clone() const { return std::make_shared<FileStore>(impl_->path, timeout()); }
+}  // namespace dtrain::comm

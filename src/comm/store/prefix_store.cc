@@ -48,3 +48,7 @@ void PrefixStore::wait(const std::vector<std::string>& keys, Duration timeout) {
 int64_t PrefixStore::numKeys() { return base_->numKeys(); }
 
 }  // namespace dtrain::comm
+
+namespace dtrain::comm {
+std::shared_ptr<Store> PrefixStore::clone() const { return std::make_shared<PrefixStore>(prefix_, base_->clone()); }
+}  // namespace dtrain::comm

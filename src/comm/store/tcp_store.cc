@@ -772,3 +772,7 @@ int64_t TcpStore::numKeys() {
 }
 
 }  // namespace dtrain::comm
+
+namespace dtrain::comm {
+std::shared_ptr<Store> TcpStore::clone() const { return std::make_shared<TcpStore>(impl_->host, impl_->port, timeout()); }
+}  // namespace dtrain::comm

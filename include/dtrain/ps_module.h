@@ -1,0 +1,67 @@
+// Training a torch::nn::Module through the parameter server with the loop a DDP user writes.
+//
+// \code
+//   dtrain::ps::Worker worker(store, rank, world, num_servers, opts);   // opts.update = sgd or adam
+//   dtrain::ps::DistributedModule psm(model, worker);    // declares the buckets; every worker starts from
+//                                                         // worker 0's values
+//   for (auto& batch : loader) {
+//     psm.beforeForward();                               // installs the values the last step pulled
+//     model->zero_grad();
+//     auto loss = loss_fn(model->forward(batch.data), batch.target);
+//     loss.backward();                                   // each bucket is pushed as soon as its gradients are in
+//     psm.step();                                        // ends the step; starts pulling the new values
+//   }
+//   // sum_only servers (the workers run the optimizer): psm.step() leaves the mean gradient in each
+//   // param.grad(), then call your optimizer's step() as after DDP's backward.
+// \endcode
+//
+// Parameters are grouped into buckets of about bucket_bytes in reverse registration order (backward
+// produces the last layers' gradients first); each bucket is one PS tensor "<prefix>bucket<i>", cut into
+// partitions over the servers. A hook on every parameter copies its gradient into its bucket; when a
+// bucket is complete its push starts (asynchronously, on the Worker's thread) while backward goes on.
+// step() pushes the buckets that are still incomplete (parameters without a gradient in this pass
+// contribute zeros: an unused branch is fine), waits for the pushes, ends the step (clock) and starts
+// the pulls; beforeForward() waits for them and copies the values into the parameters. A backward that
+// starts before beforeForward() installed the pending values is an error (it would train on stale
+// parameters), as is a second gradient for a parameter whose bucket was already pushed.
+#pragma once
+#include <torch/nn/module.h>
+
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "dtrain/ps.h"
+
+namespace dtrain::ps {
+
+struct ModuleOptions {
+  size_t bucket_bytes = 4u << 20;
+  std::string prefix = "";  // PS names: "<prefix>bucket<i>" (several modules on one Worker need distinct prefixes)
+  // sum_only: gradients are divided by this; 0 means worker.numProcesses().
+  int average_over = 0;
+};
+
+class DistributedModule {
+ public:
+  DistributedModule(std::shared_ptr<torch::nn::Module> module, Worker& worker, ModuleOptions options = {});
+  ~DistributedModule();
+  DistributedModule(const DistributedModule&) = delete;
+  DistributedModule& operator=(const DistributedModule&) = delete;
+
+  void beforeForward();
+  void step();
+  // Pulls the current values (installed by the next beforeForward()): after Worker::loadState().
+  void refresh();
+
+  size_t numBuckets() const;
+  // Parameter indices (into module->parameters()) of bucket b, in bucket order.
+  const std::vector<size_t>& bucketParams(size_t b) const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain::ps

@@ -1,0 +1,195 @@
+// ps::DistributedModule: see include/dtrain/ps_module.h.
+#include "dtrain/ps_module.h"
+
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <torch/torch.h>
+
+#include "dtrain/comm/error.h"
+
+namespace dtrain::ps {
+
+struct DistributedModule::Impl {
+  struct Bucket {
+    std::string name;
+    std::vector<size_t> params;
+    std::vector<int64_t> offsets;  // element offset of each parameter in the bucket
+    int64_t numel = 0;
+    at::Tensor grads, values;      // flat float32
+    size_t ready = 0;
+    WorkHandle push, pull;
+  };
+  std::shared_ptr<torch::nn::Module> module;
+  Worker* worker = nullptr;
+  ModuleOptions opts;
+  std::vector<torch::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<size_t> bucket_of, slot_of;  // per parameter
+  std::vector<bool> seen;                  // per parameter, this pass
+  std::vector<Bucket> buckets;
+  std::vector<unsigned> hook_ids;
+  bool pulls_pending = false;
+  bool sum_only = false;
+
+  void onGrad(size_t i, const at::Tensor& grad) {
+    DTRAIN_CHECK(!pulls_pending, InvalidArgument,
+                 "ps::DistributedModule: backward before beforeForward(): the forward used parameters older than "
+                 "the last step's update (parameter '{}')",
+                 names[i]);
+    Bucket& b = buckets[bucket_of[i]];
+    DTRAIN_CHECK(!b.push, InvalidArgument,
+                 "ps::DistributedModule: parameter '{}' got a gradient after its bucket {} was pushed (used twice "
+                 "in one pass, or two backward passes in one step: call step() between them)",
+                 names[i], bucket_of[i]);
+    auto slot = b.grads.narrow(0, b.offsets[slot_of[i]], params[i].numel());
+    auto g = grad.detach().reshape({-1}).to(at::kFloat);
+    if (seen[i]) {
+      slot.add_(g);
+      return;
+    }
+    slot.copy_(g);
+    seen[i] = true;
+    if (++b.ready == b.params.size()) b.push = worker->pushAsync(b.name, b.grads);
+  }
+};
+
+DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, Worker& worker,
+                                     ModuleOptions options)
+    : impl_(std::make_unique<Impl>()) {
+  auto& m = *impl_;
+  DTRAIN_CHECK(module != nullptr, InvalidArgument, "ps::DistributedModule: no module");
+  m.module = std::move(module);
+  m.worker = &worker;
+  m.opts = options;
+  m.sum_only = worker.options().update == PSOptions::Update::sum_only;
+  for (const auto& it : m.module->named_parameters()) {
+    if (!it.value().requires_grad()) continue;
+    DTRAIN_CHECK(it.value().device().is_cpu() && it.value().scalar_type() == at::kFloat, InvalidArgument,
+                 "ps::DistributedModule: parameter '{}' must be float32 on the CPU", it.key());
+    m.params.push_back(it.value());
+    m.names.push_back(it.key());
+  }
+  DTRAIN_CHECK(!m.params.empty(), InvalidArgument, "ps::DistributedModule: the module has no trainable parameters");
+  const size_t n = m.params.size();
+  m.bucket_of.resize(n);
+  m.slot_of.resize(n);
+  m.seen.assign(n, false);
+  // Reverse registration order, about bucket_bytes each.
+  for (size_t k = n; k-- > 0;) {
+    const int64_t bytes = m.params[k].numel() * 4;
+    if (m.buckets.empty() ||
+        (m.buckets.back().numel > 0 && static_cast<size_t>((m.buckets.back().numel * 4) + bytes) > options.bucket_bytes)) {
+      m.buckets.emplace_back();
+      m.buckets.back().name = fmt::format("{}bucket{}", options.prefix, m.buckets.size() - 1);
+    }
+    auto& b = m.buckets.back();
+    m.bucket_of[k] = m.buckets.size() - 1;
+    m.slot_of[k] = b.params.size();
+    b.params.push_back(k);
+    b.offsets.push_back(b.numel);
+    b.numel += m.params[k].numel();
+  }
+  for (auto& b : m.buckets) {
+    b.grads = at::zeros({b.numel}, at::kFloat);
+    b.values = at::empty({b.numel}, at::kFloat);
+    for (size_t j = 0; j < b.params.size(); ++j)
+      b.values.narrow(0, b.offsets[j], m.params[b.params[j]].numel()).copy_(m.params[b.params[j]].detach().reshape({-1}));
+    worker.declare(b.name, b.values);  // worker 0's values are stored
+  }
+  // Every worker starts from worker 0's values.
+  refresh();
+  beforeForward();
+  for (size_t i = 0; i < n; ++i) {
+    Impl* impl = impl_.get();
+    m.hook_ids.push_back(m.params[i].register_hook([impl, i](const at::Tensor& grad) { impl->onGrad(i, grad); }));
+  }
+}
+
+DistributedModule::~DistributedModule() {
+  auto& m = *impl_;
+  for (size_t i = 0; i < m.hook_ids.size(); ++i) {
+    try {
+      m.params[i].remove_hook(m.hook_ids[i]);
+    } catch (...) {
+    }
+  }
+  // Operations still in flight read our buffers: let them finish (errors were or will be reported).
+  for (auto& b : m.buckets) {
+    for (auto* w : {&b.push, &b.pull}) {
+      if (!*w) continue;
+      try {
+        (*w)->wait();
+      } catch (...) {
+      }
+    }
+  }
+}
+
+void DistributedModule::beforeForward() {
+  auto& m = *impl_;
+  if (!m.pulls_pending) return;
+  torch::NoGradGuard no_grad;
+  for (auto& b : m.buckets) {
+    b.pull->wait();
+    b.pull.reset();
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      auto& p = m.params[b.params[j]];
+      p.detach().copy_(b.values.narrow(0, b.offsets[j], p.numel()).view(p.sizes()));
+    }
+  }
+  m.pulls_pending = false;
+}
+
+void DistributedModule::step() {
+  auto& m = *impl_;
+  DTRAIN_CHECK(!m.pulls_pending, InvalidArgument,
+               "ps::DistributedModule: step() twice without beforeForward() in between");
+  // Buckets with parameters that got no gradient in this pass: zeros for those, then push.
+  for (auto& b : m.buckets) {
+    if (b.push) continue;
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      size_t i = b.params[j];
+      if (!m.seen[i]) b.grads.narrow(0, b.offsets[j], m.params[i].numel()).zero_();
+    }
+    b.push = m.worker->pushAsync(b.name, b.grads);
+  }
+  for (auto& b : m.buckets) {
+    b.push->wait();
+    b.push.reset();
+    b.ready = 0;
+  }
+  std::fill(m.seen.begin(), m.seen.end(), false);
+  m.worker->clockAsync();
+  for (auto& b : m.buckets) b.pull = m.worker->pullAsync(b.name, b.values);
+  if (!m.sum_only) {
+    m.pulls_pending = true;
+    return;
+  }
+  // sum_only: the pulled sums become the mean gradients.
+  const int over = m.opts.average_over > 0 ? m.opts.average_over : m.worker->numProcesses();
+  for (auto& b : m.buckets) {
+    b.pull->wait();
+    b.pull.reset();
+    for (size_t j = 0; j < b.params.size(); ++j) {
+      auto& p = m.params[b.params[j]];
+      auto g = b.values.narrow(0, b.offsets[j], p.numel()).view(p.sizes()) / static_cast<double>(over);
+      if (p.grad().defined()) {
+        p.mutable_grad().copy_(g);
+      } else {
+        p.mutable_grad() = g;
+      }
+    }
+  }
+}
+
+void DistributedModule::refresh() {
+  auto& m = *impl_;
+  DTRAIN_CHECK(!m.pulls_pending, InvalidArgument, "ps::DistributedModule: refresh() with pulls pending");
+  for (auto& b : m.buckets) b.pull = m.worker->pullAsync(b.name, b.values);
+  m.pulls_pending = true;
+}
+
+size_t DistributedModule::numBuckets() const { return impl_->buckets.size(); }
+const std::vector<size_t>& DistributedModule::bucketParams(size_t b) const { return impl_->buckets.at(b).params; }
+
+}  // namespace dtrain::ps

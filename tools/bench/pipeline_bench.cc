@@ -1,0 +1,172 @@
+// dtrain-bench pipeline: a deep MLP (--layers x Linear(width, width) + ReLU) cut into P stages (one per
+// rank, run it under dtrain-run --nproc-per-node P), trained with the GPipe and the 1F1B schedule for
+// each micro-batch count M. Per configuration it prints, over the timed steps:
+//   step_ms        wall time of a step (forwards and backwards of every micro-batch)
+//   bubble         measured idle share of a step, averaged over stages: 1 - (F + B compute) / step
+//   theory         (P-1)/(M+P-1), the bubble when every F and B takes the same time and messages are free
+//   peak_act       micro-batches of activations held at the peak, per stage (GPipe: M; 1F1B: P - s)
+//   peak_MB        bytes of the tensors the stage's modules produced for them, at that peak
+//   speedup        one process running the whole model on the whole batch (rank 0, timed alone) / step_ms
+//   #wrong         1 when the pipeline's loss or stage 0's gradients differ from that one-process run
+#include "bench/pipeline_bench.h"
+
+#include <torch/torch.h>
+
+#include <chrono>
+#include <cstdio>
+#include <sstream>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/distributed.h"
+#include "dtrain/pipeline.h"
+
+namespace dtrain::bench {
+namespace {
+
+struct Options {
+  int layers = 8;
+  int width = 1024;
+  int batch = 256;
+  int steps = 4;
+  int warmup = 1;
+  std::vector<int> micro{1, 2, 4, 8, 16};
+  std::string schedule = "both";
+};
+
+torch::nn::Sequential deepMlp(const Options& o) {
+  torch::manual_seed(0);
+  torch::nn::Sequential m;
+  for (int i = 0; i < o.layers; ++i) {
+    m->push_back(torch::nn::Linear(o.width, o.width));
+    m->push_back(torch::nn::ReLU());
+  }
+  return m;
+}
+
+at::Tensor lossFn(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+std::string joinInts(const std::vector<double>& v, const char* fmt) {
+  std::string s;
+  char buf[32];
+  for (size_t i = 0; i < v.size(); ++i) {
+    std::snprintf(buf, sizeof buf, fmt, v[i]);
+    s += (i ? "/" : "") + std::string(buf);
+  }
+  return s;
+}
+
+int run(const Options& o) {
+  torch::set_num_threads(1);
+  auto dist = dtrain::init();
+  auto& pg = dist.world();
+  const int P = dist.size(), rank = dist.rank();
+  auto model = deepMlp(o);
+  auto g = at::make_generator<at::CPUGeneratorImpl>(1);
+  auto x = at::randn({o.batch, o.width}, g), y = at::randn({o.batch, o.width}, g);
+
+  // The one-process reference (rank 0 alone, the others wait): its time, loss and gradients.
+  double ref_ms = 0, ref_loss = 0;
+  std::vector<at::Tensor> ref_grads;
+  if (rank == 0) {
+    for (int i = 0; i <= o.steps; ++i) {
+      model->zero_grad();
+      auto t0 = std::chrono::steady_clock::now();
+      auto l = lossFn(model->forward(x), y);
+      l.backward();
+      if (i > 0) ref_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      ref_loss = l.item<double>();
+    }
+    ref_ms /= o.steps;
+    for (auto& p : model->parameters()) ref_grads.push_back(p.grad().clone());
+  }
+  pg->barrier()->wait();
+
+  auto stage = pipelineStage(model, rank, P);
+  int64_t stage_params = 0;
+  for (auto& p : stage->parameters()) stage_params += p.numel();
+  if (rank == 0) {
+    std::printf("# dtrain-bench pipeline: P=%d layers=%d width=%d batch=%d params/stage0=%lld threads=1 "
+                "transport=%s one-process step %.1f ms\n",
+                P, o.layers, o.width, o.batch, static_cast<long long>(stage_params), pg->transportName().c_str(),
+                ref_ms);
+    std::printf("%-6s %4s %9s %8s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory", "peak_act",
+                "peak_MB", "speedup", "#wrong");
+    std::fflush(stdout);
+  }
+  std::vector<PipelineSchedule> schedules;
+  if (o.schedule != "1f1b") schedules.push_back(PipelineSchedule::gpipe);
+  if (o.schedule != "gpipe") schedules.push_back(PipelineSchedule::one_f_one_b);
+
+  for (auto sched : schedules) {
+    for (int M : o.micro) {
+      Pipeline pipe(stage, pg, PipelineOptions{M, sched});
+      double step_ms = 0, busy_ms = 0, loss = 0;
+      int wrong = 0;
+      const PipelineStats* st = nullptr;
+      for (int i = 0; i < o.warmup + o.steps; ++i) {
+        stage->zero_grad();
+        loss = pipe.step(rank == 0 ? x : at::Tensor(), rank == P - 1 ? y : at::Tensor(), lossFn);
+        st = &pipe.stats();
+        if (i >= o.warmup) {
+          step_ms += st->step_ms;
+          busy_ms += st->forward_ms + st->backward_ms;
+        }
+      }
+      // Verify: the loss (every rank has it) and stage 0's gradients against the one-process run.
+      if (rank == 0) {
+        if (std::abs(loss - ref_loss) > 1e-4 * std::abs(ref_loss)) wrong = 1;
+        auto params = stage->parameters();
+        for (size_t i = 0; i < params.size(); ++i) {
+          double d = (params[i].grad() - ref_grads[i]).abs().max().item<double>();
+          if (d > 1e-4 * std::max(1.0, ref_grads[i].abs().max().item<double>())) wrong = 1;
+        }
+      }
+      std::array<double, 4> mine{step_ms / o.steps, 1.0 - busy_ms / step_ms,
+                                 static_cast<double>(st->peak_stored_activations),
+                                 static_cast<double>(st->peak_activation_bytes) / (1 << 20)};
+      std::vector<double> all(4 * static_cast<size_t>(P));
+      pg->allgather(mine.data(), all.data(), 4, comm::DType::f64)->wait();
+      if (rank == 0) {
+        double step = 0, bubble = 0;
+        std::vector<double> peaks, mbs;
+        for (int s = 0; s < P; ++s) {
+          step = std::max(step, all[4 * s]);
+          bubble += all[4 * s + 1] / P;
+          peaks.push_back(all[4 * s + 2]);
+          mbs.push_back(all[4 * s + 3]);
+        }
+        std::printf("%-6s %4d %9.1f %8.3f %8.3f %14s %16s %8.2f %7d\n", scheduleName(sched), M, step, bubble,
+                    static_cast<double>(P - 1) / (M + P - 1), joinInts(peaks, "%.0f").c_str(),
+                    joinInts(mbs, "%.1f").c_str(), ref_ms / step, wrong);
+        std::fflush(stdout);
+      }
+    }
+  }
+  return 0;
+}
+
+}  // namespace
+
+void addPipelineCommand(CLI::App& app) {
+  auto o = std::make_shared<Options>();
+  auto* sub = app.add_subcommand("pipeline", "pipeline parallelism: bubble and activation memory of GPipe and 1F1B");
+  sub->add_option("--layers", o->layers, "Linear + ReLU blocks");
+  sub->add_option("--width", o->width, "features of every layer");
+  sub->add_option("--batch", o->batch, "rows per step (split into M micro-batches)");
+  sub->add_option("--steps", o->steps, "timed steps per configuration");
+  sub->add_option("--warmup", o->warmup, "untimed steps first");
+  sub->add_option("--micro", o->micro, "micro-batch counts")->delimiter(',');
+  sub->add_option("--schedule", o->schedule, "gpipe, 1f1b or both")->check(CLI::IsMember({"gpipe", "1f1b", "both"}));
+  sub->callback([o] {
+    int rc = 1;
+    try {
+      rc = run(*o);
+    } catch (const std::exception& e) {
+      std::fprintf(stderr, "dtrain-bench pipeline: %s\n", e.what());
+    }
+    std::fflush(stdout);
+    std::exit(rc);
+  });
+}
+
+}  // namespace dtrain::bench
