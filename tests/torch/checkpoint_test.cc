@@ -409,7 +409,7 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
     std::getline(lines, line);
     return line;
   };
-  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'rng', 'scheduler', 'step', 'user_rng']");
+  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'parameter_server', 'rng', 'scheduler', 'step', 'user_rng']");
   EXPECT_EQ(next(), "dtrain-checkpoint-v1 3 77 mt state");
   EXPECT_EQ(next(), "['bn.bias', 'bn.num_batches_tracked', 'bn.running_mean', 'bn.running_var', 'bn.weight', "
                     "'fc.bias', 'fc.weight', 'head.bias', 'head.weight']");

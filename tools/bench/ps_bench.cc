@@ -23,6 +23,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
 #include "dtrain/ps.h"
+#include "dtrain/ps_module.h"
 
 namespace dtrain::bench {
 namespace {
@@ -104,32 +105,22 @@ torch::nn::Sequential referenceMlp() {
 
 int runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check) {
   auto net = referenceMlp();
-  auto params = net->parameters();
   int64_t nparams = 0;
-  for (size_t i = 0; i < params.size(); ++i) {
-    w.declare("p" + std::to_string(i), params[i].detach());
-    nparams += params[i].numel();
-  }
+  for (const auto& p : net->parameters()) nparams += p.numel();
+  // The loop a DDP user writes, through ps::DistributedModule: 4 MB buckets pushed from the gradient
+  // hooks while backward runs, the servers' SGD step, pulls installed before the next forward.
+  ps::DistributedModule psm(net.ptr(), w);
   auto g = at::make_generator<at::CPUGeneratorImpl>(dist.rank());
   auto x = at::randn({o.batch, 784}, g);
   auto y = at::randint(0, 10, {o.batch}, g, torch::kLong);
   double first_loss = 0, last_loss = 0;
-  // pull (BSP: waits for the previous step's update), forward/backward, push. (Separate push and pull:
-  // pushPull of a tensor cut into several partitions on one server stalled in our runs.)
   auto step = [&] {
-    {
-      torch::NoGradGuard no_grad;
-      for (size_t i = 0; i < params.size(); ++i) {
-        auto v = params[i].detach();
-        w.pull("p" + std::to_string(i), v);
-      }
-    }
+    psm.beforeForward();
     net->zero_grad();
     auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
     loss.backward();
-    for (size_t i = 0; i < params.size(); ++i) w.push("p" + std::to_string(i), params[i].grad());
     check.push();
-    w.clock();
+    psm.step();
     return loss.item<double>();
   };
   for (int i = 0; i < o.warmup; ++i) first_loss = step();
