@@ -246,6 +246,28 @@ TYPED_TEST(StoreTest, OneClientIsSafeToShareBetweenThreads) {
   EXPECT_EQ(this->store->add("shared", 0), kThreads * kAdds);
 }
 
+// A clone is another connection to the same store: a thread blocked in get() on the original does not
+// hold up the clone (on a shared TcpStore client the set below would queue behind the get), and a
+// PrefixStore's clone keeps its prefix.
+TYPED_TEST(StoreTest, ACloneIsAnIndependentClientOfTheSameStore) {
+  PrefixStore prefixed("p", this->store);
+  auto clone = prefixed.clone();
+  EXPECT_EQ(clone->timeout(), prefixed.timeout());
+  std::string got;
+  std::thread waiter([&] {
+    try {
+      got = toString(prefixed.get("k"));
+    } catch (const std::exception& e) {
+      got = std::string("error: ") + e.what();
+    }
+  });
+  std::this_thread::sleep_for(50ms);
+  clone->set("k", toBytes("v"));  // through its own connection, while the waiter blocks
+  waiter.join();
+  EXPECT_EQ(got, "v");
+  EXPECT_EQ(toString(this->store->get("p/k")), "v");
+}
+
 // Every add's result is claimed with compareSet under "seen/<value>": a value handed out twice would
 // be claimed by two ranks, which a non-atomic add would show up as.
 TYPED_TEST(StoreTest, ConcurrentAddsFromFiveProcessesGiveTheExactTotal) {
