@@ -18,6 +18,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
+#include "errors.h"
 
 namespace dtrain {
 namespace fs = std::filesystem;
@@ -31,11 +32,7 @@ constexpr const char* kTmpPrefix = ".tmp-";
 
 std::string shapeString(const at::Tensor& t) { return fmt::format("[{}]", fmt::join(t.sizes(), ", ")); }
 
-// c10::Error's what() carries a C++ backtrace; users need the first line.
-std::string describe(const std::exception& e) {
-  if (auto* c10e = dynamic_cast<const c10::Error*>(&e)) return c10e->what_without_backtrace();
-  return e.what();
-}
+using detail::errorText;
 
 // The parameters and buffers of a module by qualified name (the names PyTorch's state_dict uses).
 std::map<std::string, at::Tensor> namedTensors(const torch::nn::Module& module) {
@@ -376,7 +373,7 @@ CheckpointState Checkpointer::load(const std::string& path) {
   try {
     root = torch::pickle_load(bytes);
   } catch (const std::exception& e) {
-    throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, describe(e)));
+    throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, errorText(e)));
   }
   if (!root.isGenericDict())
     throw Error(fmt::format("checkpoint {} is not a dtrain checkpoint (its root is a {}, not a dict)", path,

@@ -22,6 +22,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/tensor.h"
+#include "errors.h"
 
 namespace dtrain {
 namespace {
@@ -42,30 +43,8 @@ int64_t tensorBytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
 }
 
-// c10::Error's what() carries a C++ backtrace; the message alone is what a user needs.
-std::string errorText(const std::exception& e) {
-  if (auto* c = dynamic_cast<const c10::Error*>(&e)) return c->what_without_backtrace();
-  return e.what();
-}
-
-// Rethrows the current exception with `context` in front, keeping dtrain's exception type.
-[[noreturn]] void rethrowWithContext(const std::string& context) {
-  try {
-    throw;
-  } catch (const TimeoutError& e) {
-    throw TimeoutError(context + e.what());
-  } catch (const IoError& e) {
-    throw IoError(context + e.what());
-  } catch (const ProtocolError& e) {
-    throw ProtocolError(context + e.what());
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(context + e.what());
-  } catch (const RendezvousError& e) {
-    throw RendezvousError(context + e.what());
-  } catch (const std::exception& e) {
-    throw Error(context + errorText(e));
-  }
-}
+using detail::errorText;
+using detail::rethrowWithContext;
 
 }  // namespace
 

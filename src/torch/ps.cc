@@ -21,6 +21,7 @@
 #include <unordered_map>
 
 #include "dtrain/comm/error.h"
+#include "errors.h"
 
 namespace dtrain::ps {
 namespace {
@@ -29,6 +30,8 @@ using comm::DType;
 using comm::ProcessGroup;
 using comm::WorkPtr;
 using Clock = std::chrono::steady_clock;
+using detail::rethrowWithContext;
+using detail::sameType;
 
 constexpr uint32_t kMagic = 0x50535631;  // "PSV1"
 enum Op : uint16_t {
@@ -86,37 +89,6 @@ const char* opName(uint16_t op) {
 
 int64_t partLimit(const PSOptions& o) { return std::max<int64_t>(1, static_cast<int64_t>(o.partition_bytes / 4)); }
 int64_t maxRowsPerMessage(const PSOptions& o, int64_t dim) { return std::max<int64_t>(1, partLimit(o) / dim); }
-
-// Rethrows the current exception as the same dtrain type with `prefix` in front of its message.
-[[noreturn]] void rethrowPrefixed(const std::string& prefix) {
-  try {
-    throw;
-  } catch (const ProtocolError& e) {
-    throw ProtocolError(prefix + e.what());
-  } catch (const TimeoutError& e) {
-    throw TimeoutError(prefix + e.what());
-  } catch (const IoError& e) {
-    throw IoError(prefix + e.what());
-  } catch (const RendezvousError& e) {
-    throw RendezvousError(prefix + e.what());
-  } catch (const InvalidArgument& e) {
-    throw InvalidArgument(prefix + e.what());
-  } catch (const Error& e) {
-    throw Error(prefix + e.what());
-  } catch (const std::exception& e) {
-    throw Error(prefix + e.what());
-  }
-}
-
-// An exception of e's dtrain type carrying msg.
-std::exception_ptr sameType(const std::exception& e, const std::string& msg) {
-  if (dynamic_cast<const ProtocolError*>(&e)) return std::make_exception_ptr(ProtocolError(msg));
-  if (dynamic_cast<const TimeoutError*>(&e)) return std::make_exception_ptr(TimeoutError(msg));
-  if (dynamic_cast<const IoError*>(&e)) return std::make_exception_ptr(IoError(msg));
-  if (dynamic_cast<const RendezvousError*>(&e)) return std::make_exception_ptr(RendezvousError(msg));
-  if (dynamic_cast<const InvalidArgument*>(&e)) return std::make_exception_ptr(InvalidArgument(msg));
-  return std::make_exception_ptr(Error(msg));
-}
 
 at::Tensor floatCpu(const at::Tensor& t, const char* what) {
   DTRAIN_CHECK(t.defined(), InvalidArgument, "ps: {} is undefined", what);
@@ -203,7 +175,7 @@ class Batch {
     try {
       return f();
     } catch (...) {
-      rethrowPrefixed(fmt::format("[worker {}] server {}: ", rank_, s));
+      rethrowWithContext(fmt::format("[worker {}] server {}: ", rank_, s));
     }
   }
 
@@ -356,7 +328,7 @@ void Worker::connect(const std::shared_ptr<comm::Store>& store) {
     try {
       c->pg = ProcessGroup::create(pairStore(store, rank_, s), 0, 2, gopts);
     } catch (...) {
-      rethrowPrefixed(fmt::format("[worker {}] connecting to server {}: ", rank_, s));
+      rethrowWithContext(fmt::format("[worker {}] connecting to server {}: ", rank_, s));
     }
     conns_.push_back(std::move(c));
   }
