@@ -654,101 +654,95 @@ void Worker::netClock(uint16_t flags, int clock) {
 }
 
 namespace {
-// The caller's row positions grouped by owning server (row % S). Empty groups when one server owns all.
-std::vector<std::vector<int64_t>> groupRows(const at::Tensor& ids, int num_servers) {
+// One message of a pushRows / pullRows to server `server`: rows [start, start + n) of the caller's ids
+// when one server owns every row (idx undefined), else the rows at positions idx.
+struct RowMessage {
+  int server = 0;
+  int64_t start = 0, n = 0;
+  at::Tensor idx;
+};
+
+// The messages that carry ids: grouped by owning server (row % S), at most `chunk` rows each.
+std::vector<RowMessage> rowMessages(const at::Tensor& ids, int num_servers, int64_t chunk) {
+  std::vector<RowMessage> out;
+  const int64_t total = ids.numel();
+  if (num_servers == 1) {
+    for (int64_t start = 0; start < total; start += chunk) out.push_back({0, start, std::min(total - start, chunk), {}});
+    return out;
+  }
   const int64_t* p = ids.data_ptr<int64_t>();
   std::vector<std::vector<int64_t>> by(static_cast<size_t>(num_servers));
-  if (num_servers == 1) return by;
-  for (int64_t i = 0; i < ids.numel(); ++i) by[static_cast<size_t>(p[i] % num_servers)].push_back(i);
-  return by;
+  for (int64_t i = 0; i < total; ++i) by[static_cast<size_t>(p[i] % num_servers)].push_back(i);
+  for (int s = 0; s < num_servers; ++s) {
+    auto& pos = by[static_cast<size_t>(s)];
+    const int64_t count = static_cast<int64_t>(pos.size());
+    for (int64_t start = 0; start < count; start += chunk) {
+      const int64_t n = std::min(count - start, chunk);
+      out.push_back({s, start, n, at::from_blob(pos.data() + start, {n}, at::kLong).clone()});
+    }
+  }
+  return out;
 }
-// Positions [start, start + n) of server s's group, as an index tensor (or, with one server, a range).
-at::Tensor positions(const std::vector<std::vector<int64_t>>& by, int s, size_t start, size_t n) {
-  const auto& pos = by[static_cast<size_t>(s)];
-  return at::from_blob(const_cast<int64_t*>(pos.data() + start), {static_cast<int64_t>(n)}, at::kLong).clone();
+
+// The message's rows of t (ids or per-row values): a view when they are contiguous in t.
+at::Tensor rowsOf(const at::Tensor& t, const RowMessage& m) {
+  return m.idx.defined() ? t.index_select(0, m.idx) : t.narrow(0, m.start, m.n);
+}
+
+Header rowsHeader(uint16_t op, uint32_t key, int clock, int64_t n, int64_t dim) {
+  Header h;
+  h.op = op;
+  h.key = key;
+  h.clock = clock;
+  h.count = n;
+  h.row_dim = dim;
+  return h;
 }
 }  // namespace
 
 void Worker::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
-  auto by = groupRows(ids, num_servers_);
-  const size_t chunk = static_cast<size_t>(maxRowsPerMessage(opts_, e.dim));
-  std::vector<at::Tensor> keep;  // owned copies stay alive until every send completed
+  std::vector<at::Tensor> keep;  // the selected rows stay alive until every send completed
   Batch b(rank_, sent_, received_);
-  for (int s = 0; s < num_servers_; ++s) {
-    const size_t total = num_servers_ == 1 ? static_cast<size_t>(ids.numel()) : by[static_cast<size_t>(s)].size();
-    for (size_t start = 0; start < total; start += chunk) {
-      size_t n = std::min(total - start, chunk);
-      at::Tensor sid, sg;
-      if (num_servers_ == 1) {
-        sid = ids.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
-        sg = g.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
-      } else {
-        auto idx = positions(by, s, start, n);
-        sid = ids.index_select(0, idx);
-        sg = g.index_select(0, idx);
-        keep.push_back(sid);
-        keep.push_back(sg);
-      }
-      Header h;
-      h.op = kPushRows;
-      h.key = e.key;
-      h.clock = clock;
-      h.count = static_cast<int64_t>(n);
-      h.row_dim = e.dim;
-      auto& pg = *conns_[static_cast<size_t>(s)]->pg;
-      b.sendHeader(s, pg, h);
-      b.send(s, pg, sid.data_ptr<int64_t>(), sid.numel(), DType::i64);
-      b.send(s, pg, sg.data_ptr<float>(), sg.numel(), DType::f32);
-    }
+  for (const auto& m : rowMessages(ids, num_servers_, maxRowsPerMessage(opts_, e.dim))) {
+    auto sid = rowsOf(ids, m), sg = rowsOf(g, m);
+    keep.push_back(sid);
+    keep.push_back(sg);
+    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
+    b.sendHeader(m.server, pg, rowsHeader(kPushRows, e.key, clock, m.n, e.dim));
+    b.send(m.server, pg, sid.data_ptr<int64_t>(), sid.numel(), DType::i64);
+    b.send(m.server, pg, sg.data_ptr<float>(), sg.numel(), DType::f32);
   }
   b.waitAll();
 }
 
 void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
-  auto by = groupRows(ids, num_servers_);
-  const size_t chunk = static_cast<size_t>(maxRowsPerMessage(opts_, e.dim));
   struct Req {
-    int s;
-    at::Tensor idx, sid, values;  // idx undefined: values is a slice of out
+    RowMessage m;
+    at::Tensor sid, values;  // values: a slice of out when the message's rows are contiguous in it
   };
   std::vector<Req> reqs;
   Batch b(rank_, sent_, received_);
-  for (int s = 0; s < num_servers_; ++s) {
-    const size_t total = num_servers_ == 1 ? static_cast<size_t>(ids.numel()) : by[static_cast<size_t>(s)].size();
-    for (size_t start = 0; start < total; start += chunk) {
-      size_t n = std::min(total - start, chunk);
-      Req r;
-      r.s = s;
-      if (num_servers_ == 1) {
-        r.sid = ids.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
-        r.values = out.narrow(0, static_cast<int64_t>(start), static_cast<int64_t>(n));
-      } else {
-        r.idx = positions(by, s, start, n);
-        r.sid = ids.index_select(0, r.idx);
-        r.values = at::empty({static_cast<int64_t>(n), e.dim}, at::kFloat);
-      }
-      Header h;
-      h.op = kPullRows;
-      h.key = e.key;
-      h.clock = clock;
-      h.count = static_cast<int64_t>(n);
-      h.row_dim = e.dim;
-      auto& pg = *conns_[static_cast<size_t>(s)]->pg;
-      b.sendHeader(s, pg, h);
-      b.send(s, pg, r.sid.data_ptr<int64_t>(), r.sid.numel(), DType::i64);
-      reqs.push_back(std::move(r));
-    }
+  for (auto& m : rowMessages(ids, num_servers_, maxRowsPerMessage(opts_, e.dim))) {
+    Req r;
+    r.sid = rowsOf(ids, m);
+    r.values = m.idx.defined() ? at::empty({m.n, e.dim}, at::kFloat) : rowsOf(out, m);
+    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
+    b.sendHeader(m.server, pg, rowsHeader(kPullRows, e.key, clock, m.n, e.dim));
+    b.send(m.server, pg, r.sid.data_ptr<int64_t>(), r.sid.numel(), DType::i64);
+    r.m = std::move(m);
+    reqs.push_back(std::move(r));
   }
   b.waitAll();
   for (auto& r : reqs) {
-    auto& pg = *conns_[static_cast<size_t>(r.s)]->pg;
-    Header h = b.recvReply(r.s, pg, kValues);
-    if (h.key != e.key || h.count != r.values.size(0) || h.row_dim != e.dim) {
+    const int s = r.m.server;
+    auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+    Header h = b.recvReply(s, pg, kValues);
+    if (h.key != e.key || h.count != r.m.n || h.row_dim != e.dim) {
       throw ProtocolError(fmt::format("[worker {}] server {}: pullRows reply {} x {} for table {}, expected {} x {}",
-                                      rank_, r.s, h.count, h.row_dim, h.key, r.values.size(0), e.dim));
+                                      rank_, s, h.count, h.row_dim, h.key, r.m.n, e.dim));
     }
-    b.recv(r.s, pg, r.values.data_ptr<float>(), r.values.numel(), DType::f32);
-    if (r.idx.defined()) out.index_copy_(0, r.idx, r.values);
+    b.recv(s, pg, r.values.data_ptr<float>(), r.values.numel(), DType::f32);
+    if (r.m.idx.defined()) out.index_copy_(0, r.m.idx, r.values);
   }
 }
 
