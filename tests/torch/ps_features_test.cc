@@ -11,6 +11,7 @@
 #include "dtrain/ps.h"
 #include "dtrain/ps_module.h"
 #include "harness.h"
+#include "ps_test_util.h"
 
 namespace dtrain::test {
 namespace {
@@ -19,12 +20,6 @@ using ps::Consistency;
 using ps::PSOptions;
 
 constexpr int kPerWorker = 4;
-
-void expectClose(const torch::Tensor& got, const torch::Tensor& want, double rel, const std::string& what) {
-  double diff = (got - want).abs().max().item<double>();
-  double scale = std::max(1.0, want.abs().max().item<double>());
-  EXPECT_LE(diff / scale, rel) << what << " differs by " << diff;
-}
 
 std::pair<torch::Tensor, torch::Tensor> batch(int step, int n) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(700 + step);
@@ -46,15 +41,6 @@ TORCH_MODULE(Net);
 Net makeNet() {
   torch::manual_seed(21);
   return Net();
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOpt(PSOptions::Update u, const PSOptions& o,
-                                                 std::vector<torch::Tensor> params) {
-  if (u == PSOptions::Update::adam) {
-    return std::make_unique<torch::optim::Adam>(params,
-                                                torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps));
-  }
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum));
 }
 
 // One process, the global batch of `procs` x kPerWorker rows, `steps` steps: the reference.
@@ -85,25 +71,6 @@ PSOptions bspOptions(PSOptions::Update u) {
   o.partition_bytes = 48;  // 12 floats: buckets cut into several partitions over the servers
   o.timeout = std::chrono::seconds(20);
   return o;
-}
-
-// W worker processes and S server processes; fn(store, p) runs in worker p.
-void runJob(int W, int S, int server_workers, const PSOptions& o,
-            const std::function<void(const std::shared_ptr<comm::Store>&, int)>& fn) {
-  StoreServer server;
-  auto results = runRanks(
-      W + S,
-      [&](int p) {
-        auto store = server.client();
-        if (p < W) {
-          fn(store, p);
-        } else {
-          ps::Server srv(store, p - W, S, server_workers, o);
-          srv.run();
-        }
-      },
-      std::chrono::seconds(90));
-  expectAllOk(results);
 }
 
 // The training loop of a DDP user, through ps::DistributedModule; 4 steps.

@@ -13,6 +13,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/ps.h"
 #include "harness.h"
+#include "ps_test_util.h"
 
 namespace dtrain::test {
 namespace {
@@ -37,22 +38,14 @@ void barrier(comm::Store& store, const std::string& name, int W) {
 
 void runPS(int W, int S, const PSOptions& o, const WorkerFn& fn,
            std::chrono::seconds deadline = std::chrono::seconds(90)) {
-  StoreServer server;
-  auto results = runRanks(
-      W + S,
-      [&](int p) {
-        auto store = server.client();
-        if (p < W) {
-          ps::Worker wk(store, p, W, S, o);
-          fn(wk, p, *store);
-          wk.finish();
-        } else {
-          ps::Server srv(store, p - W, S, W, o);
-          srv.run();
-        }
+  runJob(
+      W, S, W, o,
+      [&](const std::shared_ptr<comm::Store>& store, int p) {
+        ps::Worker wk(store, p, W, S, o);
+        fn(wk, p, *store);
+        wk.finish();
       },
       deadline);
-  expectAllOk(results);
 }
 
 // ---------------------------------------------------------------- BSP equals one process
@@ -66,21 +59,6 @@ std::pair<torch::Tensor, torch::Tensor> batch(int step, int W) {
   auto x = at::randn({W * kPerWorker, 6}, g, torch::kFloat);
   auto y = at::randn({W * kPerWorker, 3}, g, torch::kFloat);
   return {x, y};
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOpt(PSOptions::Update u, const PSOptions& o,
-                                                 std::vector<torch::Tensor> params) {
-  if (u == PSOptions::Update::adam) {
-    return std::make_unique<torch::optim::Adam>(
-        params, torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps));
-  }
-  return std::make_unique<torch::optim::SGD>(params, torch::optim::SGDOptions(o.lr).momentum(o.momentum));
-}
-
-void expectClose(const torch::Tensor& got, const torch::Tensor& want, double rel, const std::string& what) {
-  double diff = (got - want).abs().max().item<double>();
-  double scale = std::max(1.0, want.abs().max().item<double>());
-  EXPECT_LE(diff / scale, rel) << what << " differs by " << diff << "\ngot " << got << "\nwant " << want;
 }
 
 // 5 steps of BSP through the PS against one process on the global batch. server_update: the server
