@@ -226,6 +226,7 @@ class Worker {
  private:
   const Entry& entry(const std::string& name, bool sparse) const;
   void connect(const std::shared_ptr<comm::Store>& store);
+  void startThread();
   WorkHandle submit(std::string what, std::function<void()> fn);
   // The network side of each operation (on the Worker's thread).
   void netDeclare(const Entry& e, const at::Tensor& init);

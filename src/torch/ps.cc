@@ -193,10 +193,11 @@ class Batch {
 
 // Sends a header-only request (clock, goodbye) to every server.
 template <class Conns>
-void sendToAllServers(Batch& b, const Conns& conns, uint16_t op, int32_t clock) {
+void sendToAllServers(Batch& b, const Conns& conns, uint16_t op, int32_t clock, uint16_t flags = 0) {
   for (size_t s = 0; s < conns.size(); ++s) {
     Header h;
     h.op = op;
+    h.flags = flags;
     h.clock = clock;
     b.sendHeader(static_cast<int>(s), *conns[s]->pg, h);
   }
@@ -296,7 +297,9 @@ Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, in
   DTRAIN_CHECK(num_workers >= 1 && rank >= 0 && rank < num_workers, InvalidArgument,
                "ps::Worker: rank {} of {} workers", rank, num_workers);
   checkWorkerOptions(num_servers, opts, store);
+  load_.assign(static_cast<size_t>(num_servers), 0);
   connect(store);
+  startThread();
 }
 
 Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
@@ -305,21 +308,21 @@ Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num
   DTRAIN_CHECK(agg.num_nodes >= 1 && agg.node >= 0 && agg.node < agg.num_nodes, InvalidArgument,
                "ps::Worker: node {} of {} nodes", agg.node, agg.num_nodes);
   checkWorkerOptions(num_servers, opts, store);
+  load_.assign(static_cast<size_t>(num_servers), 0);
   std::vector<int> all(static_cast<size_t>(agg.local->size()));
   for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
   // A group of its own: the Worker's thread issues collectives on it while the user may use agg.local.
   local_ = agg.local->newGroup(all);
-  if (local_->rank() == 0) {
-    connect(store);
-  } else {
-    load_.assign(static_cast<size_t>(num_servers), 0);
-    thread_ = std::make_unique<Thread>();
-    thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
-  }
+  if (local_->rank() == 0) connect(store);
+  startThread();
+}
+
+void Worker::startThread() {
+  thread_ = std::make_unique<Thread>();
+  thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
 }
 
 void Worker::connect(const std::shared_ptr<comm::Store>& store) {
-  load_.assign(static_cast<size_t>(num_servers_), 0);
   auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), opts_.timeout / 4);
   auto gopts = groupOptions(opts_.timeout + grace);
   for (int s = 0; s < num_servers_; ++s) {
@@ -332,8 +335,6 @@ void Worker::connect(const std::shared_ptr<comm::Store>& store) {
     }
     conns_.push_back(std::move(c));
   }
-  thread_ = std::make_unique<Thread>();
-  thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
 }
 
 Worker::~Worker() {
@@ -643,13 +644,7 @@ void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& o
 
 void Worker::netClock(uint16_t flags, int clock) {
   Batch b(rank_, sent_, received_);
-  for (size_t s = 0; s < conns_.size(); ++s) {
-    Header h;
-    h.op = kClock;
-    h.flags = flags;
-    h.clock = clock;
-    b.sendHeader(static_cast<int>(s), *conns_[s]->pg, h);
-  }
+  sendToAllServers(b, conns_, kClock, clock, flags);
   b.waitAll();
 }
 
