@@ -31,6 +31,12 @@ struct DistributedModule::Impl {
   bool pulls_pending = false;
   bool sum_only = false;
 
+  // Parameter j of bucket b's slice of flat (its grads or values), shaped like the parameter.
+  at::Tensor slice(const at::Tensor& flat, const Bucket& b, size_t j) const {
+    const auto& p = params[b.params[j]];
+    return flat.narrow(0, b.offsets[j], p.numel()).view(p.sizes());
+  }
+
   void onGrad(size_t i, const at::Tensor& grad) {
     DTRAIN_CHECK(!pulls_pending, InvalidArgument,
                  "ps::DistributedModule: backward before beforeForward(): the forward used parameters older than "
@@ -41,8 +47,8 @@ struct DistributedModule::Impl {
                  "ps::DistributedModule: parameter '{}' got a gradient after its bucket {} was pushed (used twice "
                  "in one pass, or two backward passes in one step: call step() between them)",
                  names[i], bucket_of[i]);
-    auto slot = b.grads.narrow(0, b.offsets[slot_of[i]], params[i].numel());
-    auto g = grad.detach().reshape({-1}).to(at::kFloat);
+    auto slot = slice(b.grads, b, slot_of[i]);
+    auto g = grad.detach().to(at::kFloat);
     if (seen[i]) {
       slot.add_(g);
       return;
@@ -93,7 +99,7 @@ DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, 
     b.grads = at::zeros({b.numel}, at::kFloat);
     b.values = at::empty({b.numel}, at::kFloat);
     for (size_t j = 0; j < b.params.size(); ++j)
-      b.values.narrow(0, b.offsets[j], m.params[b.params[j]].numel()).copy_(m.params[b.params[j]].detach().reshape({-1}));
+      m.slice(b.values, b, j).copy_(m.params[b.params[j]].detach());
     worker.declare(b.name, b.values);  // worker 0's values are stored
   }
   // Every worker starts from worker 0's values.
@@ -134,7 +140,7 @@ void DistributedModule::beforeForward() {
     b.pull.reset();
     for (size_t j = 0; j < b.params.size(); ++j) {
       auto& p = m.params[b.params[j]];
-      p.detach().copy_(b.values.narrow(0, b.offsets[j], p.numel()).view(p.sizes()));
+      p.detach().copy_(m.slice(b.values, b, j));
     }
   }
   m.pulls_pending = false;
@@ -149,7 +155,7 @@ void DistributedModule::step() {
     if (b.push) continue;
     for (size_t j = 0; j < b.params.size(); ++j) {
       size_t i = b.params[j];
-      if (!m.seen[i]) b.grads.narrow(0, b.offsets[j], m.params[i].numel()).zero_();
+      if (!m.seen[i]) m.slice(b.grads, b, j).zero_();
     }
     b.push = m.worker->pushAsync(b.name, b.grads);
   }
@@ -172,7 +178,7 @@ void DistributedModule::step() {
     b.pull.reset();
     for (size_t j = 0; j < b.params.size(); ++j) {
       auto& p = m.params[b.params[j]];
-      auto g = b.values.narrow(0, b.offsets[j], p.numel()).view(p.sizes()) / static_cast<double>(over);
+      auto g = m.slice(b.values, b, j) / static_cast<double>(over);
       if (p.grad().defined()) {
         p.mutable_grad().copy_(g);
       } else {
