@@ -326,9 +326,28 @@ class TcpTransport : public Transport {
       }
       if (w < 0 && errno == EINTR) continue;
       if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      throwLost(i, label, strerror(errno));
+      const int err = errno;
+      raiseAbortLeftBy(i, label);
+      throwLost(i, label, strerror(err));
     }
     return moved;
+  }
+
+  // A send to peer i failed: the peer is gone. A peer that failed first sends an abort frame with its
+  // reason on every connection it is not in the middle of a send on; when this rank was only sending
+  // to it, nobody read that frame. If it is waiting at a frame boundary, raise it: the reason (which
+  // names the rank that failed first) is what the user needs, not "connection reset".
+  void raiseAbortLeftBy(int i, const Label& label) {
+    const auto& p = peers_[i];
+    if (!p.recvs.empty() && p.recvs.front().hdr_got > 0) return;  // mid-frame: what follows is data
+    Header h;
+    ssize_t n = ::recv(p.sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
+        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+      const Deadline deadline = net::deadlineAfter(std::chrono::seconds(2));
+      peers_[i].sock.recvAll(&h, sizeof h, deadline);
+      raiseAbort(i, h, deadline, label);
+    }
   }
 
   // Reads into buf; returns bytes read, 0 if it would block. EOF and errors throw.
