@@ -536,33 +536,33 @@ class ShmTransport : public Transport {
   template <typename Ready>
   void waitAll(Ready&& ready, Deadline deadline, const Label& label, const char* doing) {
     auto* me = slot(rank_);
-    auto behind = [&] {
-      std::vector<int> b;
+    auto allReady = [&] {
       for (int p = 0; p < size_; ++p)
-        if (p != rank_ && !ready(p)) b.push_back(p);
-      return b;
+        if (p != rank_ && !ready(p)) return false;
+      return true;
     };
-    auto describe = [&](const std::vector<int>& b) {
+    // Built only for an error message: the ranks still behind.
+    auto describe = [&] {
       std::string w;
-      for (int p : b) w += (w.empty() ? "" : ", ") + peerName(p);
+      for (int p = 0; p < size_; ++p)
+        if (p != rank_ && !ready(p)) w += (w.empty() ? "" : ", ") + peerName(p);
       return fmt::format("{} {}", w, doing);
     };
     for (unsigned spins = 0;;) {
       uint32_t bell = me->doorbell.load(std::memory_order_seq_cst);
-      auto b = behind();
-      if (b.empty()) return;
+      if (allReady()) return;
       if (spins < spin_) {
         spinPause(spins++);
         continue;
       }
-      for (int p : b) {
-        if (kill(pids_[p], 0) != 0 && errno == ESRCH && !ready(p)) {
-          checkAborts(label, describe(b));  // a rank that failed and exited left its reason: report that
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_ && kill(pids_[p], 0) != 0 && errno == ESRCH && !ready(p)) {
+          checkAborts(label, describe);  // a rank that failed and exited left its reason: report that
           throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it {}",
                                     rank_, label.what, peerName(p), doing));
         }
       }
-      sleepSlice(bell, deadline, label, describe(b));
+      sleepSlice(bell, deadline, label, describe);
     }
   }
 
@@ -593,7 +593,7 @@ class ShmTransport : public Transport {
       spinPause(i);
     }
     for (;;) {
-      sleepSlice(bell, deadline, label, waitingFor());
+      sleepSlice(bell, deadline, label, [this] { return waitingFor(); });
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
       checkPeersAlive(label);
     }
@@ -602,12 +602,13 @@ class ShmTransport : public Transport {
   // One slice of waiting for this rank's doorbell to move from `bell`, shared by every wait: first the
   // checks that end a wait early (a peer's abort record, a peer in a different collective, the
   // deadline), then sleep on the futex for at most kSleepSlice. `waiting` names what we wait for.
-  void sleepSlice(uint32_t bell, Deadline deadline, const Label& label, const std::string& waiting) {
+  template <typename Waiting>
+  void sleepSlice(uint32_t bell, Deadline deadline, const Label& label, Waiting&& waiting) {
     checkAborts(label, waiting);
     auto now = Clock::now();
     if (now >= deadline) {
       throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                     label.timeout.count() / 1000.0, waiting));
+                                     label.timeout.count() / 1000.0, waiting()));
     }
     auto* me = slot(rank_);
     me->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -618,7 +619,9 @@ class ShmTransport : public Transport {
     me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 
-  void checkAborts(const Label& label, const std::string& waiting) {
+  // `waiting()` names what this rank waits for; called only when a peer did fail.
+  template <typename Waiting>
+  void checkAborts(const Label& label, Waiting&& waiting) {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       RankSlot* s = slot(p);
@@ -626,7 +629,7 @@ class ShmTransport : public Transport {
         std::string msg(s->abort_msg, strnlen(s->abort_msg, kMaxAbortMessage));
         throwOfKind(static_cast<ErrorKind>(s->abort_kind),
                     fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
-                                label.what, p, msg, waiting));
+                                label.what, p, msg, waiting()));
       }
     }
   }
@@ -644,7 +647,7 @@ class ShmTransport : public Transport {
         // Data it wrote before dying may still be in the ring: let the caller pump once more.
         RingCtl* c = ctl(p, rank_);
         if (rqi[p] < rq[p].size() && c->head.load() != c->tail.load()) return;
-        checkAborts(label, waitingFor());  // a rank that failed and exited left its reason: report that
+        checkAborts(label, [this] { return waitingFor(); });  // a rank that failed and exited left its reason: report that
         throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it",
                                   rank_, label.what, peerName(p)));
       }
