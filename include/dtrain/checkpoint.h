@@ -66,6 +66,9 @@
 // whose files are all present with the manifest's sizes (an incomplete one is skipped with a warning on
 // stderr). The manifest lists every rank's file so that a later loader can reshard (elastic restarts,
 // sharded optimizers); today loading at another world size is an error naming both sizes.
+// The parameter servers' state is the job's, not a rank's: rank 0 (worker 0, from saveState()) sets
+// CheckpointState::parameter_server, the other ranks leave it empty, and loadLatest returns rank 0's on
+// every rank (each worker's ps::Worker::loadState needs it).
 #pragma once
 #include <ATen/core/Tensor.h>
 

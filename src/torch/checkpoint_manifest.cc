@@ -80,6 +80,7 @@ Report broadcastReport(comm::ProcessGroup& pg, Report rep) {
 struct Inspection {
   enum Kind { no_manifest, incomplete, complete } kind = no_manifest;
   int64_t world_size = 0;
+  bool parameter_server = false;  // rank 0's file holds the job's parameter-server state
   std::string reason;  // incomplete: which file is missing or short
 };
 
@@ -95,6 +96,7 @@ Inspection inspect(const fs::path& cdir) {
   const auto files = r.strings("files");
   const auto bytes = r.integers("bytes");
   out.world_size = r.integer("world_size");
+  out.parameter_server = r.integer("parameter_server") != 0;
   if (files.size() != bytes.size() || static_cast<int64_t>(files.size()) != out.world_size)
     throw Error(fmt::format("checkpoint manifest {} is inconsistent: {} files, {} sizes, world_size {}", path,
                             files.size(), bytes.size(), out.world_size));
@@ -132,6 +134,7 @@ std::vector<CheckpointFile> checkpointDirs(const std::string& dir) {
 }
 
 std::vector<char> manifestBytes(const CheckpointState& s, const std::vector<Report>& reports) {
+  // s is rank 0's state.
   c10::impl::GenericDict dict(c10::StringType::get(), c10::AnyType::get());
   c10::List<std::string> files;
   c10::List<int64_t> bytes;
@@ -146,6 +149,7 @@ std::vector<char> manifestBytes(const CheckpointState& s, const std::vector<Repo
   dict.insert("world_size", int64_t{world});
   dict.insert("files", files);
   dict.insert("bytes", bytes);
+  dict.insert("parameter_server", int64_t{s.parameter_server.empty() ? 0 : 1});
   return torch::pickle_save(dict);
 }
 
@@ -177,6 +181,9 @@ std::string Checkpointer::savePerRank(const CheckpointState& s) const {
   try {
     DTRAIN_CHECK_GE(s.epoch, 0, "Checkpointer::save: epoch");
     DTRAIN_CHECK_GE(s.step, 0, "Checkpointer::save: step");
+    DTRAIN_CHECK(rank == 0 || s.parameter_server.empty(), InvalidArgument,
+                 "parameter_server is the job's state: rank 0 saves it (worker 0's saveState()), the other ranks "
+                 "leave it empty (loadLatest gives every rank rank 0's)");
     const auto bytes = detail::pickleState(s, rank, world);
     std::error_code ec;
     fs::create_directories(cdir, ec);
@@ -188,8 +195,15 @@ std::string Checkpointer::savePerRank(const CheckpointState& s) const {
     error = detail::errorText(e);
   }
 
-  // 2. Everyone's outcome, on every rank.
-  const auto reports = gatherReports(pg, {s.epoch, s.step, written, 0}, error);
+  // 2. Everyone's outcome, on every rank. A rank that died or hangs fails the collective.
+  const std::string not_saved =
+      fmt::format("[rank {}] checkpoint {} not saved (the previous one stays the newest): ", rank, cdir);
+  std::vector<Report> reports;
+  try {
+    reports = gatherReports(pg, {s.epoch, s.step, written, 0}, error);
+  } catch (const std::exception&) {
+    detail::rethrowWithContext(not_saved);
+  }
   std::vector<std::string> problems;
   for (int r = 0; r < world; ++r) {
     const Report& rep = reports[static_cast<size_t>(r)];
@@ -206,8 +220,7 @@ std::string Checkpointer::savePerRank(const CheckpointState& s) const {
   if (!agree)
     problems.push_back(fmt::format("the ranks disagree on (epoch, step): {}", fmt::join(numbers, ", ")));
   if (!problems.empty())
-    throw Error(fmt::format("[rank {}] checkpoint {} not saved (the previous one stays the newest): {}", rank, cdir,
-                            fmt::join(problems, "; ")));
+    throw Error(not_saved + fmt::format("{}", fmt::join(problems, "; ")));
 
   // 3. Rank 0 commits: the manifest makes the checkpoint exist.
   Report commit;
@@ -232,10 +245,12 @@ std::string Checkpointer::savePerRank(const CheckpointState& s) const {
         if (e.path().filename().string().rfind(detail::kCheckpointTmpPrefix, 0) == 0) fs::remove(e.path(), ec);
     }
   }
-  commit = broadcastReport(pg, commit);
-  if (!commit.error.empty())
-    throw Error(fmt::format("[rank {}] checkpoint {} not saved: rank 0 could not write its manifest: {}", rank, cdir,
-                            commit.error));
+  try {
+    commit = broadcastReport(pg, commit);
+  } catch (const std::exception&) {
+    detail::rethrowWithContext(not_saved);
+  }
+  if (!commit.error.empty()) throw Error(not_saved + "rank 0 could not write its manifest: " + commit.error);
   return path;
 }
 
@@ -254,7 +269,7 @@ std::vector<CheckpointFile> Checkpointer::listPerRank() const {
 std::optional<CheckpointState> Checkpointer::loadLatestPerRank() const {
   auto& pg = *group_;
   const int rank = pg.rank(), world = pg.size();
-  // Rank 0 chooses for everyone: nums = {found, epoch, step, world size it was written by}.
+  // Rank 0 chooses for everyone: nums = {found (1; 2: with parameter-server state), epoch, step, world size}.
   Report choice;
   if (rank == 0) {
     try {
@@ -266,14 +281,19 @@ std::optional<CheckpointState> Checkpointer::loadLatestPerRank() const {
           std::fprintf(stderr, "[rank 0] checkpoint: skipping %s: %s\n", it->path.c_str(), in.reason.c_str());
           continue;
         }
-        choice.nums = {1, it->epoch, it->step, in.world_size};
+        choice.nums = {in.parameter_server ? 2 : 1, it->epoch, it->step, in.world_size};
         break;
       }
     } catch (const std::exception& e) {
       choice.error = detail::errorText(e);
     }
   }
-  choice = broadcastReport(pg, choice);
+  const std::string context = fmt::format("[rank {}] checkpoint: loading from {}: ", rank, dir_);
+  try {
+    choice = broadcastReport(pg, choice);
+  } catch (const std::exception&) {
+    detail::rethrowWithContext(context);
+  }
   if (!choice.error.empty())
     throw Error(fmt::format("[rank {}] checkpoint: rank 0 could not choose a checkpoint in {}: {}", rank, dir_,
                             choice.error));
@@ -289,10 +309,18 @@ std::optional<CheckpointState> Checkpointer::loadLatestPerRank() const {
   std::string error;
   try {
     state = load((fs::path(cdir) / rankFileName(rank, world)).string());
+    // The parameter servers' state is the job's, in rank 0's file: every worker's loadState needs it.
+    if (rank != 0 && choice.nums[0] == 2)
+      state->parameter_server = load((fs::path(cdir) / rankFileName(0, world)).string()).parameter_server;
   } catch (const std::exception& e) {
     error = detail::errorText(e);
   }
-  const auto reports = gatherReports(pg, {0, 0, 0, 0}, error);
+  std::vector<Report> reports;
+  try {
+    reports = gatherReports(pg, {0, 0, 0, 0}, error);
+  } catch (const std::exception&) {
+    detail::rethrowWithContext(context);
+  }
   std::vector<std::string> problems;
   for (int r = 0; r < world; ++r)
     if (!reports[static_cast<size_t>(r)].error.empty())
