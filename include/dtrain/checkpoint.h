@@ -144,9 +144,6 @@ class Checkpointer {
   // Per rank: every rank of group writes its own file; save() and loadLatest() are collective over
   // group (every rank calls them, in the same order). The group must outlive the Checkpointer.
   Checkpointer(std::string dir, std::shared_ptr<comm::ProcessGroup> group, int keep_last = 3);
-  ~Checkpointer();
-  Checkpointer(Checkpointer&&) noexcept;
-  Checkpointer& operator=(Checkpointer&&) noexcept;
 
   // Writes state (creating dir if needed), then deletes all but the newest keep_last checkpoints and
   // any leftover .tmp- files (per rank: and the directories of saves that never completed). Returns the

@@ -124,10 +124,6 @@ Checkpointer::Checkpointer(std::string dir, int keep_last, bool writer)
 Checkpointer::Checkpointer(std::string dir, const Distributed& dist, int keep_last)
     : Checkpointer(std::move(dir), keep_last, dist.isMain()) {}
 
-Checkpointer::~Checkpointer() = default;
-Checkpointer::Checkpointer(Checkpointer&&) noexcept = default;
-Checkpointer& Checkpointer::operator=(Checkpointer&&) noexcept = default;
-
 std::string Checkpointer::fileName(int64_t epoch, int64_t step) {
   return fmt::format("{}{:06}-{:09}{}", kPrefix, epoch, step, kSuffix);
 }
