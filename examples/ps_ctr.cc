@@ -2,6 +2,7 @@
 // only the rows a batch touches travel) feeding a small MLP (dense parameters), BSP.
 //
 //   build/bin/dtrain-run --standalone --servers 1 --nproc-per-node 2 build/bin/example-ps-ctr
+//   build/bin/example-ps-ctr 2          # alone: one worker and a server thread; 2 epochs (default 5)
 //
 // The same binary is a server or a worker by its role. Data: 4 categorical fields of 10k ids each
 // (skewed: a few ids are frequent), all hashed into one 40k x 16 table; the click probability follows
@@ -10,7 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdio>
-#include <cstdlib>
+#include <string>
 
 #include "dtrain/ps.h"
 
@@ -34,19 +35,16 @@ double auc(const torch::Tensor& score, const torch::Tensor& label) {
   return (ranks.masked_select(pos).sum().item<double>() - P * (P + 1) / 2) / (P * N);
 }
 
-int main() try {
+int main(int argc, char** argv) try {
   torch::set_num_threads(1);
+  const int epochs = argc > 1 ? std::stoi(argv[1]) : 5;
   dtrain::ps::PSOptions opts;  // servers and workers must agree
   opts.update = dtrain::ps::PSOptions::Update::adam;
   opts.lr = 0.001;
-  if (dtrain::ps::runServerIfRole(opts)) return 0;  // a server process serves until the workers finish
-
-  const char* r = std::getenv("RANK");
-  const char* w = std::getenv("WORLD_SIZE");
-  const char* s = std::getenv("DTRAIN_NUM_SERVERS");
-  if (!r || !w || !s) throw std::runtime_error("run me under: dtrain-run --standalone --servers 1 --nproc-per-node 2");
-  const int rank = std::atoi(r), world = std::atoi(w);
-  dtrain::ps::Worker ps(dtrain::ps::storeFromEnv(), rank, world, std::atoi(s), opts);
+  auto job = dtrain::ps::init(opts);  // a server process serves here until the workers finish
+  if (job.isServer()) return 0;
+  const int rank = job.rank(), world = job.numWorkers();
+  dtrain::ps::Worker ps(job, opts);
 
   // The same data on every worker (seeded); each trains on its own share.
   torch::manual_seed(0);
@@ -74,7 +72,7 @@ int main() try {
   };
 
   const int64_t batch = 512;  // per worker
-  for (int epoch = 0; epoch < 5; ++epoch) {
+  for (int epoch = 0; epoch < epochs; ++epoch) {
     auto g = at::make_generator<at::CPUGeneratorImpl>(100 + epoch);
     auto order = at::randperm(train_x.size(0), g, torch::kLong);
     auto mine = order.slice(0, rank, order.size(0), world);  // this worker's share of the epoch
@@ -114,6 +112,7 @@ int main() try {
     }
   }
   ps.finish();
+  job.join();  // alone: the server thread ends once the worker said goodbye
   return 0;
 } catch (const std::exception& e) {
   std::fprintf(stderr, "%s\n", e.what());

@@ -1,5 +1,8 @@
 // Checkpoints for resuming training: model, optimizer, LR scheduler numbers, epoch and step, RNG
-// state and metrics in one file that the main rank writes atomically and every rank can read.
+// state and metrics. Two layouts:
+//  - one file that the main rank writes, when every rank holds the same state (DDP, DataParallel);
+//  - one file per rank plus a manifest, when ranks hold different state (pipeline stages, PS workers,
+//    later sharded optimizers): every rank saves and loads its own part, collectively.
 //
 // \code
 //   dtrain::Checkpointer ckpt("/ckpt/run1", dist, /*keep_last=*/3);   // only dist.isMain() writes
@@ -28,19 +31,50 @@
 //   }
 // \endcode
 //
-// The file is torch::pickle_save of a dict, so Python reads it with torch.load(path):
+// Per rank (pass the group whose ranks hold different state; save and loadLatest are collective):
+// \code
+//   dtrain::Checkpointer ckpt("/ckpt/pipe", dist.world());         // every rank writes its own stage
+//   if (auto s = ckpt.loadLatest()) {                    // this rank's part of the newest complete one
+//     s->restoreModel(*stage);
+//     s->restoreOptimizer(opt);
+//   }
+//   ...
+//   dtrain::CheckpointState s;                           // this rank's state
+//   s.captureModel(*stage);
+//   s.captureOptimizer(opt);
+//   s.step = step;                                       // the same (epoch, step) on every rank
+//   ckpt.save(s);                                        // returns once the checkpoint is complete everywhere
+// \endcode
+//
+// A file is torch::pickle_save of a dict, so Python reads it with torch.load(path):
 //   {"format": "dtrain-checkpoint-v1", "model": {name: tensor}, "optimizer": uint8 tensor (the bytes of a
 //    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int,
 //    "rng": uint8 tensor (the default CPU generator's state, empty if not captured), "user_rng": str,
 //    "metrics": {str: float}, "parameter_server": {name: tensor}}
-// Files are named ckpt-<epoch, 6 digits>-<step, 9 digits>.pt; the newest is the greatest (epoch, step).
-// A save writes .tmp-<name>, fsyncs it, renames it into place and fsyncs the directory, so a crash
-// leaves either the old set of checkpoints or the new one, never a half-written ckpt-*.pt.
+// and in the per-rank layout also "rank": int, "world_size": int.
+//
+// Single file: files are named ckpt-<epoch, 6 digits>-<step, 9 digits>.pt; the newest is the greatest
+// (epoch, step). A save writes .tmp-<name>, fsyncs it, renames it into place and fsyncs the directory, so
+// a crash leaves either the old set of checkpoints or the new one, never a half-written ckpt-*.pt.
+//
+// Per rank: a checkpoint is a directory ckpt-<epoch>-<step>/ holding rank-<r>-of-<n>.pt for every rank r
+// (each written like a single file: temporary, fsync, rename) and manifest.pt, which rank 0 writes the
+// same way only after every rank reported its file written: {"format": "dtrain-checkpoint-manifest-v1",
+// "epoch", "step", "world_size", "files": [name per rank], "bytes": [size per rank]}. A checkpoint
+// exists once its manifest does: a crash or a failed write anywhere mid-save leaves no manifest, and the
+// previous checkpoint stays the newest. Loading takes the newest directory whose manifest exists and
+// whose files are all present with the manifest's sizes (an incomplete one is skipped with a warning on
+// stderr). The manifest lists every rank's file so that a later loader can reshard (elastic restarts,
+// sharded optimizers); today loading at another world size is an error naming both sizes.
+// The parameter servers' state is the job's, not a rank's: rank 0 (worker 0, from saveState()) sets
+// CheckpointState::parameter_server, the other ranks leave it empty, and loadLatest returns rank 0's on
+// every rank (each worker's ps::Worker::loadState needs it).
 #pragma once
 #include <ATen/core/Tensor.h>
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
@@ -55,6 +89,9 @@ class Optimizer;
 }  // namespace torch
 
 namespace dtrain {
+namespace comm {
+class ProcessGroup;
+}
 
 class Distributed;
 
@@ -89,7 +126,7 @@ struct CheckpointState {
   void restoreRng() const;
 };
 
-// Where a checkpoint file is and which (epoch, step) its name says it holds.
+// Where a checkpoint is (the file; per rank: its directory) and which (epoch, step) its name says it holds.
 struct CheckpointFile {
   std::string path;
   int64_t epoch = 0;
@@ -98,38 +135,57 @@ struct CheckpointFile {
 
 class Checkpointer {
  public:
-  // writer: whether save() writes on this process (true on exactly one rank per directory).
-  // keep_last: how many checkpoint files to keep, newest first; 0 keeps all.
+  // Single file. writer: whether save() writes on this process (true on exactly one rank per directory).
+  // keep_last: how many checkpoints to keep, newest first; 0 keeps all.
+  // InvalidArgument naming the path when dir is a file (or under one), or, for a writer, not writable.
   explicit Checkpointer(std::string dir, int keep_last = 3, bool writer = true);
-  // The main rank (global rank 0) writes; every rank reads.
+  // Single file: the main rank (global rank 0) writes; every rank reads.
   Checkpointer(std::string dir, const Distributed& dist, int keep_last = 3);
+  // Per rank: every rank of group writes its own file; save() and loadLatest() are collective over
+  // group (every rank calls them, in the same order). The group must outlive the Checkpointer.
+  Checkpointer(std::string dir, std::shared_ptr<comm::ProcessGroup> group, int keep_last = 3);
 
   // Writes state (creating dir if needed), then deletes all but the newest keep_last checkpoints and
-  // any leftover .tmp- files. Returns the path written; "" on ranks that do not write. A state with
-  // the (epoch, step) of an existing file replaces it atomically. dtrain::Error naming the file when
-  // writing fails (the previous checkpoints are left untouched).
+  // any leftover .tmp- files (per rank: and the directories of saves that never completed). Returns the
+  // path written; "" on ranks that do not write. A state with the (epoch, step) of an existing
+  // checkpoint replaces it atomically. dtrain::Error naming the file when writing fails (the previous
+  // checkpoints are left untouched). Per rank: every rank passes the same (epoch, step); when any rank
+  // fails (a write error, other numbers), every rank throws an Error naming it and nothing is committed.
   std::string save(const CheckpointState& state) const;
 
   // The newest checkpoint, or nullopt when dir has none (or does not exist). Names that do not parse
   // and .tmp- files are ignored. A corrupt or truncated newest file is an Error naming it: no silent
-  // fallback to an older one (use list() and load() to choose one explicitly).
+  // fallback to an older one (use list() and load() to choose one explicitly). Per rank: this rank's
+  // state from the newest complete checkpoint, which rank 0 chooses for all; an Error on every rank
+  // when any rank cannot read its file, or when the checkpoint was written by another number of ranks.
   std::optional<CheckpointState> loadLatest() const;
-  // dtrain::Error naming path when it cannot be read or is not a dtrain checkpoint.
+  // dtrain::Error naming path when it cannot be read or is not a dtrain checkpoint (saying what it is).
+  // Reads per-rank files too: load(ckpt.list().back().path + "/" + rankFileName(r, n)).
   static CheckpointState load(const std::string& path);
 
-  // The checkpoint files in dir, oldest first.
+  // The checkpoints in dir, oldest first (per rank: the complete ones, path = their directory).
   std::vector<CheckpointFile> list() const;
   // The file name save() uses for (epoch, step): "ckpt-000003-000001200.pt".
   static std::string fileName(int64_t epoch, int64_t step);
+  // Per rank: the directory of (epoch, step), "ckpt-000003-000001200", and the files in it.
+  static std::string dirName(int64_t epoch, int64_t step);
+  static std::string rankFileName(int rank, int world_size);  // "rank-00001-of-00004.pt"
+  static constexpr const char* kManifestName = "manifest.pt";
 
   const std::string& dir() const { return dir_; }
   bool writes() const { return writer_; }
+  bool perRank() const { return group_ != nullptr; }
   int keepLast() const { return keep_last_; }
 
  private:
+  std::string savePerRank(const CheckpointState& state) const;
+  std::optional<CheckpointState> loadLatestPerRank() const;
+  std::vector<CheckpointFile> listPerRank() const;
+
   std::string dir_;
   int keep_last_;
   bool writer_;
+  std::shared_ptr<comm::ProcessGroup> group_;  // per rank
 };
 
 }  // namespace dtrain

@@ -80,7 +80,8 @@ std::vector<size_t> balanceByParameters(const torch::nn::Sequential& model, int 
 torch::nn::Sequential pipelineStage(const torch::nn::Sequential& model, int stage, int stages,
                                     const std::vector<size_t>& split_points = {});
 
-// What one rank did during the last step, for tests and for the bubble measurement.
+// What one rank did during the last step() (or, from forwardStats(), the last forward()), for tests
+// and for the bubble measurement.
 struct PipelineStats {
   int stage = 0, stages = 1, micro_batches = 0;
   // Micro-batches whose activations this stage holds (forward done, backward not yet): now, and the
@@ -132,8 +133,11 @@ class Pipeline {
   int stages() const;
   torch::nn::Sequential& module();
   const PipelineOptions& options() const;
+  // The last step()'s figures and spans; a forward() (evaluation) leaves them as they are.
   const PipelineStats& stats() const;
   const std::vector<PipelineSpan>& timeline() const;
+  // The last forward()'s figures (step_ms, forward_ms, comm_ms; no backward, nothing stored).
+  const PipelineStats& forwardStats() const;
 
   struct Impl;
 

@@ -16,6 +16,14 @@
 //   ps.finish();
 // \endcode
 //
+// Or, with the roles and sizes read from the environment (and a world of one when run alone):
+// \code
+//   auto job = dtrain::ps::init(opts);                      // a server process serves here, then:
+//   if (job.isServer()) return 0;
+//   dtrain::ps::Worker ps(job, opts);                       // job.rank() of job.numWorkers()
+//   ...as above; job.workers() is the workers' own group (barriers, per-rank checkpoints)...
+// \endcode
+//
 // Processes: workers 0..W-1 and servers 0..S-1. Each (worker, server) pair has its own 2-rank
 // ProcessGroup (store prefix "ps/w<w>s<s>", worker = rank 0, server = rank 1). A tensor is cut into
 // partitions of at most partition_bytes; each partition goes to the server with the fewest bytes so
@@ -139,10 +147,15 @@ struct LocalAggregation {
 };
 
 // One thread calls a Worker's methods; the Worker's own thread does the communication.
+class Job;
+
 class Worker {
  public:
   // Connects to every server (collective with them: each server constructs its Server).
   Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts);
+  // The worker of init()'s job (InvalidArgument for a server's job; local aggregation: use
+  // Worker(job.store(), job.localAggregation(), job.numServers(), opts)).
+  Worker(const Job& job, PSOptions opts);
   // Local aggregation: collective over agg.local; only its rank 0 connects to the servers.
   Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts);
   ~Worker();
@@ -292,6 +305,51 @@ class ColocatedServer {
   std::condition_variable cv_;
   bool ended_ = false;
 };
+
+// This process's part in a parameter-server job, as init() found it in the environment.
+class Job {
+ public:
+  Job() = default;
+  Job(Job&&) = default;
+  Job& operator=(Job&&) = default;
+  // Destroy the Worker first (declare the Job before it): a colocated server waits for its goodbye.
+  ~Job();
+
+  // A server process that has served until the workers finished: return from main.
+  bool isServer() const { return server_; }
+  int rank() const { return rank_; }              // the worker index (the process's RANK)
+  int numWorkers() const { return num_workers_; }  // worker processes (WORLD_SIZE)
+  int numServers() const { return num_servers_; }
+  const std::shared_ptr<comm::Store>& store() const { return store_; }
+  // The workers' own groups (dtrain::init()): all workers, rank = worker index; this host's workers.
+  const std::shared_ptr<comm::ProcessGroup>& workers() const { return workers_; }
+  const std::shared_ptr<comm::ProcessGroup>& local() const { return local_; }
+  // For Worker(store, LocalAggregation, ...): this host's workers as one PS worker (DTRAIN_NUM_NODES hosts).
+  LocalAggregation localAggregation() const;
+  // Whether the server runs as a thread of this process (a world of one).
+  bool colocated() const { return colocated_ != nullptr; }
+  // After the Worker's finish(): waits for a colocated server to end and rethrows its error.
+  void join();
+
+ private:
+  friend Job init(PSOptions opts);
+  bool server_ = false;
+  int rank_ = 0, num_workers_ = 1, num_servers_ = 0, local_rank_ = 0, local_size_ = 1, num_nodes_ = 1;
+  std::shared_ptr<comm::TcpStoreServer> store_server_;  // a world of one: the job's own store
+  std::shared_ptr<comm::Store> store_;
+  std::shared_ptr<comm::ProcessGroup> workers_, local_;
+  std::unique_ptr<ColocatedServer> colocated_;
+};
+
+// The PS counterpart of dtrain::init(), reading what dtrain-run --servers S sets:
+//  - DTRAIN_ROLE=server: runs this process's server until every worker said goodbye (as
+//    runServerIfRole) and returns a Job whose isServer() is true;
+//  - a worker (DTRAIN_NUM_SERVERS set): its rank and the workers' groups from dtrain::init(), the store
+//    from storeFromEnv(); DTRAIN_NUM_WORKERS must equal WORLD_SIZE;
+//  - none of the launchers' variables: a world of one, with one server colocated as a thread of this
+//    process behind a store of its own on 127.0.0.1 (the same program runs alone unchanged).
+// RendezvousError naming the variable when they are inconsistent (e.g. WORLD_SIZE=2 without servers).
+Job init(PSOptions opts = {});
 
 // The store a dtrain-run job's processes share: TcpStore at MASTER_ADDR:MASTER_PORT (the launcher hosts
 // it: DTRAIN_USE_AGENT_STORE=1), keys under "gen<DTRAIN_RESTART_COUNT>/ps".

@@ -140,8 +140,10 @@ struct Pipeline::Impl {
   int64_t step_no = 0;
   c10::optional<c10::ScalarType> param_dtype;  // of the first floating parameter, to check inputs
   DistributedDataParallel* ddp = nullptr;
-  PipelineStats stats;
+  PipelineStats stats;               // of the last step(), or of the forward() under way
   std::vector<PipelineSpan> spans;
+  PipelineStats forward_stats;       // of the last forward()
+  std::vector<PipelineSpan> forward_spans;
 
   // What this stage keeps of one micro-batch between its forward and its backward.
   struct Micro {
@@ -401,6 +403,17 @@ struct Pipeline::Impl {
   }
 
   at::Tensor forward(const at::Tensor& input) {
+    // forward() keeps its own figures: stats() and timeline() stay those of the last step(). The step's
+    // are parked in forward_stats while the forward runs, and swapped back however it ends.
+    std::swap(stats, forward_stats);
+    std::swap(spans, forward_spans);
+    struct SwapBack {
+      Impl& m;
+      ~SwapBack() {
+        std::swap(m.stats, m.forward_stats);
+        std::swap(m.spans, m.forward_spans);
+      }
+    } swap_back{*this};
     beginStep();
     torch::NoGradGuard no_grad;
     std::vector<at::Tensor> inputs, outputs;
@@ -455,6 +468,7 @@ Pipeline::Pipeline(torch::nn::Sequential stage, std::shared_ptr<comm::ProcessGro
   m.stats.stage = m.stage;
   m.stats.stages = m.stages;
   m.stats.micro_batches = options.micro_batches;
+  m.forward_stats = m.stats;
 
   // Every stage must run the same schedule with the same micro-batch count, or they would wait for
   // messages that never come. All ranks see all configurations, so all throw together.
@@ -483,6 +497,7 @@ int Pipeline::stages() const { return impl_->stages; }
 torch::nn::Sequential& Pipeline::module() { return impl_->seq; }
 const PipelineOptions& Pipeline::options() const { return impl_->opts; }
 const PipelineStats& Pipeline::stats() const { return impl_->stats; }
+const PipelineStats& Pipeline::forwardStats() const { return impl_->forward_stats; }
 const std::vector<PipelineSpan>& Pipeline::timeline() const { return impl_->spans; }
 
 }  // namespace dtrain

@@ -259,13 +259,27 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsANamedError) {
     const char* what;
     std::string content;
   };
-  for (const auto& d : {Damage{"truncated", bytes.substr(0, bytes.size() / 2)}, Damage{"empty", ""},
-                        Damage{"garbage", std::string(4096, 'x')}, Damage{"tail cut", bytes.substr(0, bytes.size() - 10)}}) {
+  // Damage to a real checkpoint is "corrupt or truncated"; a file that never was one says what it is.
+  for (const auto& d : {Damage{"truncated", bytes.substr(0, bytes.size() / 2)},
+                        Damage{"tail cut", bytes.substr(0, bytes.size() - 10)}}) {
     SCOPED_TRACE(d.what);
     std::ofstream(newest, std::ios::binary | std::ios::trunc) << d.content;
     const std::string msg = errorOf([&] { ckpt.loadLatest(); });
-    EXPECT_NE(msg.find(newest), std::string::npos) << msg;
+    EXPECT_NE(msg.find("checkpoint " + newest + " is corrupt or truncated"), std::string::npos) << msg;
   }
+  std::ofstream(newest, std::ios::binary | std::ios::trunc) << "";
+  std::string msg = errorOf([&] { ckpt.loadLatest(); });
+  EXPECT_NE(msg.find("checkpoint " + newest + " is empty"), std::string::npos) << msg;
+  std::ofstream(newest, std::ios::binary | std::ios::trunc) << std::string(4096, 'x');
+  msg = errorOf([&] { ckpt.loadLatest(); });
+  EXPECT_NE(msg.find(newest + " is not a dtrain checkpoint: not a zip archive as torch.save writes (it starts "
+                              "with 'xxxxxxxx')"),
+            std::string::npos)
+      << msg;
+  std::ofstream(newest, std::ios::binary | std::ios::trunc) << std::string("\x01\x02\xff", 3);
+  msg = errorOf([&] { ckpt.loadLatest(); });
+  EXPECT_NE(msg.find("not a zip archive as torch.save writes (it starts with bytes 01 02 ff)"), std::string::npos)
+      << msg;
   // The good file is still readable by name: the caller can fall back explicitly.
   EXPECT_EQ(Checkpointer::load(good).epoch, 1);
   // A valid pickle that is not a dtrain checkpoint is named too.
@@ -273,8 +287,59 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsANamedError) {
     auto data = torch::pickle_save(c10::IValue(int64_t{5}));
     std::ofstream(newest, std::ios::binary | std::ios::trunc).write(data.data(), static_cast<std::streamsize>(data.size()));
   }
-  const std::string msg = errorOf([&] { ckpt.loadLatest(); });
-  EXPECT_NE(msg.find("not a dtrain checkpoint"), std::string::npos) << msg;
+  msg = errorOf([&] { ckpt.loadLatest(); });
+  EXPECT_NE(msg.find(newest + " is not a dtrain checkpoint: a torch file whose root is a Int, not a dict"),
+            std::string::npos)
+      << msg;
+}
+
+// What users point a Checkpointer at by mistake: a PyTorch state_dict, some other zip file.
+TEST(Checkpoint, ForeignFilesSayWhatTheyAre) {
+  TempDir dir;
+  const std::string sd = dir.path() + "/" + Checkpointer::fileName(1, 0);
+  const std::string zip = dir.path() + "/other.zip";
+  runPython("import torch, zipfile\n"
+            "torch.save({'fc.weight': torch.zeros(2), 'fc.bias': torch.zeros(1)}, '" + sd + "')\n"
+            "with zipfile.ZipFile('" + zip + "', 'w') as z: z.writestr('notes.txt', 'hello')\n");
+  std::string msg = errorOf([&] { Checkpointer(dir.path()).loadLatest(); });
+  EXPECT_NE(msg.find(sd + " is not a dtrain checkpoint: a torch file holding a dict without dtrain's 'format' key "
+                          "(its keys: 'fc.weight', 'fc.bias')"),
+            std::string::npos)
+      << msg;
+  msg = errorOf([&] { Checkpointer::load(zip); });
+  EXPECT_NE(msg.find(zip + " is not a dtrain checkpoint: a zip archive without a torch pickle"), std::string::npos)
+      << msg;
+  msg = errorOf([&] { Checkpointer::load(dir.path() + "/absent.pt"); });
+  EXPECT_NE(msg.find("cannot open " + dir.path() + "/absent.pt"), std::string::npos) << msg;
+}
+
+// A directory argument that is a file (or lies under one) is an error when the Checkpointer is built,
+// not an epoch later at the first save; loadLatest would otherwise have started from scratch silently.
+TEST(Checkpoint, DirectoryThatIsAFileFailsAtConstruction) {
+  TempDir dir;
+  const std::string file = dir.path() + "/ckpt";
+  std::ofstream(file) << "not a directory";
+  for (bool writer : {true, false}) {
+    try {
+      Checkpointer c(file, 3, writer);
+      ADD_FAILURE() << "constructed over a file";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("Checkpointer: " + file + " exists and is not a directory"),
+                std::string::npos)
+          << e.what();
+    }
+  }
+  try {
+    Checkpointer c(file + "/run1/sub", 3);
+    ADD_FAILURE() << "constructed under a file";
+  } catch (const InvalidArgument& e) {
+    EXPECT_NE(std::string(e.what()).find("cannot create the directory " + file + "/run1/sub: " + file +
+                                         " is not a directory"),
+              std::string::npos)
+        << e.what();
+  }
+  // Missing directories are fine: the first save creates them.
+  EXPECT_NO_THROW(Checkpointer(dir.path() + "/new/run", 3));
 }
 
 TEST(Checkpoint, ShapeMismatchNamesTheParameter) {

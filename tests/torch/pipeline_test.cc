@@ -1,7 +1,8 @@
 // Pipeline parallelism on 2 and 3 real processes against one process running the whole model on the
 // whole batch: GPipe and 1F1B with 4 and 8 micro-batches (loss and updated parameters within 1e-5),
 // the activation counts of each schedule, uneven micro-batches with user split points, evaluation,
-// blocking sends through a tiny shm ring, and the errors for mismatched stages.
+// blocking sends through a tiny shm ring, step statistics that survive evaluation, and the errors for
+// mismatched stages.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -162,6 +163,45 @@ TEST(Pipeline, ForwardOnlyEqualsWholeModel) {
     } else {
       EXPECT_FALSE(out.defined());
     }
+  });
+  expectAllOk(results);
+}
+
+// Evaluation between training steps must not overwrite what the last step() measured: stats() and
+// timeline() stay the step's, forwardStats() holds the forward's. (Caught: forward() resetting stats.)
+TEST(Pipeline, StepStatsSurviveForward) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    auto model = makeModel();
+    Pipeline pipe(pipelineStage(model, rank, 2), pg, PipelineOptions{4, PipelineSchedule::gpipe});
+    auto [x, y] = batch(0, 8);
+    pipe.step(rank == 0 ? x : at::Tensor(), rank == 1 ? y : at::Tensor(), lossFn);
+    const PipelineStats step = pipe.stats();
+    const size_t spans = pipe.timeline().size();
+    ASSERT_EQ(step.peak_stored_activations, 4);
+    ASSERT_GT(step.backward_ms, 0.0);
+    ASSERT_EQ(spans, 8u);
+    for (int i = 0; i < 2; ++i) pipe.forward(rank == 0 ? x : at::Tensor());
+    const PipelineStats& after = pipe.stats();
+    EXPECT_EQ(after.peak_stored_activations, step.peak_stored_activations);
+    EXPECT_EQ(after.peak_activation_bytes, step.peak_activation_bytes);
+    EXPECT_EQ(after.step_ms, step.step_ms);
+    EXPECT_EQ(after.forward_ms, step.forward_ms);
+    EXPECT_EQ(after.backward_ms, step.backward_ms);
+    EXPECT_EQ(after.comm_ms, step.comm_ms);
+    EXPECT_EQ(pipe.timeline().size(), spans);
+    const PipelineStats& fwd = pipe.forwardStats();
+    EXPECT_GT(fwd.step_ms, 0.0);
+    EXPECT_GT(fwd.forward_ms, 0.0);
+    EXPECT_EQ(fwd.backward_ms, 0.0);
+    EXPECT_EQ(fwd.peak_stored_activations, 0);
+    EXPECT_EQ(fwd.stage, rank);
+    EXPECT_EQ(fwd.micro_batches, 4);
+    // The next step measures afresh.
+    pipe.step(rank == 0 ? x : at::Tensor(), rank == 1 ? y : at::Tensor(), lossFn);
+    EXPECT_EQ(pipe.stats().peak_stored_activations, 4);
+    EXPECT_EQ(pipe.timeline().size(), 8u);
   });
   expectAllOk(results);
 }

@@ -1,6 +1,7 @@
 // Parameter server, the layers above the core protocol: asynchronous operations, the DDP-style module
 // wrapper, local aggregation of a host's workers, server state in checkpoints, tensors declared late,
-// and a server colocated as a thread. Each distributed result is checked against one process.
+// a server colocated as a thread, and ps::init's roles from the environment. Each distributed result is
+// checked against one process.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -254,6 +255,115 @@ TEST(PSLocalAggregation, TwoHostsOfTwoEqualOneProcess) {
     }
     wk.finish();
   });
+}
+
+// ---------------------------------------------------------------- ps::init
+void clearLauncherVariables() {
+  for (const char* v : {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
+                        "DTRAIN_ROLE", "DTRAIN_NUM_SERVERS", "DTRAIN_NUM_WORKERS", "DTRAIN_NUM_NODES",
+                        "DTRAIN_SERVER_INDEX", "DTRAIN_USE_AGENT_STORE", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE",
+                        "SLURM_PROCID", "SLURM_NTASKS"})
+    unsetenv(v);
+}
+
+// No launcher variables: one worker with a server thread; the updates are the servers' SGD.
+TEST(PSInit, AloneRunsAColocatedServer) {
+  auto results = runRanks(1, [&](int) {
+    clearLauncherVariables();
+    PSOptions o;
+    o.update = PSOptions::Update::sgd;
+    o.lr = 0.5;
+    o.timeout = std::chrono::seconds(10);
+    auto job = ps::init(o);
+    EXPECT_FALSE(job.isServer());
+    EXPECT_TRUE(job.colocated());
+    EXPECT_EQ(job.rank(), 0);
+    EXPECT_EQ(job.numWorkers(), 1);
+    EXPECT_EQ(job.numServers(), 1);
+    EXPECT_EQ(job.workers()->size(), 1);
+    {
+      ps::Worker wk(job, o);
+      wk.declare("v", torch::ones({3}));
+      for (int i = 1; i <= 2; ++i) {
+        wk.push("v", torch::full({3}, static_cast<float>(i)));
+        wk.clock();
+      }
+      auto v = torch::empty({3});
+      wk.pull("v", v);
+      EXPECT_TRUE(v.equal(torch::full({3}, 1.0f - 0.5f * 1 - 0.5f * 2))) << v;
+      wk.finish();
+    }
+    job.join();
+  });
+  expectAllOk(results);
+}
+
+// What dtrain-run --servers 1 --nproc-per-node 2 sets: two workers and a server, through ps::init.
+TEST(PSInit, ReadsTheLauncherVariables) {
+  StoreServer server;
+  auto results = runRanks(3, [&](int p) {
+    clearLauncherVariables();
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", std::to_string(server.port()).c_str(), 1);
+    setenv("DTRAIN_USE_AGENT_STORE", "1", 1);
+    setenv("DTRAIN_NUM_SERVERS", "1", 1);
+    setenv("DTRAIN_NUM_WORKERS", "2", 1);
+    if (p < 2) {
+      setenv("DTRAIN_ROLE", "worker", 1);
+      setenv("RANK", std::to_string(p).c_str(), 1);
+      setenv("LOCAL_RANK", std::to_string(p).c_str(), 1);
+      setenv("WORLD_SIZE", "2", 1);
+      setenv("LOCAL_WORLD_SIZE", "2", 1);
+    } else {
+      setenv("DTRAIN_ROLE", "server", 1);
+      setenv("DTRAIN_SERVER_INDEX", "0", 1);
+    }
+    PSOptions o;
+    o.update = PSOptions::Update::sum_only;
+    o.timeout = std::chrono::seconds(10);
+    auto job = ps::init(o);
+    if (p == 2) {
+      EXPECT_TRUE(job.isServer());
+      return;
+    }
+    EXPECT_FALSE(job.isServer());
+    EXPECT_FALSE(job.colocated());
+    EXPECT_EQ(job.rank(), p);
+    EXPECT_EQ(job.numWorkers(), 2);
+    EXPECT_EQ(job.numServers(), 1);
+    ASSERT_EQ(job.workers()->size(), 2);
+    ps::Worker wk(job, o);
+    auto v = torch::zeros({3});
+    wk.declare("v", v);
+    wk.push("v", torch::full({3}, static_cast<float>(p + 1)));
+    wk.clock();
+    wk.pull("v", v);
+    EXPECT_TRUE(v.equal(torch::full({3}, 3.0f))) << v;  // sum_only: 1 + 2
+    // The workers' own group works beside the PS.
+    int64_t x = p + 1;
+    job.workers()->allreduce(&x, 1, comm::DType::i64)->wait();
+    EXPECT_EQ(x, 3);
+    wk.finish();
+  });
+  expectAllOk(results);
+}
+
+TEST(PSInit, WorldWithoutServersIsAnError) {
+  auto results = runRanks(1, [&](int) {
+    clearLauncherVariables();
+    setenv("RANK", "1", 1);
+    setenv("WORLD_SIZE", "2", 1);
+    try {
+      ps::init();
+      ADD_FAILURE() << "no error";
+    } catch (const RendezvousError& e) {
+      EXPECT_NE(std::string(e.what()).find("[rank 1] ps::init: a world of 2 processes but no parameter servers "
+                                           "(DTRAIN_NUM_SERVERS is not set): start them with dtrain-run --servers S"),
+                std::string::npos)
+          << e.what();
+    }
+  });
+  expectAllOk(results);
 }
 
 // ---------------------------------------------------------------- server state in checkpoints
