@@ -1,27 +1,37 @@
 #!/usr/bin/env bash
-# Instructions per 4 KiB allreduce (2 ranks, callgrind), this checkout against another revision.
-# Usage: bash scripts/instr_cost.sh [BASE_REV] [ITERS]      (default: 2d60e14, the commit before the
-#        always-on fingerprint check; 2000 iterations). Needs valgrind; builds the base's comm library in
-#        a temporary git worktree. Prints, per configuration, each rank's instructions per allreduce
-#        ((Ir(ITERS) - Ir(0)) / ITERS, so start-up is not counted).
-# Configurations: shm on 2 cores (direct path; waits spin briefly, so counts vary with timing: run it
-# a few times), shm with both ranks on one core (no spinning: repeatable), tcp.
+# Instructions per 4 KiB allreduce (2 ranks, callgrind): revision HEAD_REV against BASE_REV.
+# Usage: bash scripts/instr_cost.sh [BASE_REV] [HEAD_REV] [ITERS]   (defaults: 2d60e14, the commit
+#        before the always-on fingerprint check; HEAD; 2000 iterations). Needs valgrind. Builds each
+#        revision's comm library in a temporary git worktree (committed code only) and prints, per
+#        configuration, each rank's instructions per allreduce ((Ir(ITERS) - Ir(0)) / ITERS, so start-up
+#        is not counted).
+# The shm transport spins briefly before sleeping when ranks have a core each; how long it spins
+# depends on timing, not on the code, so both builds are compiled with the spin phase off (kSpins = 0,
+# the same one-line edit in each). Configurations: shm on 2 cores (the direct allreduce), shm with both
+# ranks on one core (recursive doubling over the pair queues), tcp.
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 base_rev=${1:-2d60e14}
-iters=${2:-2000}
+head_rev=${2:-HEAD}
+iters=${3:-2000}
 work=$(mktemp -d /tmp/dtrain-instr.XXXXXX)
-cleanup() { git -C "$root" worktree remove --force "$work/base" >/dev/null 2>&1 || true; rm -rf "$work"; }
+cleanup() {
+  for v in base head; do git -C "$root" worktree remove --force "$work/$v" >/dev/null 2>&1 || true; done
+  rm -rf "$work"
+}
 trap cleanup EXIT
 command -v valgrind >/dev/null || { echo "instr_cost: valgrind is not installed (apt-get install valgrind)" >&2; exit 1; }
-cmake --build "$root/build" --target dtrain_comm dtrain-run >/dev/null
-git -C "$root" worktree add --detach "$work/base" "$base_rev" >/dev/null 2>&1
-cmake -S "$work/base" -B "$work/base/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF >/dev/null
-cmake --build "$work/base/build" --target dtrain_comm >/dev/null
+cmake --build "$root/build" --target dtrain-run >/dev/null
 for v in base head; do
-  d=$root; [[ $v == base ]] && d=$work/base
-  g++ -O2 -std=c++17 -I"$d/include" "$root/benches/allreduce_loop.cc" "$d/build/libdtrain_comm.a" \
-    "$d/build/libdtrain_comm_base.a" -lfmt -lpthread -lrt -o "$work/loop_$v"
+  rev=$base_rev; [[ $v == head ]] && rev=$head_rev
+  git -C "$root" worktree add --detach "$work/$v" "$rev" >/dev/null 2>&1
+  sed -i 's/constexpr unsigned kSpins = [0-9]*;/constexpr unsigned kSpins = 0;/' "$work/$v/src/comm/transport/shm/transport.cc"
+  grep -q 'kSpins = 0;' "$work/$v/src/comm/transport/shm/transport.cc" || { echo "instr_cost: no kSpins in $rev" >&2; exit 1; }
+  launcher=(); command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
+  cmake -S "$work/$v" -B "$work/$v/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF "${launcher[@]}" >/dev/null
+  cmake --build "$work/$v/build" --target dtrain_comm >/dev/null
+  g++ -O2 -std=c++17 -I"$work/$v/include" "$root/benches/allreduce_loop.cc" "$work/$v/build/libdtrain_comm.a" \
+    "$work/$v/build/libdtrain_comm_base.a" -lfmt -lpthread -lrt -o "$work/loop_$v"
 done
 # total Ir of each rank's process for a run of n iterations
 irs() {
@@ -40,6 +50,6 @@ run() {
       $(( (n[0] - z[0]) / iters )) $(( (n[1] - z[1]) / iters ))
   done
 }
-run "shm, 2 cores" ""
-run "shm, 1 core (no spinning)" "taskset -c 0"
+run "shm, 2 cores (direct)" ""
+run "shm, 1 core (pair queues)" "taskset -c 0"
 run "tcp, 2 cores" "DTRAIN_TRANSPORT=tcp"
