@@ -6,73 +6,11 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
+#include "ddp_test_util.h"
 #include "harness.h"
 
 namespace dtrain::test {
 namespace {
-
-struct NetImpl : torch::nn::Module {
-  explicit NetImpl(bool batchnorm = false, bool unused_branch = false) {
-    fc1 = register_module("fc1", torch::nn::Linear(6, 16));
-    fc2 = register_module("fc2", torch::nn::Linear(16, 16));
-    fc3 = register_module("fc3", torch::nn::Linear(16, 3));
-    if (batchnorm) bn = register_module("bn", torch::nn::BatchNorm1d(16));
-    if (unused_branch) spare = register_module("spare", torch::nn::Linear(16, 16));
-  }
-  // skip_fc2: a data-dependent branch (used to make one rank skip a layer).
-  torch::Tensor forward(torch::Tensor x, bool skip_fc2 = false) {
-    x = torch::relu(fc1->forward(x));
-    if (bn) x = bn->forward(x);
-    if (!skip_fc2) x = torch::tanh(fc2->forward(x));
-    return fc3->forward(x);
-  }
-  torch::nn::Linear fc1{nullptr}, fc2{nullptr}, fc3{nullptr}, spare{nullptr};
-  torch::nn::BatchNorm1d bn{nullptr};
-};
-TORCH_MODULE(Net);
-
-constexpr int kPerRank = 4;
-
-// The global batch of step s: world * kPerRank rows; rank r's slice is rows [r*kPerRank, (r+1)*kPerRank).
-std::pair<torch::Tensor, torch::Tensor> batch(int step, int world) {
-  auto g = at::make_generator<at::CPUGeneratorImpl>(1000 + step);
-  auto x = at::randn({world * kPerRank, 6}, g, torch::kDouble);
-  auto y = at::randint(0, 3, {world * kPerRank}, g, torch::kLong);
-  return {x, y};
-}
-
-Net makeNet(bool bn = false, bool unused = false) {
-  torch::manual_seed(7);
-  Net n(bn, unused);
-  n->to(torch::kDouble);
-  return n;
-}
-
-std::unique_ptr<torch::optim::Optimizer> makeOpt(const std::string& kind, Net& n) {
-  if (kind == "adam") return std::make_unique<torch::optim::Adam>(n->parameters(), torch::optim::AdamOptions(0.01));
-  return std::make_unique<torch::optim::SGD>(n->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
-}
-
-void expectClose(Net& a, Net& b, double rel, const std::string& what) {
-  auto pa = a->named_parameters(), pb = b->named_parameters();
-  for (const auto& item : pa) {
-    auto other = pb[item.key()];
-    double diff = (item.value() - other).abs().max().item<double>();
-    double scale = std::max(1.0, other.abs().max().item<double>());
-    EXPECT_LE(diff / scale, rel) << what << ": parameter " << item.key() << " differs by " << diff;
-  }
-  auto ba = a->named_buffers(), bb = b->named_buffers();
-  for (const auto& item : ba) {
-    double diff = (item.value().to(torch::kDouble) - bb[item.key()].to(torch::kDouble)).abs().max().item<double>();
-    EXPECT_LE(diff, rel) << what << ": buffer " << item.key() << " differs by " << diff;
-  }
-}
-
-std::shared_ptr<comm::ProcessGroup> group(const StoreServer& s, int rank, int world) {
-  comm::GroupOptions o;
-  o.timeout = std::chrono::seconds(30);
-  return comm::ProcessGroup::create(s.client(), rank, world, o);
-}
 
 struct Case {
   std::string opt = "sgd";
@@ -101,7 +39,7 @@ void trainAndCompare(int world, const Case& c, double tol) {
     o.find_unused_parameters = c.unused;
     DistributedDataParallel ddp(model.ptr(), pg, o);
     if (c.hook) ddp.registerCommHook(c.hook());
-    auto opt = makeOpt(c.opt, model), ref_opt = makeOpt(c.opt, ref);
+    auto opt = makeOpt(c.opt, *model), ref_opt = makeOpt(c.opt, *ref);
     for (int step = 0; step < 5; ++step) {
       opt->zero_grad();
       for (int k = 0; k < c.micro; ++k) {
@@ -146,7 +84,7 @@ void trainAndCompare(int world, const Case& c, double tol) {
     }
     // Buffers are rank 0's from the next forward on (broadcast_buffers): sync them before comparing.
     ddp.beforeForward();
-    expectClose(model, ref, tol, fmt::format("rank {} world {} {}", rank, world, c.opt));
+    expectClose(*model, *ref, tol, fmt::format("rank {} world {} {}", rank, world, c.opt));
     auto st = ddp.lastStats();
     EXPECT_GE(st.hidden_fraction(), 0.0);
   });
