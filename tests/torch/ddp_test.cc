@@ -120,12 +120,14 @@ TEST_P(DDP, LargeBucketsOneAllreduce) {
   c.bucket_bytes = 25u << 20;
   trainAndCompare(GetParam(), c, 1e-5);
 }
+// Rounding to 16 bits moves the parameters of these 5 steps by at most 4e-5 (fp16) and 2e-4 (bf16);
+// a hook that left one bucket (fc1's) un-averaged moves them by 6e-3 to 2e-2.
 TEST_P(DDP, Fp16AndBf16HooksStayClose) {
   Case c;
   c.hook = fp16CompressHook;
-  trainAndCompare(GetParam(), c, 2e-3);
+  trainAndCompare(GetParam(), c, 3e-4);
   c.hook = bf16CompressHook;
-  trainAndCompare(GetParam(), c, 2e-2);
+  trainAndCompare(GetParam(), c, 1e-3);
 }
 
 INSTANTIATE_TEST_SUITE_P(World, DDP, ::testing::Values(2, 3), [](const auto& p) {
