@@ -87,6 +87,37 @@ TEST_P(Collectives, Allreduce) {
   });
 }
 
+// Floating-point sums depend on the order of the terms; every algorithm must still leave every rank with
+// the same bits (one reducer per block, or both sides of an exchange computing the same expression),
+// avg included (divided once per block). Inputs are irregular floats, so a rank that summed in its own
+// order would differ in the last bits; each rank's result is allgathered and compared byte for byte.
+TEST_P(Collectives, AllreduceLeavesEveryRankBitIdentical) {
+  runGroup([](ProcessGroup& pg) {
+    const int n = pg.size(), r = pg.rank();
+    for (DType t : {DType::f32, DType::f64, DType::f16, DType::bf16})
+      for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg})
+        for (auto algo : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring,
+                          AllreduceAlgorithm::recursive_doubling, AllreduceAlgorithm::direct})
+          for (size_t count : {size_t(37), size_t(12007)}) {
+            Buf buf(t, count);
+            uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
+            for (size_t i = 0; i < count; ++i) {
+              x ^= x << 13, x ^= x >> 7, x ^= x << 17;
+              buf.set(i, (static_cast<double>(x % 2000001) - 1000000.0) / 999983.0 * (1 + i % 7));
+            }
+            pg.allreduce(buf.data(), buf.data(), count, t, op, algo)->wait();
+            const size_t bytes = count * comm::dtypeSize(t);
+            std::vector<uint8_t> all(bytes * n);
+            pg.allgather(buf.data(), all.data(), bytes, DType::u8)->wait();
+            for (int q = 0; q < n; ++q) {
+              EXPECT_EQ(std::memcmp(all.data() + q * bytes, all.data(), bytes), 0)
+                  << fmt::format("allreduce {} {} x {} algo {} world {}: rank {} ended with other bits than rank 0",
+                                 comm::reduceOpName(op), comm::dtypeName(t), count, static_cast<int>(algo), n, q);
+            }
+          }
+  });
+}
+
 TEST_P(Collectives, BroadcastAndReduce) {
   runGroup([](ProcessGroup& pg) {
     const int n = pg.size(), r = pg.rank();

@@ -25,7 +25,8 @@ class TimeoutError : public Error {
   using Error::Error;
 };
 // A peer sent bytes that are not a valid dtrain frame (bad magic, version, op, tag or length), or
-// ranks disagree about which collective they are running (DTRAIN_DEBUG=detail).
+// ranks called different collectives (op, dtype, count, reduce op, root, counts) at the same point:
+// "collective mismatch: this rank called ... but rank r called ...", on every rank of the group.
 class ProtocolError : public Error {
  public:
   using Error::Error;

@@ -12,8 +12,10 @@
 // Every call returns at once with a Work; ops on one group run in the order they were issued, on the
 // group's own thread. Buffers must stay valid until the Work completes. in == out means in place.
 // Every op has a deadline (GroupOptions::timeout, from DTRAIN_TIMEOUT): a dead or stuck peer makes
-// every rank fail with an error naming the op, its sequence number and the peer, never hang. After a
-// failure the group is broken: later ops fail at once with the original error.
+// every rank fail with an error naming the op, its sequence number and the peer, never hang. Ranks
+// that call different collectives (or the same with another dtype, count, reduce op or root) all fail
+// with a ProtocolError naming both calls. After a failure the group is broken: later ops fail at once
+// with the original error.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -38,7 +40,10 @@ struct GroupOptions {
   // Ring capacity of the shm transport per peer pair and staging size of tcp; 0 picks a default.
   // Tests set it small to reach multi-segment paths. DTRAIN_SEGMENT_BYTES.
   size_t segment_bytes = 0;
-  // Check each collective's fingerprint (op, dtype, count, root) across ranks first. DTRAIN_DEBUG=detail.
+  // Every collective's fingerprint (op, dtype, count, reduce op, root, seq, v-op counts) is always
+  // compared across ranks, and a mismatch fails every rank naming both calls (on shm before any output
+  // is written; on tcp the mismatched call's outputs are unspecified). This option additionally
+  // exchanges every rank's call first, so the error lists all of them. DTRAIN_DEBUG=detail.
   bool check_fingerprints = false;
 
   // Defaults overridden by the DTRAIN_* variables above; a malformed value is an InvalidArgument.

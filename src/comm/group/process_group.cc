@@ -8,6 +8,7 @@
 #include <deque>
 #include <functional>
 #include <map>
+#include <optional>
 #include <set>
 #include <thread>
 
@@ -30,27 +31,17 @@ const char* envOr(const char* name, const char* dflt) {
   return v && *v ? v : dflt;
 }
 
-// What a collective is, as compared across ranks under DTRAIN_DEBUG=detail.
-struct Fingerprint {
-  uint16_t opcode = 0;
-  uint8_t dtype = 0;
-  uint8_t rop = 0;
-  int32_t root = -1;
-  uint64_t count = 0;
+// The ops in which some rank does not receive, directly or through ranks that checked, from every other
+// rank (a broadcast root, a gather's senders, the branches of a tree): over a transport that compares
+// fingerprints only in frame headers, the group exchanges fingerprints first so that every rank fails.
+bool needsExchange(OpCode op) {
+  return op == OpCode::broadcast || op == OpCode::reduce || op == OpCode::gather || op == OpCode::scatter;
+}
+
+// The payload of the DTRAIN_DEBUG=detail exchange: every rank's call, to list who called what.
+struct Called {
+  transport::Fingerprint fp;
   uint64_t seq = 0;
-  bool operator==(const Fingerprint& o) const {
-    return opcode == o.opcode && dtype == o.dtype && rop == o.rop && root == o.root && count == o.count &&
-           seq == o.seq;
-  }
-  std::string str() const {
-    std::string s = fmt::format("{}({} x {}", transport::opName(static_cast<OpCode>(opcode)),
-                                dtypeName(static_cast<DType>(dtype)), count);
-    auto op = static_cast<OpCode>(opcode);
-    if (op == OpCode::allreduce || op == OpCode::reduce || op == OpCode::reduce_scatter)
-      s += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(rop)));
-    if (root >= 0) s += fmt::format(", root {}", root);
-    return s + fmt::format(") seq={}", seq);
-  }
 };
 
 }  // namespace
@@ -87,7 +78,6 @@ struct Task {
   WorkPtr work;
   transport::Label label;
   transport::Deadline deadline;
-  Fingerprint fp;
   bool collective = true;
   std::function<void(algo::Context&)> fn;
 };
@@ -190,8 +180,14 @@ struct ProcessGroup::Impl {
     }
     try {
       algo::Context c{tx.get(), rank, size, t.label, t.deadline, scratch};
-      if (opts.check_fingerprints && t.collective && size > 1) checkFingerprint(c, t.fp);
+      const bool check = t.collective && size > 1;
+      if (check) {
+        if (opts.check_fingerprints) listMismatch(c);
+        bool every_rank = tx->beginCollective(t.label, t.deadline);
+        if (!every_rank && !opts.check_fingerprints && needsExchange(t.label.op)) exchangeFingerprints(c);
+      }
       t.fn(c);
+      if (check) tx->endCollective(t.label, t.deadline);
       t.work->finish();
     } catch (const std::exception& e) {
       if (tx) tx->abort(e);
@@ -200,24 +196,40 @@ struct ProcessGroup::Impl {
     }
   }
 
-  void checkFingerprint(algo::Context& c, const Fingerprint& mine) {
-    std::vector<Fingerprint> all(size);
-    all[rank] = mine;
+  // Every rank sends its fingerprint (in the frame header) to every other, which compares it.
+  void exchangeFingerprints(algo::Context& c) {
     std::vector<transport::Op> ops;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
-      ops.push_back(transport::sendOp(p, 0, &all[rank], sizeof(Fingerprint)));
-      ops.push_back(transport::recvOp(p, 0, &all[p], sizeof(Fingerprint)));
+      ops.push_back(transport::sendOp(p, 0, nullptr, 0));
+      ops.push_back(transport::recvOp(p, 0, nullptr, 0));
     }
     transport::Label l = c.label;
     l.op = OpCode::fingerprint;
     tx->run(ops, c.deadline, l);
-    bool same = std::all_of(all.begin(), all.end(), [&](const Fingerprint& f) { return f == mine; });
+  }
+
+  // DTRAIN_DEBUG=detail: every rank's call goes to every rank first, and a mismatch lists them all
+  // ("ranks 0, 2 called allreduce(...); rank 1 called broadcast(...)").
+  void listMismatch(algo::Context& c) {
+    std::vector<Called> all(size);
+    const Called mine{c.label.fp, c.label.seq};
+    all[rank] = mine;
+    std::vector<transport::Op> ops;
+    for (int p = 0; p < size; ++p) {
+      if (p == rank) continue;
+      ops.push_back(transport::sendOp(p, 0, &all[rank], sizeof(Called)));
+      ops.push_back(transport::recvOp(p, 0, &all[p], sizeof(Called)));
+    }
+    transport::Label l = c.label;
+    l.op = OpCode::fingerprint;
+    l.fp = transport::Fingerprint{};  // compared below, all at once, rather than frame by frame
+    tx->run(ops, c.deadline, l);
+    bool same = std::all_of(all.begin(), all.end(), [&](const Called& f) { return f.fp == mine.fp && f.seq == mine.seq; });
     if (same) return;
-    // Group ranks by what they called: "ranks 0, 2: allreduce(...); rank 1: broadcast(...)".
     std::vector<std::pair<std::string, std::vector<int>>> groups;
     for (int p = 0; p < size; ++p) {
-      std::string s = all[p].str();
+      std::string s = all[p].fp.describe(static_cast<uint32_t>(all[p].seq));
       auto it = std::find_if(groups.begin(), groups.end(), [&](auto& g) { return g.first == s; });
       if (it == groups.end()) groups.push_back({s, {p}});
       else it->second.push_back(p);
@@ -244,9 +256,10 @@ struct ProcessGroup::Impl {
     return w;
   }
 
-  // Builds the task of a collective: label, fingerprint, deadline from now.
-  Task collective(OpCode op, DType dt, size_t count, int root, ReduceOp rop, std::string extra,
-                  std::function<void(algo::Context&)> fn) {
+  // Builds the task of a collective: label, fingerprint, deadline from now. rop is compared for the ops
+  // that reduce; counts_hash and algo only where they apply.
+  Task collective(OpCode op, DType dt, size_t count, int root, std::optional<ReduceOp> rop, std::string extra,
+                  std::function<void(algo::Context&)> fn, uint64_t counts_hash = 0, uint8_t algo = 0) {
     Task t;
     uint64_t s = seq++;
     t.label.op = op;
@@ -254,8 +267,14 @@ struct ProcessGroup::Impl {
     t.label.what = fmt::format("{} seq={} {} x {}{}", transport::opName(op), s, dtypeName(dt), count, extra);
     t.label.timeout = opts.timeout;
     t.deadline = Clock::now() + opts.timeout;
-    t.fp = Fingerprint{static_cast<uint16_t>(op), static_cast<uint8_t>(dt), static_cast<uint8_t>(rop), root,
-                       static_cast<uint64_t>(count), s};
+    auto& fp = t.label.fp;
+    fp.op = static_cast<uint16_t>(op);
+    fp.dtype = static_cast<uint8_t>(dt);
+    fp.rop = rop ? static_cast<uint8_t>(*rop) : 0xFF;
+    fp.algo = algo;
+    fp.root = root;
+    fp.count = count;
+    fp.counts_hash = counts_hash;
     t.fn = std::move(fn);
     return t;
   }
@@ -267,6 +286,14 @@ struct ProcessGroup::Impl {
   void checkBuf(const void* p, size_t count, const char* what, const char* op) const {
     DTRAIN_CHECK(p != nullptr || count == 0, InvalidArgument, "[rank {}] {}: {} is null but count is {}", rank, op,
                  what, count);
+  }
+  // The v-ops' counts enter the fingerprint when they are uneven (an even split is the plain op).
+  static uint64_t unevenHash(const std::vector<size_t>& counts) {
+    bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
+    return even ? 0 : transport::hashCounts(counts);
+  }
+  static std::string countsText(const std::vector<size_t>& counts) {
+    return unevenHash(counts) ? fmt::format(" counts [{}]", fmt::join(counts, ", ")) : "";
   }
   void checkCounts(const std::vector<size_t>& counts, const char* op) const {
     DTRAIN_CHECK(counts.size() == static_cast<size_t>(size), InvalidArgument,
@@ -327,13 +354,14 @@ WorkPtr ProcessGroup::allreduce(const void* in, void* out, size_t count, DType t
            : algo == AllreduceAlgorithm::direct             ? algo::AllreduceAlgo::kDirect
                                                             : algo::AllreduceAlgo::kAuto;
   return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, fmt::format(" {}", reduceOpName(op)),
-                                         [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, a); }));
+                                         [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, a); }, 0,
+                                         static_cast<uint8_t>(algo)));
 }
 
 WorkPtr ProcessGroup::broadcast(void* buf, size_t count, DType t, int root) {
   impl_->checkRoot(root, "broadcast");
   impl_->checkBuf(buf, count, "buffer", "broadcast");
-  return impl_->submit(impl_->collective(OpCode::broadcast, t, count, root, ReduceOp::sum,
+  return impl_->submit(impl_->collective(OpCode::broadcast, t, count, root, std::nullopt,
                                          fmt::format(" root={}", root),
                                          [=](algo::Context& c) { algo::broadcast(c, buf, count, t, root); }));
 }
@@ -357,8 +385,9 @@ WorkPtr ProcessGroup::allgatherv(const void* in, void* out, std::vector<size_t> 
   for (size_t c : counts) total += c;
   impl_->checkBuf(in, counts[impl_->rank], "input", "allgather");
   impl_->checkBuf(out, total, "output", "allgather");
-  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, ReduceOp::sum, "",
-                                         [=](algo::Context& c) { algo::allgatherv(c, in, out, counts, t); }));
+  uint64_t h = Impl::unevenHash(counts);
+  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, std::nullopt, Impl::countsText(counts),
+                                         [=](algo::Context& c) { algo::allgatherv(c, in, out, counts, t); }, h));
 }
 
 WorkPtr ProcessGroup::reduceScatter(const void* in, void* out, size_t count, DType t, ReduceOp op) {
@@ -371,15 +400,16 @@ WorkPtr ProcessGroup::reduceScatterv(const void* in, void* out, std::vector<size
   for (size_t c : counts) total += c;
   impl_->checkBuf(in, total, "input", "reduce_scatter");
   impl_->checkBuf(out, counts[impl_->rank], "output", "reduce_scatter");
+  uint64_t h = Impl::unevenHash(counts);
   return impl_->submit(impl_->collective(OpCode::reduce_scatter, t, total, -1, op,
-                                         fmt::format(" {}", reduceOpName(op)),
-                                         [=](algo::Context& c) { algo::reduceScatterv(c, in, out, counts, t, op); }));
+                                         fmt::format(" {}{}", reduceOpName(op), Impl::countsText(counts)),
+                                         [=](algo::Context& c) { algo::reduceScatterv(c, in, out, counts, t, op); }, h));
 }
 
 WorkPtr ProcessGroup::alltoall(const void* in, void* out, size_t count, DType t) {
   impl_->checkBuf(in, count, "input", "alltoall");
   impl_->checkBuf(out, count, "output", "alltoall");
-  return impl_->submit(impl_->collective(OpCode::alltoall, t, count, -1, ReduceOp::sum, " per rank",
+  return impl_->submit(impl_->collective(OpCode::alltoall, t, count, -1, std::nullopt, " per rank",
                                          [=](algo::Context& c) { algo::alltoall(c, in, out, count, t); }));
 }
 
@@ -387,7 +417,7 @@ WorkPtr ProcessGroup::gather(const void* in, void* out, size_t count, DType t, i
   impl_->checkRoot(root, "gather");
   impl_->checkBuf(in, count, "input", "gather");
   if (impl_->rank == root) impl_->checkBuf(out, count, "output", "gather");
-  return impl_->submit(impl_->collective(OpCode::gather, t, count, root, ReduceOp::sum,
+  return impl_->submit(impl_->collective(OpCode::gather, t, count, root, std::nullopt,
                                          fmt::format(" root={}", root),
                                          [=](algo::Context& c) { algo::gather(c, in, out, count, t, root); }));
 }
@@ -396,13 +426,13 @@ WorkPtr ProcessGroup::scatter(const void* in, void* out, size_t count, DType t, 
   impl_->checkRoot(root, "scatter");
   impl_->checkBuf(out, count, "output", "scatter");
   if (impl_->rank == root) impl_->checkBuf(in, count, "input", "scatter");
-  return impl_->submit(impl_->collective(OpCode::scatter, t, count, root, ReduceOp::sum,
+  return impl_->submit(impl_->collective(OpCode::scatter, t, count, root, std::nullopt,
                                          fmt::format(" root={}", root),
                                          [=](algo::Context& c) { algo::scatter(c, in, out, count, t, root); }));
 }
 
 WorkPtr ProcessGroup::barrier() {
-  return impl_->submit(impl_->collective(OpCode::barrier, DType::u8, 0, -1, ReduceOp::sum, "",
+  return impl_->submit(impl_->collective(OpCode::barrier, DType::u8, 0, -1, std::nullopt, "",
                                          [](algo::Context& c) { algo::barrier(c); }));
 }
 

@@ -106,20 +106,56 @@ void throwOfKind(ErrorKind k, const std::string& msg) {
   }
 }
 
-void checkHeader(const Header& h, OpCode op, uint32_t seq, uint32_t tag, uint64_t length, int self,
-                 const std::string& peer, const Label& label) {
+uint64_t hashCounts(const std::vector<size_t>& counts) {
+  uint64_t h = 1469598103934665603ull;  // FNV-1a over the counts' 8-byte little-endian values
+  for (size_t c : counts) {
+    for (int b = 0; b < 8; ++b) {
+      h ^= (static_cast<uint64_t>(c) >> (8 * b)) & 0xFF;
+      h *= 1099511628211ull;
+    }
+  }
+  return h ? h : 1;
+}
+
+std::string Fingerprint::describe(uint32_t seq) const {
+  auto o = static_cast<OpCode>(op);
+  if (!collective() || o == OpCode::barrier) return fmt::format("{}() seq={}", opName(o), seq);
+  std::string s = fmt::format("{}({} x {}", opName(o), dtypeName(static_cast<DType>(dtype)), count);
+  if (counts_hash) s += fmt::format(", counts #{:08x}", static_cast<uint32_t>(counts_hash ^ (counts_hash >> 32)));
+  if (rop != 0xFF) s += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(rop)));
+  if (root >= 0) s += fmt::format(", root {}", root);
+  static const char* const kAlgos[] = {"", "ring", "rd", "direct"};
+  if (algo > 0 && algo < 4) s += fmt::format(", algorithm {}", kAlgos[algo]);
+  return s + fmt::format(") seq={}", seq);
+}
+
+void throwMismatch(int self, const Label& label, const std::string& peer, uint32_t peer_seq,
+                   const Fingerprint& peer_fp, const char* outputs) {
+  throw ProtocolError(fmt::format(
+      "[rank {}] {}: collective mismatch: this rank called {} but {} called {}: every rank of a group must "
+      "call the same collectives in the same order with the same dtype, count, reduce op and root ({})",
+      self, label.what, label.fp.describe(label.seq), peer, peer_fp.describe(peer_seq), outputs));
+}
+
+void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const std::string& peer,
+                 const Label& label) {
   if (h.magic != kFrameMagic || h.version != kFrameVersion) {
     throw ProtocolError(fmt::format(
         "[rank {}] {}: bad frame from {}: magic {:#x} version {} (expected {:#x} version {}); "
         "the peer is not a dtrain rank of this group or the stream is corrupt",
         self, label.what, peer, h.magic, h.version, kFrameMagic, kFrameVersion));
   }
-  bool p2p = op == OpCode::send;
-  if (h.opcode != static_cast<uint16_t>(op) || (!p2p && h.seq != seq) || h.tag != tag) {
+  const auto op = label.op;
+  const bool p2p = op == OpCode::send;
+  // A collective frame, or a collective's frame where this rank expected one: compare the calls.
+  if ((label.fp.collective() || h.fp.collective()) && (h.fp != label.fp || h.seq != label.seq)) {
+    throwMismatch(self, label, peer, h.seq, h.fp, "the outputs of this call are unspecified");
+  }
+  if (h.opcode != static_cast<uint16_t>(op) || (!p2p && h.seq != label.seq) || h.tag != tag) {
     throw ProtocolError(fmt::format(
         "[rank {}] {}: {} sent {} seq={} tag={} but this rank expected {} seq={} tag={}: "
         "the ranks are not calling the same collectives in the same order",
-        self, label.what, peer, opName(static_cast<OpCode>(h.opcode)), h.seq, h.tag, opName(op), seq,
+        self, label.what, peer, opName(static_cast<OpCode>(h.opcode)), h.seq, h.tag, opName(op), label.seq,
         tag));
   }
   if (h.length != length) {

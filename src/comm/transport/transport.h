@@ -48,9 +48,34 @@ enum class OpCode : uint16_t {
 const char* opName(OpCode op);
 
 inline constexpr uint32_t kFrameMagic = 0x4E525444;  // "DTRN" little-endian
-inline constexpr uint16_t kFrameVersion = 1;
+inline constexpr uint16_t kFrameVersion = 2;
 // An abort frame's message is at most this long; a longer claim is a protocol error.
 inline constexpr uint64_t kMaxAbortMessage = 4096;
+
+// What a collective call is, compared across ranks on every collective (always on): the op, its dtype,
+// count, reduce op, root, requested algorithm and, for the v-ops, a hash of the per-rank counts.
+// Together with the sequence number it identifies the call; two ranks whose fingerprints differ
+// called different collectives (or the same one with different arguments) at the same point.
+struct Fingerprint {
+  uint16_t op = 0;        // OpCode of the collective; 0 for point-to-point
+  uint8_t dtype = 0;
+  uint8_t rop = 0xFF;     // ReduceOp, or 0xFF when the op does not reduce
+  uint8_t algo = 0;       // the allreduce algorithm asked for (0: automatic)
+  uint8_t pad[3] = {0, 0, 0};
+  int32_t root = -1;
+  uint64_t count = 0;     // elements (the total for the v-ops)
+  uint64_t counts_hash = 0;  // v-ops: FNV-1a of the per-rank counts; 0 otherwise
+  bool operator==(const Fingerprint& o) const {
+    return op == o.op && dtype == o.dtype && rop == o.rop && algo == o.algo && root == o.root &&
+           count == o.count && counts_hash == o.counts_hash;
+  }
+  bool operator!=(const Fingerprint& o) const { return !(*this == o); }
+  bool collective() const { return op != 0 && op < static_cast<uint16_t>(OpCode::send); }
+  // "allreduce(f32 x 1000, sum) seq=3"
+  std::string describe(uint32_t seq) const;
+};
+static_assert(sizeof(Fingerprint) == 32, "fingerprint layout");
+uint64_t hashCounts(const std::vector<size_t>& counts);
 
 struct Header {
   uint32_t magic = kFrameMagic;
@@ -59,8 +84,9 @@ struct Header {
   uint32_t seq = 0;  // the group's collective sequence number (low 32 bits), or the p2p message count
   uint32_t tag = 0;  // step within a collective, or the user's tag for send/recv
   uint64_t length = 0;
+  Fingerprint fp;    // the sender's call: every frame of a collective carries it, receivers compare
 };
-static_assert(sizeof(Header) == 24, "frame header layout");
+static_assert(sizeof(Header) == 56, "frame header layout");
 
 // The first bytes a TCP connector sends: who it is, and the group it belongs to (a random nonce chosen
 // by rank 0 for each group), so that the acceptor can drop anything else.
@@ -109,8 +135,9 @@ inline Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t
 
 // What the ops belong to, for frame checks and error messages.
 struct Label {
-  OpCode op = OpCode::none;
+  OpCode op = OpCode::none;  // the frames' opcode (the collective's, or fingerprint for the exchange)
   uint32_t seq = 0;
+  Fingerprint fp;            // this rank's call (fp.op == 0 for point-to-point)
   std::string what;  // e.g. "allreduce seq=41 f32 x 6291456"
   std::chrono::milliseconds timeout{0};
 };
@@ -136,6 +163,16 @@ class Transport {
   virtual void abort(const std::exception& why) noexcept = 0;
   // "rank 3 (10.0.0.2:41233)" or "rank 3 (pid 1234)".
   virtual std::string peerName(int peer) const = 0;
+  // Called once at the start of every collective, before any of its ops run. A transport that can
+  // compare every rank's fingerprint before any output is written (shared memory: fingerprints are
+  // published beside the staged data) does so and returns true; a mismatch is then an error on every
+  // rank with no output modified. Otherwise (tcp) it returns false: each frame's header carries the
+  // sender's fingerprint and every receiver compares it, and the group exchanges fingerprints first for
+  // the ops in which some rank would not receive from every other (see ProcessGroup).
+  virtual bool beginCollective(const Label& label, Deadline deadline) { return false; }
+  // Called when the collective's algorithm returned: a transport that compares fingerprints in its
+  // first wait makes sure a collective whose algorithm never waited is compared too.
+  virtual void endCollective(const Label& label, Deadline deadline) {}
   // A transport may run allreduce its own way (shared memory: every rank reads every other's staged
   // input directly). Returns false when it has no such path, or (unless `forced`) when it judges the
   // generic algorithms faster for this size; they then apply.
@@ -167,8 +204,13 @@ enum class ErrorKind : uint32_t { io = 1, timeout = 2, protocol = 3, other = 4 }
 ErrorKind errorKindOf(const std::exception& e);
 [[noreturn]] void throwOfKind(ErrorKind k, const std::string& msg);
 // Checks a received header against what this rank expected; throws ProtocolError naming the peer.
+// A collective whose fingerprint or sequence number differs is a mismatch naming both calls.
 // Abort frames are not handled here (callers check opcode == kAbort first).
-void checkHeader(const Header& h, OpCode op, uint32_t seq, uint32_t tag, uint64_t length, int self,
-                 const std::string& peer, const Label& label);
+void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const std::string& peer,
+                 const Label& label);
+// The error for two ranks that called different collectives: names both calls. `outputs` says what
+// became of this call's output ("no output buffer was modified" on shm, "outputs are unspecified").
+[[noreturn]] void throwMismatch(int self, const Label& label, const std::string& peer, uint32_t peer_seq,
+                                const Fingerprint& peer_fp, const char* outputs);
 
 }  // namespace dtrain::comm::transport

@@ -53,12 +53,23 @@ constexpr size_t kChunkSmall = 256u << 10;
 constexpr size_t kChunkLarge = 1u << 20;
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 
+// A rank's published call: stamp is the number of collectives it has begun on this group (written last,
+// with release), so a reader that sees the stamp it expects sees the fingerprint too. Two entries
+// (stamp parity): a rank cannot begin collective s + 2 before every rank has begun s + 1, which each
+// does only after reading everyone's entry for s, so an entry is never overwritten while still needed.
+struct FpEntry {
+  std::atomic<uint64_t> stamp;
+  uint32_t seq;
+  Fingerprint fp;
+};
+
 struct alignas(64) RankSlot {
   std::atomic<uint32_t> doorbell;
   std::atomic<uint32_t> sleepers;
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> aborted;
-  std::atomic<uint64_t> current;  // (opcode << 32 | seq) of the collective this rank is running
+  std::atomic<int32_t> cores;  // usable cores of this rank, so that every rank makes the same choices
+  FpEntry fps[2];
   uint32_t abort_kind;
   char abort_msg[kMaxAbortMessage + 1];
 };
@@ -184,15 +195,21 @@ class ShmTransport : public Transport {
       }
     }
     slot(rank)->pid.store(getpid());
+    slot(rank)->cores.store(usableCores());
     store.set(fmt::format("shm/mapped/{}", rank), toBytes("1"));
     std::vector<std::string> keys;
     for (int r = 0; r < size; ++r) keys.push_back(fmt::format("shm/mapped/{}", r));
     store.wait(keys, std::chrono::duration_cast<std::chrono::milliseconds>(
                          std::max(deadline - Clock::now(), Clock::duration(0))));
     if (rank == 0) shm_unlink(name.c_str());
-    for (int r = 0; r < size; ++r) pids_.push_back(slot(r)->pid.load());
+    int cores = INT_MAX;
+    for (int r = 0; r < size; ++r) {
+      pids_.push_back(slot(r)->pid.load());
+      cores = std::min(cores, slot(r)->cores.load());
+    }
     ring_mask_.assign(size, 0);
-    oversubscribed_ = size > usableCores();
+    // The fewest cores any rank has: every rank must pick the same algorithm for the same call.
+    oversubscribed_ = size > cores;
     spin_ = oversubscribed_ ? 0 : kSpins;
   }
 
@@ -222,7 +239,7 @@ class ShmTransport : public Transport {
     }
     sqi.assign(size_, 0);
     rqi.assign(size_, 0);
-    announce(label);
+    if (check_pending_) awaitFingerprints(deadline, label);
     size_t remaining = ops.size();
     auto* me = slot(rank_);
     while (remaining > 0) {
@@ -266,18 +283,23 @@ class ShmTransport : public Transport {
   // ring over the pair queues, and waits twice per chunk instead of 2(n-1) times in a chain, which
   // matters most when ranks outnumber cores. Each slice has a single reducer, so every rank ends
   // with the same bits.
+  // Whether allreduce takes the direct path. With more ranks than cores, recursive doubling's log2(n)
+  // exchanges beat three rounds of waiting on everyone for tiny buffers (4 ranks on 2 cores, 4 KiB:
+  // 39 us against 47).
+  bool runsDirect(size_t count, DType t, bool forced) const {
+    return forced || !oversubscribed_ || count * dtypeSize(t) > (16u << 10);
+  }
+
   bool allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op, Deadline deadline,
                  const Label& label, bool forced) override {
     const int n = size_;
     const size_t es = dtypeSize(t);
-    // With more ranks than cores, recursive doubling's log2(n) exchanges beat three rounds of waiting
-    // on everyone for tiny buffers (4 ranks on 2 cores, 4 KiB: 39 us against 47).
-    if (!forced && oversubscribed_ && count * es <= (16u << 10)) return false;
+    if (!runsDirect(count, t, forced)) return false;
     const size_t chunk_elems = std::max<size_t>(chunk_ / es, 1);
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     std::vector<size_t> sl(n + 1);
-    announce(label);
+    if (count == 0 && check_pending_) awaitFingerprints(deadline, label);
     for (size_t off = 0; off < count; off += chunk_elems) {
       const size_t len = std::min(chunk_elems, count - off);
       const uint64_t g = ++chunks_done_;
@@ -291,7 +313,9 @@ class ShmTransport : public Transport {
       std::memcpy(staged(rank_), mine, sl[rank_] * es);
       std::memcpy(staged(rank_) + sl[rank_ + 1] * es, mine + sl[rank_ + 1] * es, (len - sl[rank_ + 1]) * es);
       publish(kInReady, g);
-      // 2. Reduce my slice.
+      // 2. Reduce my slice, once every rank's call is known to be this one (nothing was written to an
+      //    output yet, so a mismatch leaves every output untouched).
+      if (check_pending_) awaitFingerprints(deadline, label);
       waitCounters(kInReady, g, deadline, label, "to stage its input");
       const size_t a = sl[rank_], cnt = sl[rank_ + 1] - sl[rank_];
       char* res = dst + (off + a) * es;
@@ -312,6 +336,28 @@ class ShmTransport : public Transport {
       publish(kDone, g);
     }
     return true;
+  }
+
+  // Publishes this rank's call and compares every rank's before the algorithm runs (algorithms copy
+  // local blocks into the output before they communicate). The direct allreduce writes no output
+  // before its first wait, so there the comparison joins that wait instead of costing one more.
+  bool beginCollective(const Label& label, Deadline deadline) override {
+    FpEntry& e = slot(rank_)->fps[++begun_ & 1];
+    e.seq = label.seq;
+    e.fp = label.fp;
+    e.stamp.store(begun_, std::memory_order_release);
+    check_pending_ = true;
+    for (int p = 0; p < size_; ++p) ring_mask_[p] = p != rank_;
+    ringPeers();
+    const auto algo = label.fp.algo;  // AllreduceAlgorithm: 0 automatic, 3 direct
+    bool direct = label.fp.op == static_cast<uint16_t>(OpCode::allreduce) && (algo == 0 || algo == 3) &&
+                  runsDirect(label.fp.count, static_cast<DType>(label.fp.dtype), algo == 3);
+    if (!direct) awaitFingerprints(deadline, label);
+    return true;
+  }
+
+  void endCollective(const Label& label, Deadline deadline) override {
+    if (check_pending_) awaitFingerprints(deadline, label);
   }
 
   void abort(const std::exception& why) noexcept override {
@@ -345,6 +391,7 @@ class ShmTransport : public Transport {
         h.seq = label.seq;
         h.tag = o->tag;
         h.length = o->bytes;
+        h.fp = label.fp;
       }
       total = sizeof(Header) + roundUp(o->bytes, 8);
     }
@@ -420,7 +467,7 @@ class ShmTransport : public Transport {
       r.done += k;
       used += k;
       if (r.done == sizeof(Header)) {
-        checkHeader(r.h, label.op, label.seq, r.op->tag, r.op->bytes, rank_, peerName(p), label);
+        checkHeader(r.h, r.op->tag, r.op->bytes, rank_, peerName(p), label);
       }
     }
     if (r.done >= sizeof(Header)) {
@@ -455,29 +502,6 @@ class ShmTransport : public Transport {
   }
   char* collData(uint64_t slot_i, int q) { return base_ + coll_data_off_ + (slot_i * (size_ + 1) + q) * chunk_; }
 
-  static bool comparable(OpCode op) { return op != OpCode::send && op != OpCode::fingerprint && op != OpCode::none; }
-
-  // Tells peers which collective this rank is in, so that a rank stuck in a different collective with
-  // the same sequence number is reported at once instead of at the timeout.
-  void announce(const Label& label) {
-    if (!comparable(label.op)) return;
-    slot(rank_)->current.store(static_cast<uint64_t>(label.op) << 32 | label.seq, std::memory_order_release);
-  }
-
-  void checkSameCollective(const Label& label) {
-    if (!comparable(label.op)) return;
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      uint64_t cur = slot(p)->current.load(std::memory_order_acquire);
-      auto op = static_cast<OpCode>(cur >> 32);
-      if (static_cast<uint32_t>(cur) == label.seq && comparable(op) && op != label.op) {
-        throw ProtocolError(fmt::format(
-            "[rank {}] {}: rank {} is running {} seq={}: the ranks are not calling the same collectives in the "
-            "same order", rank_, label.what, p, opName(op), label.seq));
-      }
-    }
-  }
-
   void publish(CounterKind k, uint64_t g) {
     counter(k, rank_)->v.store(g, std::memory_order_release);
     for (int p = 0; p < size_; ++p) ring_mask_[p] = p != rank_;
@@ -487,34 +511,58 @@ class ShmTransport : public Transport {
   // Waits until every other rank's counter k reaches g, with the same deadline, abort and liveness
   // checks as the pair queues; errors name the ranks that are behind.
   void waitCounters(CounterKind k, uint64_t g, Deadline deadline, const Label& label, const char* doing) {
+    waitAll([&](int p) { return counter(k, p)->v.load(std::memory_order_acquire) >= g; }, deadline, label, doing);
+  }
+
+  // Waits until every rank has begun this collective and compares their calls: a difference is a
+  // mismatch error on this rank (and, since every rank compares every other, on all of them), raised
+  // before anything was written to an output.
+  void awaitFingerprints(Deadline deadline, const Label& label) {
+    check_pending_ = false;
+    const uint64_t stamp = begun_;
+    waitAll(
+        [&](int p) {
+          const FpEntry& e = slot(p)->fps[stamp & 1];
+          if (e.stamp.load(std::memory_order_acquire) != stamp) return false;
+          if (e.seq != label.seq || e.fp != label.fp)
+            throwMismatch(rank_, label, peerName(p), e.seq, e.fp, "no output buffer was modified");
+          return true;
+        },
+        deadline, label, "to begin this collective");
+  }
+
+  // Waits until ready(p) holds for every other rank p (ready may throw), spinning briefly, then sleeping
+  // in slices that check aborts, the deadline and whether the ranks still needed are alive.
+  template <typename Ready>
+  void waitAll(Ready&& ready, Deadline deadline, const Label& label, const char* doing) {
     auto* me = slot(rank_);
-    auto behind = [&] {
-      std::vector<int> b;
+    auto allReady = [&] {
       for (int p = 0; p < size_; ++p)
-        if (p != rank_ && counter(k, p)->v.load(std::memory_order_acquire) < g) b.push_back(p);
-      return b;
+        if (p != rank_ && !ready(p)) return false;
+      return true;
     };
-    auto describe = [&](const std::vector<int>& b) {
+    // Built only for an error message: the ranks still behind.
+    auto describe = [&] {
       std::string w;
-      for (int p : b) w += (w.empty() ? "" : ", ") + peerName(p);
+      for (int p = 0; p < size_; ++p)
+        if (p != rank_ && !ready(p)) w += (w.empty() ? "" : ", ") + peerName(p);
       return fmt::format("{} {}", w, doing);
     };
     for (unsigned spins = 0;;) {
       uint32_t bell = me->doorbell.load(std::memory_order_seq_cst);
-      auto b = behind();
-      if (b.empty()) return;
+      if (allReady()) return;
       if (spins < spin_) {
         spinPause(spins++);
         continue;
       }
-      for (int p : b) {
-        if (kill(pids_[p], 0) != 0 && errno == ESRCH && counter(k, p)->v.load() < g) {
-          checkAborts(label, describe(b));  // a rank that failed and exited left its reason: report that
+      for (int p = 0; p < size_; ++p) {
+        if (p != rank_ && kill(pids_[p], 0) != 0 && errno == ESRCH && !ready(p)) {
+          checkAborts(label, describe);  // a rank that failed and exited left its reason: report that
           throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it {}",
                                     rank_, label.what, peerName(p), doing));
         }
       }
-      sleepSlice(bell, deadline, label, describe(b));
+      sleepSlice(bell, deadline, label, describe);
     }
   }
 
@@ -545,7 +593,7 @@ class ShmTransport : public Transport {
       spinPause(i);
     }
     for (;;) {
-      sleepSlice(bell, deadline, label, waitingFor());
+      sleepSlice(bell, deadline, label, [this] { return waitingFor(); });
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
       checkPeersAlive(label);
     }
@@ -554,13 +602,13 @@ class ShmTransport : public Transport {
   // One slice of waiting for this rank's doorbell to move from `bell`, shared by every wait: first the
   // checks that end a wait early (a peer's abort record, a peer in a different collective, the
   // deadline), then sleep on the futex for at most kSleepSlice. `waiting` names what we wait for.
-  void sleepSlice(uint32_t bell, Deadline deadline, const Label& label, const std::string& waiting) {
+  template <typename Waiting>
+  void sleepSlice(uint32_t bell, Deadline deadline, const Label& label, Waiting&& waiting) {
     checkAborts(label, waiting);
-    checkSameCollective(label);
     auto now = Clock::now();
     if (now >= deadline) {
       throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                     label.timeout.count() / 1000.0, waiting));
+                                     label.timeout.count() / 1000.0, waiting()));
     }
     auto* me = slot(rank_);
     me->sleepers.fetch_add(1, std::memory_order_seq_cst);
@@ -571,7 +619,9 @@ class ShmTransport : public Transport {
     me->sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 
-  void checkAborts(const Label& label, const std::string& waiting) {
+  // `waiting()` names what this rank waits for; called only when a peer did fail.
+  template <typename Waiting>
+  void checkAborts(const Label& label, Waiting&& waiting) {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       RankSlot* s = slot(p);
@@ -579,7 +629,7 @@ class ShmTransport : public Transport {
         std::string msg(s->abort_msg, strnlen(s->abort_msg, kMaxAbortMessage));
         throwOfKind(static_cast<ErrorKind>(s->abort_kind),
                     fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
-                                label.what, p, msg, waiting));
+                                label.what, p, msg, waiting()));
       }
     }
   }
@@ -597,7 +647,7 @@ class ShmTransport : public Transport {
         // Data it wrote before dying may still be in the ring: let the caller pump once more.
         RingCtl* c = ctl(p, rank_);
         if (rqi[p] < rq[p].size() && c->head.load() != c->tail.load()) return;
-        checkAborts(label, waitingFor());  // a rank that failed and exited left its reason: report that
+        checkAborts(label, [this] { return waitingFor(); });  // a rank that failed and exited left its reason: report that
         throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it",
                                   rank_, label.what, peerName(p)));
       }
@@ -620,6 +670,8 @@ class ShmTransport : public Transport {
   size_t ring_ = 0, slots_off_ = 0, ctl_off_ = 0, data_off_ = 0, total_ = 0;
   size_t chunk_ = 0, coll_ctl_off_ = 0, coll_data_off_ = 0;
   uint64_t chunks_done_ = 0;  // chunks of direct allreduce run so far (the same on every rank)
+  uint64_t begun_ = 0;        // collectives begun (the stamp of this rank's published fingerprint)
+  bool check_pending_ = false;  // begun, but the fingerprints not compared yet
   std::vector<int32_t> pids_;
   std::vector<uint8_t> ring_mask_;
   std::vector<std::vector<Op*>> sq_, rq_;  // the current run's sends and receives per peer

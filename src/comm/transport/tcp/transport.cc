@@ -166,6 +166,7 @@ class TcpTransport : public Transport {
         s.h.seq = label.seq;
         s.h.tag = op.tag;
         s.h.length = op.bytes;
+        s.h.fp = label.fp;
         p.sends.push_back(s);
       } else {
         RecvState r;
@@ -392,7 +393,7 @@ class TcpTransport : public Transport {
         if (r.h.magic == kFrameMagic && r.h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
           raiseAbort(i, r.h, deadline, label);
         }
-        checkHeader(r.h, label.op, label.seq, op.tag, op.bytes, rank_, peerName(i), label);
+        checkHeader(r.h, op.tag, op.bytes, rank_, peerName(i), label);
       }
     }
     if (!op.reduce) {

@@ -1,0 +1,14 @@
+// N allreduces of 4 KiB (1024 x f32), each waited for: the loop whose instruction count
+// scripts/instr_cost.sh compares between two revisions under callgrind (the cost of the always-on
+// collective fingerprint check, docs/PERFORMANCE.md). Comm layer only; builds with g++ alone.
+#include <cstdlib>
+#include <vector>
+#include "dtrain/comm/comm.h"
+int main(int argc, char** argv) {
+  using namespace dtrain::comm;
+  auto world = init();
+  int n = argc > 1 ? std::atoi(argv[1]) : 1000;
+  std::vector<float> buf(1024, 1.0f);
+  for (int i = 0; i < n; ++i) world->allreduce(buf.data(), buf.size(), DType::f32, ReduceOp::sum)->wait();
+  world->barrier()->wait();
+}
