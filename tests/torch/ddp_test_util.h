@@ -70,9 +70,11 @@ inline void expectClose(torch::nn::Module& a, torch::nn::Module& b, double rel, 
   }
 }
 
-inline std::shared_ptr<comm::ProcessGroup> group(const StoreServer& s, int rank, int world, int timeout_s = 30) {
+inline std::shared_ptr<comm::ProcessGroup> group(const StoreServer& s, int rank, int world, int timeout_s = 30,
+                                                  const std::string& transport = "auto") {
   comm::GroupOptions o;
   o.timeout = std::chrono::seconds(timeout_s);
+  o.transport = transport;
   return comm::ProcessGroup::create(s.client(), rank, world, o);
 }
 

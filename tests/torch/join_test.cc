@@ -165,11 +165,12 @@ TEST(Join, ThrowOnEarlyTerminationStopsEveryRank) {
 
 // An allGather (as in MIL-NCE's loss) on the ranks still training, after rank 0 joined: every rank
 // fails promptly; rank 0's error says it had joined and what a joined rank shadows, and names the
-// allgather the others issued.
-TEST(JoinErrors, AllGatherAfterJoiningIsAnErrorNamingIt) {
+// allgather the others issued (the comm layer's fingerprint check), on both transports.
+class JoinErrors : public ::testing::TestWithParam<std::string> {};
+TEST_P(JoinErrors, AllGatherAfterJoiningIsAnErrorNamingIt) {
   StoreServer server;
   auto results = runRanks(3, [&](int rank) {
-    auto pg = group(server, rank, 3, /*timeout_s=*/10);
+    auto pg = group(server, rank, 3, /*timeout_s=*/10, GetParam());
     Net model = makeNet();
     DistributedDataParallel ddp(model.ptr(), pg);
     const int mine = rank == 0 ? 1 : 3;
@@ -198,8 +199,10 @@ TEST(JoinErrors, AllGatherAfterJoiningIsAnErrorNamingIt) {
   expectAllOk(results);
 }
 
+INSTANTIATE_TEST_SUITE_P(Transport, JoinErrors, ::testing::Values("shm", "tcp"), [](const auto& p) { return p.param; });
+
 // beforeForward() (or ddp.forward) is a broadcast a joined rank would not shadow: refused at once.
-TEST(JoinErrors, BeforeForwardInsideAJoinScopeIsRefused) {
+TEST(JoinScope, BeforeForwardInsideAJoinScopeIsRefused) {
   StoreServer server;
   auto results = runRanks(2, [&](int rank) {
     auto pg = group(server, rank, 2);
