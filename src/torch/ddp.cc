@@ -14,6 +14,7 @@
 #include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "errors.h"
 
 namespace dtrain {
 
@@ -171,10 +172,19 @@ void DistributedDataParallel::Impl::finishPass() {
   // Buffers are final once forward ran: rank 0's (under Join: the highest training rank's) go out now,
   // behind the buckets, so that every rank starts the next forward with them (what PyTorch's DDP
   // broadcasts at the start of that forward).
-  auto buffer_works = startBufferBroadcast(h.max_running);
   Clock::time_point last = first_launch;
-  completeBuckets(scale, &last);
-  endBufferBroadcast(buffer_works, h.max_running);
+  try {
+    auto buffer_works = startBufferBroadcast(h.max_running);
+    completeBuckets(scale, &last);
+    endBufferBroadcast(buffer_works, h.max_running);
+  } catch (const std::exception&) {
+    if (join) throw;
+    // The commonest cause in a training loop: ranks with different numbers of batches.
+    detail::rethrowWithContext(fmt::format(
+        "[rank {}] DistributedDataParallel: the gradient allreduce of this backward failed. If the ranks run different "
+        "numbers of batches, train inside a dtrain::Join scope (dtrain/join.h). ",
+        pg->rank()));
+  }
   auto done = Clock::now();
   stats.comm_ms = msBetween(first_launch, last);
   stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));

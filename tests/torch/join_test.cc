@@ -201,6 +201,30 @@ TEST_P(JoinErrors, AllGatherAfterJoiningIsAnErrorNamingIt) {
 
 INSTANTIATE_TEST_SUITE_P(Transport, JoinErrors, ::testing::Values("shm", "tcp"), [](const auto& p) { return p.param; });
 
+// Without Join, uneven batches are an error on the rank still training that points to Join (here
+// rank 0 ran out and went on to a barrier; rank 1's next gradient allreduce meets it).
+TEST(JoinScope, UnevenBatchesWithoutJoinPointToIt) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2, /*timeout_s=*/10);
+    Net model = makeNet();
+    DistributedDataParallel ddp(model.ptr(), pg);
+    try {
+      for (int s = 0; s < (rank == 0 ? 1 : 2); ++s) {
+        auto [x, y] = batch(s, 2);
+        torch::nn::functional::cross_entropy(model->forward(x), y).backward();
+      }
+      pg->barrier()->wait();
+      ADD_FAILURE() << "rank " << rank << ": no error";
+    } catch (const Error& e) {
+      std::string m = e.what();
+      printf("rank %d: %s\n", rank, m.c_str());
+      EXPECT_NE(m.find(rank == 0 ? "barrier" : "dtrain::Join scope"), std::string::npos) << m;
+    }
+  });
+  expectAllOk(results);
+}
+
 // beforeForward() (or ddp.forward) is a broadcast a joined rank would not shadow: refused at once.
 TEST(JoinScope, BeforeForwardInsideAJoinScopeIsRefused) {
   StoreServer server;
