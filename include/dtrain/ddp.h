@@ -9,10 +9,12 @@
 //   for (auto& batch : loader) {
 //     opt.zero_grad();
 //     auto loss = loss_fn(model->forward(batch.data), batch.target);
-//     loss.backward();          // buckets of gradients are averaged across ranks while backward runs
+//     loss.backward();          // buckets of gradients are averaged across ranks while backward runs,
+//                               // then rank 0's buffers (BatchNorm statistics) are broadcast
 //     opt.step();               // sees the averaged gradients
 //   }
 //   // gradient accumulation: { auto guard = ddp.noSync(); loss.backward(); } ... then a synced backward
+//   // ranks with different numbers of batches: dtrain::Join (join.h)
 // \endcode
 //
 // How: every parameter's gradient lives in a flat bucket (param.grad() is a view into it, so nothing
@@ -23,6 +25,17 @@
 // the same collectives in the same order. At the end of backward (an autograd engine callback) the
 // step waits for every bucket. After the first iteration the buckets are rebuilt in the order the
 // gradients actually arrived (rank 0's order, broadcast), so later buckets fill and launch earlier.
+//
+// Buffers (broadcast_buffers): PyTorch's DDP broadcasts rank 0's buffers at the start of a forward
+// that follows a synced training forward, so with BatchNorm every rank computes with rank 0's running
+// statistics, and those evolve from rank 0's batches only. libtorch modules have no forward hook, so
+// dtrain broadcasts them at the end of every synced backward instead (one broadcast per dtype, issued
+// behind the last gradient bucket): the forward that comes next starts from rank 0's buffers, as in
+// PyTorch, and the training loop needs no call of its own. noSync() passes broadcast nothing (PyTorch:
+// the forwards after a no_sync forward do not either); eval forwards change no BatchNorm buffer. The
+// difference: a forward in training mode that is not followed by a synced backward leaves its update
+// on each rank until the next synced backward (PyTorch would broadcast at the next forward); call
+// beforeForward() there if it matters.
 #pragma once
 #include <torch/nn/module.h>
 
@@ -43,7 +56,8 @@ struct DDPOptions {
   // Parameters that get no gradient in a backward pass are allowed (their gradients are averaged as
   // they are, usually zero). When false, such a pass is an error naming them.
   bool find_unused_parameters = false;
-  // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 in beforeForward().
+  // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at the end of every synced
+  // backward (see above) and in beforeForward(). false: each rank keeps its own buffers.
   bool broadcast_buffers = true;
   // Rebuild buckets after the first iteration in gradient arrival order.
   bool rebuild_buckets = true;
@@ -78,9 +92,12 @@ class DistributedDataParallel {
   DistributedDataParallel(const DistributedDataParallel&) = delete;
   DistributedDataParallel& operator=(const DistributedDataParallel&) = delete;
 
-  // Call before each forward when the model has buffers that rank 0 owns (broadcast_buffers).
+  // Broadcasts rank 0's buffers now (broadcast_buffers). Not needed in a training loop (every synced
+  // backward ends with this broadcast); for a forward that follows forwards without a synced backward.
+  // A collective: every rank calls it. An error inside a dtrain::Join scope (a joined rank cannot
+  // shadow it).
   void beforeForward();
-  // forward with beforeForward() first: ddp.forward(model, x) == model->forward(x) plus buffer sync.
+  // forward with beforeForward() first: ddp.forward(model, x) == model->forward(x) after a buffer sync.
   template <typename M, typename... Args>
   auto forward(M& model, Args&&... args) {
     beforeForward();
@@ -119,6 +136,7 @@ class DistributedDataParallel {
   struct Impl;
 
  private:
+  friend class Join;
   void setSync(bool on);
   std::unique_ptr<Impl> impl_;
   std::shared_ptr<std::atomic<Impl*>> owner_;  // shared with the gradient hooks

@@ -1,4 +1,5 @@
-// DistributedDataParallel (see ddp.h for the design).
+// DistributedDataParallel (see ddp.h for the design): bucket layout, the synced backward pass, the
+// buffer broadcast at its end, and the comm hooks. The join scope's shadow passes are in join.cc.
 #include "dtrain/ddp.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -8,235 +9,262 @@
 
 #include <algorithm>
 #include <atomic>
+#include <map>
 
+#include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "errors.h"
 
 namespace dtrain {
 
+using detail::Bucket;
+using detail::Clock;
+
 namespace {
-using Clock = std::chrono::steady_clock;
-
-struct Bucket {
-  GradBucket gb;
-  comm::DType dtype = comm::DType::f32;
-  size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
-  bool launched = false;
-  comm::WorkPtr work;
-};
-
 double msBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
 }
 }  // namespace
 
-struct DistributedDataParallel::Impl {
-  std::shared_ptr<torch::nn::Module> module;
-  std::shared_ptr<comm::ProcessGroup> pg;
-  DDPOptions opts;
-  std::vector<at::Tensor> params;
-  std::vector<std::string> names;
-  std::vector<at::Tensor> buffers;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps our hooks' nodes alive
-  std::vector<uintptr_t> hook_keys;
-  std::vector<Bucket> buckets;
-  std::vector<size_t> bucket_of, offset_of;  // per parameter: its bucket and element offset there
-  std::shared_ptr<CommHook> hook;
-
-  bool sync = true;
-  bool in_backward = false;
-  std::vector<char> ready;
-  size_t next_launch = 0;
-  std::vector<size_t> arrival;  // order gradients arrived in the first synced pass
-  int synced_passes = 0;
-  Clock::time_point first_launch;
-  bool any_launched = false;
-  Stats stats;
-
-  // Lays parameters out in buckets in the given order and points every .grad() into its bucket.
-  void buildBuckets(const std::vector<size_t>& order) {
-    buckets.clear();
-    bucket_of.assign(params.size(), 0);
-    offset_of.assign(params.size(), 0);
-    std::vector<std::vector<size_t>> groups;
-    std::vector<c10::ScalarType> types;
-    size_t bytes = 0;
-    for (size_t i : order) {
-      const auto& p = params[i];
-      size_t b = p.numel() * p.element_size();
-      size_t cap = groups.size() <= 1 ? opts.first_bucket_bytes : opts.bucket_bytes;
-      bool fresh = groups.empty() || types.back() != p.scalar_type() || (bytes + b > cap && !groups.back().empty());
-      if (fresh) {
-        groups.emplace_back();
-        types.push_back(p.scalar_type());
-        bytes = 0;
-      }
-      groups.back().push_back(i);
-      bytes += b;
-    }
-    for (size_t k = 0; k < groups.size(); ++k) {
-      Bucket bk;
-      int64_t numel = 0;
-      for (size_t i : groups[k]) {
-        bucket_of[i] = k;
-        offset_of[i] = static_cast<size_t>(numel);
-        numel += params[i].numel();
-      }
-      bk.gb.index = static_cast<int>(k);
-      bk.gb.params = groups[k];
-      bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
-      bk.dtype = toCommDType(types[k], "DDP gradient bucket");
-      buckets.push_back(std::move(bk));
-      for (size_t i : groups[k]) {
-        at::Tensor view = gradView(i);
-        auto& g = params[i].mutable_grad();
-        if (g.defined()) view.copy_(g);
-        g = view;
-      }
-    }
-  }
-
-  // The slice of the bucket that holds parameter i's gradient. It aliases the bucket's storage without
-  // being an autograd view: libtorch's Optimizer::zero_grad() calls detach_() on gradients, which
-  // views do not allow.
-  at::Tensor gradView(size_t i) {
+void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& order) {
+  buckets.clear();
+  bucket_of.assign(params.size(), 0);
+  offset_of.assign(params.size(), 0);
+  std::vector<std::vector<size_t>> groups;
+  std::vector<c10::ScalarType> types;
+  size_t bytes = 0;
+  for (size_t i : order) {
     const auto& p = params[i];
-    const auto& flat = buckets[bucket_of[i]].gb.flat;
-    at::Tensor alias = at::empty({0}, flat.options());
-    alias.set_(flat.storage(), flat.storage_offset() + static_cast<int64_t>(offset_of[i]), p.sizes(),
-               at::detail::defaultStrides(p.sizes()));
-    return alias;
-  }
-
-  void startPass() {
-    in_backward = true;
-    ready.assign(params.size(), 0);
-    for (auto& b : buckets) {
-      b.pending = b.gb.params.size();
-      b.launched = false;
-      b.work.reset();
+    size_t b = p.numel() * p.element_size();
+    size_t cap = groups.size() <= 1 ? opts.first_bucket_bytes : opts.bucket_bytes;
+    bool fresh = groups.empty() || types.back() != p.scalar_type() || (bytes + b > cap && !groups.back().empty());
+    if (fresh) {
+      groups.emplace_back();
+      types.push_back(p.scalar_type());
+      bytes = 0;
     }
-    next_launch = 0;
-    any_launched = false;
-    // Runs once the whole backward graph has executed: wait for the buckets there.
-    torch::autograd::Engine::get_default_engine().queue_callback([this] { finishPass(); });
+    groups.back().push_back(i);
+    bytes += b;
   }
-
-  void onGradReady(size_t i) {
-    if (!sync) return;
-    if (!in_backward) startPass();
-    if (ready[i]) return;  // already counted in this pass
-    // The gradient must be in the bucket: an optimizer that set grads to none (or a user who replaced
-    // one) made autograd allocate a fresh tensor; move it in and point .grad() back at the bucket.
-    at::Tensor view = gradView(i);
-    auto& g = params[i].mutable_grad();
-    if (!g.defined() || g.data_ptr() != view.data_ptr()) {
-      if (g.defined()) view.copy_(g);
-      else view.zero_();
-      g = view;
+  for (size_t k = 0; k < groups.size(); ++k) {
+    Bucket bk;
+    int64_t numel = 0;
+    for (size_t i : groups[k]) {
+      bucket_of[i] = k;
+      offset_of[i] = static_cast<size_t>(numel);
+      numel += params[i].numel();
     }
+    bk.gb.index = static_cast<int>(k);
+    bk.gb.params = groups[k];
+    bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
+    bk.dtype = toCommDType(types[k], "DDP gradient bucket");
+    buckets.push_back(std::move(bk));
+    for (size_t i : groups[k]) adoptGrad(i);
+  }
+}
+
+// It aliases the bucket's storage without being an autograd view: libtorch's Optimizer::zero_grad()
+// calls detach_() on gradients, which views do not allow.
+at::Tensor DistributedDataParallel::Impl::gradView(size_t i) {
+  const auto& p = params[i];
+  const auto& flat = buckets[bucket_of[i]].gb.flat;
+  at::Tensor alias = at::empty({0}, flat.options());
+  alias.set_(flat.storage(), flat.storage_offset() + static_cast<int64_t>(offset_of[i]), p.sizes(),
+             at::detail::defaultStrides(p.sizes()));
+  return alias;
+}
+
+// An optimizer that set grads to none (or a user who replaced one) made autograd allocate a fresh
+// tensor: move it in and point .grad() back at the bucket.
+void DistributedDataParallel::Impl::adoptGrad(size_t i) {
+  at::Tensor view = gradView(i);
+  auto& g = params[i].mutable_grad();
+  if (g.defined() && g.data_ptr() == view.data_ptr()) return;
+  if (g.defined()) view.copy_(g);
+  else view.zero_();
+  g = view;
+}
+
+void DistributedDataParallel::Impl::startPass() {
+  in_backward = true;
+  ready.assign(params.size(), 0);
+  for (auto& b : buckets) {
+    b.pending = b.gb.params.size();
+    b.work.reset();
+  }
+  next_launch = 0;
+  any_launched = false;
+  if (join) startHandshake(/*running=*/true);  // the first collective of the pass, before any bucket
+  // Runs once the whole backward graph has executed: wait for the buckets there.
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finishPass(); });
+}
+
+void DistributedDataParallel::Impl::onGradReady(size_t i) {
+  if (!sync) return;
+  if (!in_backward) startPass();
+  if (ready[i]) return;  // already counted in this pass
+  adoptGrad(i);
+  ready[i] = 1;
+  if (synced_passes == 0) arrival.push_back(i);
+  --buckets[bucket_of[i]].pending;
+  launchReady();
+}
+
+// Launches complete buckets strictly in index order, so every rank issues the same sequence.
+void DistributedDataParallel::Impl::launchReady() {
+  while (next_launch < buckets.size() && buckets[next_launch].pending == 0) launchBucket(buckets[next_launch++]);
+}
+
+void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
+  if (!any_launched) {
+    first_launch = Clock::now();
+    any_launched = true;
+  }
+  if (hook) {
+    b.work = hook->run(*pg, b.gb);
+  } else {
+    b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype, comm::ReduceOp::avg);
+  }
+}
+
+void DistributedDataParallel::Impl::finishPass() {
+  auto end_backward = Clock::now();
+  struct Reset {
+    Impl* m;
+    ~Reset() { m->in_backward = false; }
+  } reset{this};
+  std::vector<size_t> unused;
+  for (size_t i = 0; i < params.size(); ++i)
+    if (!ready[i]) unused.push_back(i);
+  if (!unused.empty() && !opts.find_unused_parameters) {
+    std::string list;
+    for (size_t k = 0; k < unused.size() && k < 20; ++k) list += (k ? ", " : "") + names[unused[k]];
+    if (unused.size() > 20) list += fmt::format(", ... ({} in all)", unused.size());
+    std::string msg = fmt::format(
+        "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. If they "
+        "are unused on purpose, set DDPOptions::find_unused_parameters = true.",
+        unused.size(), list);
+    // Peers may be waiting for this rank's next bucket: fail them now rather than at the timeout.
+    // The abort runs after the buckets already launched; waiting for it (it "fails" by design)
+    // makes sure the peers have been told before this rank unwinds, and perhaps exits.
+    try {
+      pg->abort(msg)->wait();
+    } catch (const Error&) {
+    }
+    throw Error(fmt::format("[rank {}] {}", pg->rank(), msg));
+  }
+  for (size_t i : unused) {
+    adoptGrad(i);
     ready[i] = 1;
-    if (synced_passes == 0) arrival.push_back(i);
     --buckets[bucket_of[i]].pending;
-    launchReady();
   }
+  // Buckets not launched yet (those of unused parameters) go now. During backward only hooks launch.
+  launchReady();
+  detail::Handshake h;
+  h.running = h.max_running = 0;
+  double scale = 1.0;
+  if (join) {
+    h = readHandshake();
+    ++join->passes;
+    if (!join->opts.divide_by_initial_world_size && h.running < pg->size()) scale = double(pg->size()) / h.running;
+  }
+  // Buffers are final once forward ran: rank 0's (under Join: the highest training rank's) go out now,
+  // behind the buckets, so that every rank starts the next forward with them (what PyTorch's DDP
+  // broadcasts at the start of that forward).
+  Clock::time_point last = first_launch;
+  try {
+    auto buffer_works = startBufferBroadcast(h.max_running);
+    completeBuckets(scale, &last);
+    endBufferBroadcast(buffer_works, h.max_running);
+  } catch (const std::exception&) {
+    if (join) throw;
+    // The commonest cause in a training loop: ranks with different numbers of batches.
+    detail::rethrowWithContext(fmt::format(
+        "[rank {}] DistributedDataParallel: the gradient allreduce of this backward failed. If the ranks run different "
+        "numbers of batches, train inside a dtrain::Join scope (dtrain/join.h). ",
+        pg->rank()));
+  }
+  auto done = Clock::now();
+  stats.comm_ms = msBetween(first_launch, last);
+  stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));
+  afterSyncedPass();
+  if (join && join->opts.throw_on_early_termination && h.running < pg->size())
+    throw Error(earlyTerminationMessage(h));
+}
 
-  // Launches complete buckets strictly in index order, so every rank issues the same sequence.
-  void launchReady() {
-    while (next_launch < buckets.size() && buckets[next_launch].pending == 0) {
-      Bucket& b = buckets[next_launch++];
-      if (!any_launched) {
-        first_launch = Clock::now();
-        any_launched = true;
-      }
-      if (hook) {
-        b.work = hook->run(*pg, b.gb);
-      } else {
-        b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype,
-                               comm::ReduceOp::avg);
-      }
-      b.launched = true;
-    }
+void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_point* last_done) {
+  for (auto& b : buckets) {
+    b.work->wait();
+    if (last_done) *last_done = std::max(*last_done, b.work->finishedAt());
+    if (hook) hook->finish(b.gb);
+    if (scale != 1.0) b.gb.flat.mul_(scale);
   }
+}
 
-  void finishPass() {
-    auto end_backward = Clock::now();
-    struct Reset {
-      Impl* m;
-      ~Reset() { m->in_backward = false; }
-    } reset{this};
-    std::vector<size_t> unused;
-    for (size_t i = 0; i < params.size(); ++i)
-      if (!ready[i]) unused.push_back(i);
-    if (!unused.empty()) {
-      if (!opts.find_unused_parameters) {
-        std::string list;
-        for (size_t k = 0; k < unused.size() && k < 20; ++k) list += (k ? ", " : "") + names[unused[k]];
-        if (unused.size() > 20) list += fmt::format(", ... ({} in all)", unused.size());
-        std::string msg = fmt::format(
-            "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. If they "
-            "are unused on purpose, set DDPOptions::find_unused_parameters = true.",
-            unused.size(), list);
-        // Peers may be waiting for this rank's next bucket: fail them now rather than at the timeout.
-        // The abort runs after the buckets already launched; waiting for it (it "fails" by design)
-        // makes sure the peers have been told before this rank unwinds, and perhaps exits.
-        try {
-          pg->abort(msg)->wait();
-        } catch (const Error&) {
-        }
-        throw Error(fmt::format("[rank {}] {}", pg->rank(), msg));
-      }
-      for (size_t i : unused) {
-        auto& g = params[i].mutable_grad();
-        at::Tensor view = gradView(i);
-        if (!g.defined() || g.data_ptr() != view.data_ptr()) {
-          if (g.defined()) view.copy_(g);
-          else view.zero_();
-          g = view;
-        }
-        ready[i] = 1;
-        --buckets[bucket_of[i]].pending;
-      }
-      launchReady();
-    }
-    Clock::time_point last = first_launch;
-    for (auto& b : buckets) {
-      b.work->wait();
-      last = std::max(last, b.work->finishedAt());
-      if (hook) hook->finish(b.gb);
-    }
-    auto done = Clock::now();
-    stats.comm_ms = msBetween(first_launch, last);
-    stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));
-    if (synced_passes++ == 0 && opts.rebuild_buckets && pg->size() > 1) rebuildFromArrival();
-  }
+void DistributedDataParallel::Impl::afterSyncedPass() {
+  if (synced_passes++ == 0 && opts.rebuild_buckets && pg->size() > 1) rebuildFromArrival();
+}
 
-  // Rank 0's arrival order becomes everyone's bucket order (unused parameters last).
-  void rebuildFromArrival() {
-    std::vector<int64_t> order(params.size());
-    std::vector<char> seen(params.size(), 0);
-    size_t k = 0;
-    for (size_t i : arrival) {
-      order[k++] = static_cast<int64_t>(i);
-      seen[i] = 1;
-    }
-    for (size_t i = params.size(); i-- > 0;)
-      if (!seen[i]) order[k++] = static_cast<int64_t>(i);
-    pg->broadcast(order.data(), order.size(), comm::DType::i64, 0)->wait();
-    std::vector<size_t> o(order.begin(), order.end());
-    buildBuckets(o);
+// Rank 0's arrival order becomes everyone's bucket order (unused parameters last).
+void DistributedDataParallel::Impl::rebuildFromArrival() {
+  std::vector<int64_t> order(params.size());
+  std::vector<char> seen(params.size(), 0);
+  size_t k = 0;
+  for (size_t i : arrival) {
+    order[k++] = static_cast<int64_t>(i);
+    seen[i] = 1;
   }
+  for (size_t i = params.size(); i-- > 0;)
+    if (!seen[i]) order[k++] = static_cast<int64_t>(i);
+  pg->broadcast(order.data(), order.size(), comm::DType::i64, 0)->wait();
+  std::vector<size_t> o(order.begin(), order.end());
+  buildBuckets(o);
+}
 
-  void broadcastFromRank0(const std::vector<at::Tensor>& ts, const char* what) {
-    if (pg->size() == 1) return;
-    std::vector<comm::WorkPtr> works;
-    for (const auto& t : ts) {
-      checkCommTensor(t, what);
-      works.push_back(pg->broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), toCommDType(t.scalar_type()), 0));
+std::vector<comm::WorkPtr> DistributedDataParallel::Impl::startBufferBroadcast(int root) {
+  std::vector<comm::WorkPtr> works;
+  if (!opts.broadcast_buffers || buffers.empty() || pg->size() == 1) return works;
+  torch::NoGradGuard no_grad;
+  auto& pack = buffer_pack;
+  for (size_t k = 0; k < pack.flats.size(); ++k) {
+    auto& flat = pack.flats[k];
+    if (pg->rank() == root) {
+      int64_t off = 0;
+      for (size_t i : pack.members[k]) {
+        flat.narrow(0, off, buffers[i].numel()).copy_(buffers[i].reshape({-1}));
+        off += buffers[i].numel();
+      }
     }
-    for (auto& w : works) w->wait();
+    works.push_back(pg->broadcast(flat.data_ptr(), static_cast<size_t>(flat.numel()),
+                                  toCommDType(flat.scalar_type(), "DDP buffer"), root));
   }
-};
+  return works;
+}
+
+void DistributedDataParallel::Impl::endBufferBroadcast(const std::vector<comm::WorkPtr>& works, int root) {
+  for (auto& w : works) w->wait();
+  if (works.empty() || pg->rank() == root) return;
+  torch::NoGradGuard no_grad;
+  auto& pack = buffer_pack;
+  for (size_t k = 0; k < pack.flats.size(); ++k) {
+    int64_t off = 0;
+    for (size_t i : pack.members[k]) {
+      buffers[i].copy_(pack.flats[k].narrow(0, off, buffers[i].numel()).view(buffers[i].sizes()));
+      off += buffers[i].numel();
+    }
+  }
+}
+
+void DistributedDataParallel::Impl::broadcastFrom(int root, const std::vector<at::Tensor>& ts, const char* what) {
+  if (pg->size() == 1) return;
+  std::vector<comm::WorkPtr> works;
+  for (const auto& t : ts) {
+    checkCommTensor(t, what);
+    works.push_back(pg->broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), toCommDType(t.scalar_type()), root));
+  }
+  for (auto& w : works) w->wait();
+}
 
 namespace {
 // Runs after a parameter's gradient accumulator: the gradient is in place.
@@ -273,12 +301,29 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     m.params.push_back(item.value());
     m.names.push_back(item.key());
   }
-  for (const auto& b : m.module->buffers(/*recurse=*/true)) m.buffers.push_back(b);
+  for (const auto& item : m.module->named_buffers(/*recurse=*/true)) {
+    if (m.pg->size() > 1) checkCommTensor(item.value(), fmt::format("DDP buffer {}", item.key()).c_str());
+    m.buffers.push_back(item.value());
+  }
+  std::map<c10::ScalarType, size_t> flat_of;
+  std::vector<int64_t> numels;
+  for (size_t i = 0; i < m.buffers.size(); ++i) {
+    auto t = m.buffers[i].scalar_type();
+    if (!flat_of.count(t)) {
+      flat_of[t] = m.buffer_pack.members.size();
+      m.buffer_pack.members.emplace_back();
+      numels.push_back(0);
+    }
+    m.buffer_pack.members[flat_of[t]].push_back(i);
+    numels[flat_of[t]] += m.buffers[i].numel();
+  }
+  for (size_t k = 0; k < numels.size(); ++k)
+    m.buffer_pack.flats.push_back(at::empty({numels[k]}, m.buffers[m.buffer_pack.members[k][0]].options()));
   // Every replica starts from rank 0's weights and buffers.
   {
     torch::NoGradGuard no_grad;
-    m.broadcastFromRank0(m.params, "DDP parameter");
-    m.broadcastFromRank0(m.buffers, "DDP buffer");
+    m.broadcastFrom(0, m.params, "DDP parameter");
+    m.broadcastFrom(0, m.buffers, "DDP buffer");
   }
   std::vector<size_t> reverse(m.params.size());
   for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
@@ -297,10 +342,12 @@ DistributedDataParallel::~DistributedDataParallel() {
 }
 
 void DistributedDataParallel::beforeForward() {
-  if (impl_->opts.broadcast_buffers && !impl_->buffers.empty()) {
-    torch::NoGradGuard no_grad;
-    impl_->broadcastFromRank0(impl_->buffers, "DDP buffer");
-  }
+  DTRAIN_CHECK(!impl_->join, InvalidArgument,
+               "[rank {}] DistributedDataParallel::beforeForward() (or ddp.forward) inside a dtrain::Join scope: its "
+               "broadcast is a collective a joined rank does not shadow. Under Join call model->forward() directly: "
+               "buffers are broadcast at the end of every synced backward anyway",
+               impl_->pg->rank());
+  if (impl_->opts.broadcast_buffers) impl_->endBufferBroadcast(impl_->startBufferBroadcast(0), 0);
 }
 
 void DistributedDataParallel::setSync(bool on) { impl_->sync = on; }

@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <functional>
 #include <map>
 #include <memory>
 #include <set>
@@ -196,6 +197,154 @@ TEST(Sampler, MatchesPythonDistributedSampler) {
     auto perm = torch::randperm(c.n, gen, torch::kLong);
     EXPECT_EQ(std::vector<int64_t>(perm.data_ptr<int64_t>(), perm.data_ptr<int64_t>() + c.n), py_perm);
   }
+}
+
+// ---- DistributedLoaderSampler: the same order through torch::data::make_data_loader ----
+
+// A dataset whose example i is the number i (data) and i % 3 (target): what a batch holds tells
+// which indices the loader read.
+struct Numbers : torch::data::datasets::Dataset<Numbers> {
+  explicit Numbers(int64_t n) : n_(n) {}
+  torch::data::Example<> get(size_t i) override {
+    return {torch::tensor(static_cast<int64_t>(i)), torch::tensor(static_cast<int64_t>(i % 3))};
+  }
+  torch::optional<size_t> size() const override { return static_cast<size_t>(n_); }
+  int64_t n_;
+};
+
+// Every index one rank's loader yields in one epoch, in order, and the batch sizes.
+std::vector<int64_t> readEpoch(DistributedLoaderSampler& sampler, int64_t n, size_t batch,
+                               std::vector<size_t>* sizes = nullptr) {
+  auto loader = torch::data::make_data_loader(Numbers(n).map(torch::data::transforms::Stack<>()), sampler,
+                                              torch::data::DataLoaderOptions().batch_size(batch));
+  std::vector<int64_t> out;
+  for (auto& b : *loader) {
+    EXPECT_TRUE(torch::equal(b.target, b.data % 3));
+    if (sizes) sizes->push_back(static_cast<size_t>(b.data.size(0)));
+    for (int64_t i = 0; i < b.data.size(0); ++i) out.push_back(b.data[i].item<int64_t>());
+  }
+  return out;
+}
+
+TEST(LoaderSampler, RanksPartitionTheDatasetInTheSamplersOrder) {
+  for (bool shuffle : {false, true})
+    for (bool drop_last : {false, true})
+      for (int64_t n : {10, 11, 12})
+        for (int replicas : {1, 2, 3, 4}) {
+          SCOPED_TRACE(::testing::Message() << "n=" << n << " R=" << replicas << " shuffle=" << shuffle
+                                            << " drop_last=" << drop_last);
+          std::map<int64_t, int> counts;
+          for (int r = 0; r < replicas; ++r) {
+            DistributedLoaderSampler sampler(n, replicas, r, shuffle, 5, drop_last);
+            sampler.setEpoch(2);
+            std::vector<size_t> sizes;
+            auto got = readEpoch(sampler, n, 3, &sizes);
+            DistributedSampler plain(n, replicas, r, shuffle, 5, drop_last);
+            plain.setEpoch(2);
+            EXPECT_EQ(got, plain.indices()) << "rank " << r;
+            EXPECT_EQ(static_cast<int64_t>(got.size()), sampler.size());
+            // Batches of 3, the last one short.
+            for (size_t k = 0; k + 1 < sizes.size(); ++k) EXPECT_EQ(sizes[k], 3u);
+            for (int64_t i : got) ++counts[i];
+          }
+          const int64_t per = drop_last ? n / replicas : (n + replicas - 1) / replicas;
+          int64_t reads = 0;
+          for (auto& [i, c] : counts) reads += c;
+          EXPECT_EQ(reads, per * replicas);
+          // Padding repeats exactly per*R - n indices; drop_last reads each index at most once.
+          EXPECT_EQ(static_cast<int64_t>(counts.size()), drop_last ? per * replicas : n);
+          if (drop_last || n % replicas == 0)
+            for (auto& [i, c] : counts) EXPECT_EQ(c, 1) << "index " << i;
+        }
+}
+
+// setEpoch on the sampler the user kept reaches the loader's copy; every begin() starts the epoch's
+// order from the start; reset(new_size) re-partitions a resized dataset.
+TEST(LoaderSampler, EpochsAndResets) {
+  DistributedLoaderSampler sampler(40, 2, 1, /*shuffle=*/true, /*seed=*/9);
+  auto loader = torch::data::make_data_loader(Numbers(40).map(torch::data::transforms::Stack<>()), sampler,
+                                              torch::data::DataLoaderOptions().batch_size(4));
+  auto epochOf = [&] {
+    std::vector<int64_t> out;
+    for (auto& b : *loader)
+      for (int64_t i = 0; i < b.data.size(0); ++i) out.push_back(b.data[i].item<int64_t>());
+    return out;
+  };
+  auto expected = [](int64_t epoch) {
+    DistributedSampler s(40, 2, 1, true, 9);
+    s.setEpoch(epoch);
+    return s.indices();
+  };
+  sampler.setEpoch(0);
+  EXPECT_EQ(epochOf(), expected(0));
+  sampler.setEpoch(1);
+  auto e1 = epochOf();
+  EXPECT_EQ(e1, expected(1));
+  EXPECT_NE(e1, expected(0));
+  // An epoch abandoned after one batch: the next begin() starts over.
+  sampler.setEpoch(2);
+  { auto it = loader->begin(); }
+  EXPECT_EQ(epochOf(), expected(2));
+
+  DistributedLoaderSampler direct(40, 2, 1, true, 9);
+  direct.reset(10);
+  std::vector<int64_t> small;
+  while (auto b = direct.next(100)) small.insert(small.end(), b->begin(), b->end());
+  EXPECT_EQ(small, DistributedSampler(10, 2, 1, true, 9).indices());
+  EXPECT_EQ(direct.size(), 5);
+
+  // save/load keep the epoch and the position.
+  DistributedLoaderSampler a(40, 2, 0, true, 9), b(40, 2, 0, true, 9);
+  a.setEpoch(4);
+  a.reset();
+  a.next(7);
+  torch::serialize::OutputArchive out;
+  a.save(out);
+  std::ostringstream bytes;
+  out.save_to(bytes);
+  torch::serialize::InputArchive in;
+  std::istringstream is(bytes.str());
+  in.load_from(is);
+  b.load(in);
+  EXPECT_EQ(b.epoch(), 4);
+  EXPECT_EQ(b.next(100), a.next(100));
+}
+
+// stderr of fn(), and how many lines of it are the forgotten-setEpoch warning.
+int sameOrderWarnings(const std::function<void()>& fn, std::string* text = nullptr) {
+  ::testing::internal::CaptureStderr();
+  fn();
+  std::string err = ::testing::internal::GetCapturedStderr();
+  if (text) *text = err;
+  int count = 0;
+  for (size_t at = 0; (at = err.find("every epoch reads the same order", at)) != std::string::npos; ++at) ++count;
+  return count;
+}
+
+TEST(LoaderSampler, WarnsOnceWhenAnEpochStartsWithoutSetEpoch) {
+  auto epochs = [](DistributedLoaderSampler& s, int count, bool set_epoch) {
+    for (int e = 0; e < count; ++e) {
+      if (set_epoch) s.setEpoch(e);
+      readEpoch(s, 30, 8);
+    }
+  };
+  std::string text;
+  DistributedLoaderSampler forgot(30, 3, 2, /*shuffle=*/true);
+  EXPECT_EQ(sameOrderWarnings([&] { epochs(forgot, 4, false); }, &text), 1) << text;
+  EXPECT_NE(text.find("[rank 2] warning: DistributedLoaderSampler started epoch 0 again"), std::string::npos) << text;
+  EXPECT_NE(text.find("setEpoch(epoch)"), std::string::npos) << text;
+
+  DistributedLoaderSampler good(30, 3, 2, true);
+  EXPECT_EQ(sameOrderWarnings([&] { epochs(good, 4, true); }), 0);
+  DistributedLoaderSampler ordered(30, 3, 2, /*shuffle=*/false);  // the order never changes anyway
+  EXPECT_EQ(sameOrderWarnings([&] { epochs(ordered, 3, false); }), 0);
+
+  // The plain sampler: indices() again without any setEpoch().
+  DistributedSampler plain(30, 3, 1);
+  EXPECT_EQ(sameOrderWarnings([&] { for (int e = 0; e < 3; ++e) plain.indices(); }, &text), 1) << text;
+  EXPECT_NE(text.find("[rank 1] warning: DistributedSampler indices() was called again"), std::string::npos) << text;
+  DistributedSampler plain_good(30, 3, 1);
+  EXPECT_EQ(sameOrderWarnings([&] { for (int e = 0; e < 3; ++e) { plain_good.setEpoch(e); plain_good.indices(); } }), 0);
 }
 
 }  // namespace

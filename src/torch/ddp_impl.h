@@ -1,0 +1,108 @@
+// DistributedDataParallel's state, shared by ddp.cc (the synced backward pass) and join.cc (the
+// shadow passes of a rank that has run out of inputs). Internal; not installed.
+#pragma once
+#include <torch/csrc/autograd/function.h>
+
+#include <chrono>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "dtrain/ddp.h"
+#include "dtrain/join.h"
+
+namespace dtrain {
+
+namespace detail {
+using Clock = std::chrono::steady_clock;
+
+struct Bucket {
+  GradBucket gb;
+  comm::DType dtype = comm::DType::f32;
+  size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
+  comm::WorkPtr work;
+};
+
+// The model's buffers packed into one flat tensor per dtype, so a buffer broadcast is one collective
+// per dtype (BatchNorm: f32 statistics and i64 counters) instead of one per buffer.
+struct BufferPack {
+  std::vector<at::Tensor> flats;
+  std::vector<std::vector<size_t>> members;  // per flat: indices into Impl::buffers
+};
+
+// What the ranks told each other at the start of a synced pass under dtrain::Join.
+struct Handshake {
+  int running = 0;      // ranks still training
+  int max_running = 0;  // the highest of them: the buffers' source (PyTorch's authoritative rank)
+  std::vector<int> joined;
+};
+
+// Present while a dtrain::Join is active.
+struct JoinState {
+  JoinOptions opts;
+  bool joined = false;         // this rank has run out of inputs and shadows the others
+  int64_t passes = 0;          // synced passes this rank ran in the join scope
+  std::vector<int32_t> flags;  // the handshake buffer: flags[r] = 1 while rank r trains
+  comm::WorkPtr handshake;
+};
+}  // namespace detail
+
+struct DistributedDataParallel::Impl {
+  std::shared_ptr<torch::nn::Module> module;
+  std::shared_ptr<comm::ProcessGroup> pg;
+  DDPOptions opts;
+  std::vector<at::Tensor> params;
+  std::vector<std::string> names;
+  std::vector<at::Tensor> buffers;
+  detail::BufferPack buffer_pack;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps our hooks' nodes alive
+  std::vector<uintptr_t> hook_keys;
+  std::vector<detail::Bucket> buckets;
+  std::vector<size_t> bucket_of, offset_of;  // per parameter: its bucket and element offset there
+  std::shared_ptr<CommHook> hook;
+  std::optional<detail::JoinState> join;
+
+  bool sync = true;
+  bool in_backward = false;
+  std::vector<char> ready;
+  size_t next_launch = 0;
+  std::vector<size_t> arrival;  // order gradients arrived in the first synced pass
+  int synced_passes = 0;
+  detail::Clock::time_point first_launch;
+  bool any_launched = false;
+  Stats stats;
+
+  // Lays parameters out in buckets in the given order and points every .grad() into its bucket.
+  void buildBuckets(const std::vector<size_t>& order);
+  // The slice of the bucket that holds parameter i's gradient (aliases the bucket's storage).
+  at::Tensor gradView(size_t i);
+  // Makes parameter i's .grad() the view into its bucket, moving in (or zeroing) what it held.
+  void adoptGrad(size_t i);
+
+  // The synced backward pass: started by the first gradient hook, finished by an engine callback.
+  void startPass();
+  void onGradReady(size_t i);
+  void launchReady();
+  void launchBucket(detail::Bucket& b);
+  void finishPass();
+  // Waits for every launched bucket, runs the hook's finish(), multiplies by scale.
+  void completeBuckets(double scale, detail::Clock::time_point* last_done);
+  // After every synced pass (shadowed ones too): the bucket rebuild of the first pass.
+  void afterSyncedPass();
+  void rebuildFromArrival();
+
+  // Buffers (broadcast_buffers): one broadcast per dtype from root, issued now, unpacked by end.
+  std::vector<comm::WorkPtr> startBufferBroadcast(int root);
+  void endBufferBroadcast(const std::vector<comm::WorkPtr>& works, int root);
+  void broadcastFrom(int root, const std::vector<at::Tensor>& ts, const char* what);
+
+  // Join: every synced pass in the join scope starts with an allreduce (sum) of who still trains.
+  void startHandshake(bool running);
+  detail::Handshake readHandshake();
+  // A joined rank's stand-in for one synced pass: zeros into every bucket, the buffer broadcast.
+  void shadowPass(const detail::Handshake& h);
+  std::string earlyTerminationMessage(const detail::Handshake& h) const;
+};
+
+}  // namespace dtrain
