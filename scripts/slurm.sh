@@ -59,25 +59,34 @@ wait_for() {
   done
 }
 
-stop_daemon() {
-  local name=$1 p i
-  p=$(pid_of "$name")
-  [[ -n $p ]] || return 0
-  kill -TERM "$p" 2>/dev/null || return 0
-  for ((i = 0; i < 50; i++)); do kill -0 "$p" 2>/dev/null || return 0; sleep 0.2; done
-  echo "slurm.sh: $name (pid $p) ignored SIGTERM for 10 s; killing it" >&2
-  kill -KILL "$p" 2>/dev/null || true
+# Sends SIGTERM to the named daemons at once, waits up to 10 s for them, then SIGKILLs the rest.
+stop_daemons() {
+  local name p i pids=() left
+  for name in "$@"; do
+    p=$(pid_of "$name")
+    if [[ -n $p ]] && kill -TERM "$p" 2>/dev/null; then pids+=("$p"); fi
+  done
+  for ((i = 0; i < 50; i++)); do
+    left=()
+    for p in "${pids[@]}"; do
+      if kill -0 "$p" 2>/dev/null; then left+=("$p"); fi
+    done
+    ((${#left[@]})) || return 0
+    sleep 0.2
+  done
+  for p in "${left[@]}"; do
+    echo "slurm.sh: pid $p ignored SIGTERM for 10 s; killing it" >&2
+    kill -KILL "$p" 2>/dev/null || true
+  done
 }
 
 stop_all() {
   [[ -d $dir ]] || return 0
-  # Jobs first (their tasks are slurmd's children), then the daemons, controller last but munge.
+  # Jobs first (their tasks are slurmd's children), then the daemons.
   if alive slurmctld && [[ -f $dir/slurm.conf ]]; then
     SLURM_CONF=$dir/slurm.conf timeout 10 scancel --full --quiet --user=root >/dev/null 2>&1 || true
   fi
-  stop_daemon slurmd
-  stop_daemon slurmctld
-  stop_daemon munged
+  stop_daemons slurmd slurmctld munged
 }
 
 show_logs() {
@@ -107,14 +116,18 @@ start() {
 
   local host ctld_port slurmd_port
   host=$(hostname -s)
-  ctld_port=$(free_port 6900 7400)
-  slurmd_port=$(free_port 7400 7900)
-  [[ $slurmd_port != "$ctld_port" ]] || slurmd_port=$((ctld_port + 1))
+  # 48 controller ports, each with its own window of 16 job ids modulo 768: jobs of Slurms running at
+  # once never share an id modulo 768, so the store ports dtrain derives from job ids (20000 + 16 *
+  # (job % 768) + step) differ, as they do on a real cluster where job ids are unique.
+  ctld_port=$(free_port 6900 6948)
+  slurmd_port=$(free_port 6948 7400)
+  first_job=$((1 + 16 * (ctld_port - 6900)))
   cat >"$dir/slurm.conf" <<EOF
 # Written by scripts/slurm.sh: a one-host test cluster.
 ClusterName=dtrain$$
 SlurmctldHost=$host(127.0.0.1)
 SlurmctldPort=$ctld_port
+FirstJobId=$first_job
 SlurmdPort=$slurmd_port
 SlurmUser=root
 SlurmdUser=root

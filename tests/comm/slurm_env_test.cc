@@ -138,6 +138,9 @@ TEST(SlurmStorePort, DeterministicHighAndDistinctAcrossJobsAndSteps) {
   EXPECT_EQ(ports.size(), 768u * 16u);
 }
 
+// The rendezvous variables cleared for each test (rendezvous_env.h).
+class SlurmEnv : public Env {};
+
 // An srun task: the step's variables as srun 22.05 sets them.
 void srunTask(int rank, int ntasks, int local, const char* counts, const char* nodelist, const char* nodename) {
   setenv("SLURM_JOB_ID", "42", 1);
@@ -151,7 +154,7 @@ void srunTask(int rank, int ntasks, int local, const char* counts, const char* n
   setenv("SLURMD_NODENAME", nodename, 1);
 }
 
-TEST_F(Env, SrunTaskWithoutNtasksPerNodeKnowsItsNode) {
+TEST_F(SlurmEnv, SrunTaskWithoutNtasksPerNodeKnowsItsNode) {
   // `srun -n 2` on one node (the case that hung): no SLURM_NTASKS_PER_NODE, both ranks see a node of 2.
   for (int r = 0; r < 2; ++r) {
     srunTask(r, 2, r, "2", "vm", "vm");
@@ -181,7 +184,7 @@ TEST_F(Env, SrunTaskWithoutNtasksPerNodeKnowsItsNode) {
   EXPECT_EQ(w.local_size, 2);
 }
 
-TEST_F(Env, InconsistentSlurmVariablesAreNamed) {
+TEST_F(SlurmEnv, InconsistentSlurmVariablesAreNamed) {
   srunTask(0, 4, 0, "2(x3)", "n[1-3]", "n1");
   std::string m = messageOf<RendezvousError>([] { detectWorld(); });
   EXPECT_NE(m.find("SLURM_STEP_TASKS_PER_NODE='2(x3)' adds up to 6 tasks but SLURM_STEP_NUM_TASKS=4"),
@@ -204,7 +207,7 @@ TEST_F(Env, InconsistentSlurmVariablesAreNamed) {
   EXPECT_NE(m.find("local rank 2 is not within a local world of 2"), std::string::npos) << m;
 }
 
-TEST_F(Env, ABatchScriptIsNotRankZero) {
+TEST_F(SlurmEnv, ABatchScriptIsNotRankZero) {
   // sbatch -n 3 runs the script once with SLURM_PROCID=0 and SLURM_NTASKS=3 but no step: a program
   // started there directly would wait for two ranks that never come.
   setenv("SLURM_JOB_ID", "9", 1);
@@ -221,7 +224,7 @@ TEST_F(Env, ABatchScriptIsNotRankZero) {
   EXPECT_EQ(detectWorld().size, 1);
 }
 
-TEST_F(Env, StoreAddressFromSlurmOrMasterVariables) {
+TEST_F(SlurmEnv, StoreAddressFromSlurmOrMasterVariables) {
   srunTask(1, 2, 1, "2", "localhost,n[2-3]", "localhost");
   auto a = comm::storeAddress();
   EXPECT_EQ(a.host, "localhost");
