@@ -47,7 +47,7 @@ free_port() {
   die "no free port in [$lo, $hi)"
 }
 
-pid_of() { [[ -s $dir/$1.pid ]] && cat "$dir/$1.pid" || true; }
+pid_of() { if [[ -s $dir/$1.pid ]]; then cat "$dir/$1.pid"; fi; }
 alive() { local p; p=$(pid_of "$1"); [[ -n $p ]] && kill -0 "$p" 2>/dev/null; }
 
 # Waits (bounded) until `$@` succeeds; returns 1 at the deadline.

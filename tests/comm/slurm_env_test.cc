@@ -266,6 +266,15 @@ TEST_F(SlurmEnv, StoreAddressFromSlurmOrMasterVariables) {
   EXPECT_EQ(a.port, 29500);
 }
 
+TEST_F(SlurmEnv, PeerNodeForTheTransportAddress) {
+  srunTask(5, 6, 1, "2(x3)", "n[1-3]", "n3");
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), "n1");  // the next node, wrapping around
+  setenv("SLURMD_NODENAME", "n1", 1);
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), "n2");
+  srunTask(1, 2, 1, "2", "n1", "n1");
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), std::nullopt);  // one node: no peer
+}
+
 // The comparison of the views, without processes: each kind of disagreement, and agreement.
 comm::rendezvous::View view(int rank, int size, int local, int local_size, int node, const char* host) {
   comm::rendezvous::View v;

@@ -1,8 +1,9 @@
 // The ranks agree on the world before any group is built.
 //
-// Each process counts itself in "rendezvous/arrived", publishes its View (world size, node, local rank
-// and size, job, host) under "rendezvous/view/<rank>", claims its rank with an atomic counter (a second
-// process with the same rank is caught), and counts itself in "rendezvous/joined". Then it polls, with
+// Each process counts itself in "rendezvous/arrived", claims its rank with an atomic counter (a second
+// process with the same rank is caught before it publishes anything), publishes its View (world size,
+// node, local rank and size, job, host) under "rendezvous/view/<rank>", and counts itself in
+// "rendezvous/joined". Then it polls, with
 // a growing interval: an "rendezvous/error" key set by a rank that found a disagreement fails everyone
 // at once; rank 0's view is compared as soon as it exists (most disagreements are with it); when the
 // join count reaches the world size, every view is read and compared. Every rank runs the same
@@ -205,13 +206,16 @@ std::vector<std::vector<int>> agreeOnWorld(Store& store, const View& mine, const
     throw RendezvousError(fmt::format("[rank {}] {}", rank, what));
   };
   std::optional<View> rank0;  // rank 0's view, once it exists
+  std::vector<std::string> keys;
+  for (int r = 0; r < size; ++r) keys.push_back(viewKey(r));
   try {
     store.add(kArrivedKey, 1);
-    store.set(viewKey(rank), toBytes(mine.encode()));
+    // Claim the rank before publishing, so that a second claimant cannot overwrite the first's view.
     if (store.add(fmt::format("rendezvous/claim/{}", rank), 1) > 1) {
       fail(fmt::format("another process already joined as rank {} ({}): ranks must be unique", rank,
                        mine.world.source));
     }
+    store.set(viewKey(rank), toBytes(mine.encode()));
     store.add(kJoinedKey, 1);
     auto pause = std::chrono::milliseconds(1);
     while (true) {
@@ -227,9 +231,9 @@ std::vector<std::vector<int>> agreeOnWorld(Store& store, const View& mine, const
         std::string d = compareWorldFacts(*rank0, mine);
         if (!d.empty()) fail(d);
       }
-      if (store.add(kJoinedKey, 0) >= size) {
-        std::vector<std::string> keys;
-        for (int r = 0; r < size; ++r) keys.push_back(viewKey(r));
+      // At the deadline, one last look: everyone may have joined just now.
+      const bool last = Clock::now() >= deadline;
+      if (last || store.add(kJoinedKey, 0) >= size) {
         if (store.check(keys)) {
           std::vector<View> all;
           for (int r = 0; r < size; ++r) all.push_back(View::decode(toString(store.get(viewKey(r))), r));
@@ -238,7 +242,7 @@ std::vector<std::vector<int>> agreeOnWorld(Store& store, const View& mine, const
           return nodesOf(all);
         }
       }
-      if (Clock::now() >= deadline) break;
+      if (last) break;
       std::this_thread::sleep_for(std::min(pause, std::chrono::duration_cast<std::chrono::milliseconds>(
                                                       deadline - Clock::now() + std::chrono::milliseconds(1))));
       pause = std::min(pause * 2, std::chrono::milliseconds(50));

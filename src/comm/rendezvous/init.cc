@@ -225,8 +225,12 @@ std::shared_ptr<ProcessGroup> init(InitOptions o, WorldInfo* info) {
     } else {
       addr = storeAddress(o);
     }
-    // Peers must reach this rank's TCP transport at the address that routes to the store's host.
-    if (addr.derived && o.group.listen_host.empty()) o.group.listen_host = net::localAddressFor(addr.host);
+    // Peers on other nodes must reach this rank's TCP transport: listen where the route to another node
+    // of the step leaves (on one node, where the store's host is reached).
+    if (addr.derived && o.group.listen_host.empty()) {
+      std::optional<std::string> peer = slurmPeerNode();
+      o.group.listen_host = net::localAddressFor(peer ? *peer : addr.host);
+    }
     where = fmt::format("{}:{} ({})", addr.host, addr.port, addr.origin);
     std::shared_ptr<TcpStoreServer> server;
     bool agent = env("DTRAIN_USE_AGENT_STORE") && std::string(env("DTRAIN_USE_AGENT_STORE")) == "1";

@@ -25,6 +25,10 @@ struct SlurmStore {
   std::string port_origin;
 };
 std::optional<SlurmStore> slurmStore();
+// Another node of this Slurm step (the next in its node list), or nullopt on one node: the route to it
+// picks the interface peers on other nodes reach this one through (a node's own name may resolve to
+// 127.0.1.1 on it, as Debian's /etc/hosts does).
+std::optional<std::string> slurmPeerNode();
 
 // What one rank believes about the world, as published at rendezvous.
 struct View {

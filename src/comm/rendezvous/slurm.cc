@@ -251,5 +251,18 @@ std::optional<SlurmStore> slurmStore() {
   return s;
 }
 
+std::optional<std::string> slurmPeerNode() {
+  const char* list_var = inStep() && env("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  if (!env(list_var)) return std::nullopt;
+  std::vector<std::string> hosts = expandSlurmNodeList(env(list_var), list_var);
+  if (hosts.size() < 2) return std::nullopt;
+  size_t me = static_cast<size_t>(envInt("SLURM_NODEID", 0, 0));
+  if (const char* name = env("SLURMD_NODENAME")) {
+    for (size_t i = 0; i < hosts.size(); ++i)
+      if (hosts[i] == name) me = i;
+  }
+  return hosts[(me + 1) % hosts.size()];
+}
+
 }  // namespace rendezvous
 }  // namespace dtrain::comm
