@@ -222,9 +222,15 @@ TEST_F(Env, BadPortsAndAddressesAreRejectedAtOnce) {
   o.master_port = 70000;
   std::string m = messageOf<InvalidArgument>([&] { comm::storeAddress(o); });
   EXPECT_NE(m.find("InitOptions::master_port='70000' is not a port number"), std::string::npos) << m;
-  // The tcp:// init method, checked in init() before any socket is opened.
-  setenv("RANK", "0", 1);
+  // With a rank known, the message says whose it is; the tcp:// init method is checked in init()
+  // before any socket is opened.
+  setenv("RANK", "1", 1);
   setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_PORT", "99999", 1);
+  m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+  EXPECT_EQ(m.rfind("[rank 1] MASTER_PORT='99999' is not a port number (1-65535)", 0), 0u) << m;
+  unsetenv("MASTER_PORT");
+  setenv("RANK", "0", 1);
   o = InitOptions{};
   o.init_method = "tcp://127.0.0.1:99999";
   m = messageOf<InvalidArgument>([&] { comm::init(o); });

@@ -31,12 +31,23 @@ int envInt(const char* name, int dflt, int min_value) {
   return static_cast<int>(x);
 }
 
+std::string rankPrefix() {
+  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}) {
+    const char* r = env(v);
+    if (!r) continue;
+    bool digits = std::strlen(r) <= 9;
+    for (const char* c = r; *c; ++c) digits = digits && *c >= '0' && *c <= '9';
+    return digits ? fmt::format("[rank {}] ", r) : "";
+  }
+  return "";
+}
+
 int parsePort(const std::string& text, const std::string& what) {
   bool digits = !text.empty() && text.size() <= 5;
   for (char c : text) digits = digits && c >= '0' && c <= '9';
   int port = digits ? std::atoi(text.c_str()) : -1;
   if (port < 1 || port > 65535) {
-    throw InvalidArgument(fmt::format("{}='{}' is not a port number (1-65535)", what, text));
+    throw InvalidArgument(fmt::format("{}{}='{}' is not a port number (1-65535)", rankPrefix(), what, text));
   }
   return port;
 }
@@ -52,7 +63,7 @@ void checkResolves(const std::string& host, const std::string& what) {
   try {
     net::resolve(host, 1);
   } catch (const Error& e) {
-    throw InvalidArgument(fmt::format("{}='{}' is not a usable address: {}", what, host, e.what()));
+    throw InvalidArgument(fmt::format("{}{}='{}' is not a usable address: {}", rankPrefix(), what, host, e.what()));
   }
 }
 

@@ -13,6 +13,9 @@ namespace dtrain::comm::rendezvous {
 const char* env(const char* name);
 // An integer variable in [min_value, 2^24]; `dflt` when unset; RendezvousError naming it otherwise.
 int envInt(const char* name, int dflt, int min_value);
+// "[rank r] " from the first of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID that is set, for messages
+// written before the world is known; "" when none is.
+std::string rankPrefix();
 // A port: digits only, 1-65535; InvalidArgument naming `what` and the text otherwise.
 int parsePort(const std::string& text, const std::string& what);
 
