@@ -41,8 +41,8 @@ class Distributed {
   comm::WorldInfo info_;
 };
 
-// Builds the world group and, on every rank, the group of its node (ranks are numbered node by node,
-// as dtrain-run, torchrun and mpirun --map-by node:PE... do by default).
+// Builds the world group and, on every rank, the group of its node (the ranks agree at rendezvous on
+// who is on which node: Slurm's node lists, torchrun's GROUP_RANK, or the host for mpirun).
 Distributed init(comm::InitOptions opts = {});
 
 // Runs fn on rank 0 first (of the node's group when local, of the world otherwise) while the others

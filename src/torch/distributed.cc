@@ -10,21 +10,10 @@
 namespace dtrain {
 
 Distributed init(comm::InitOptions opts) {
-  comm::WorldInfo info = comm::detectWorld(opts);
-  auto world = comm::init(opts);
-  // Every rank takes part in creating every node's group (newGroup is collective), in node order.
-  std::shared_ptr<comm::ProcessGroup> local;
-  const int n = world->size(), ls = std::max(1, std::min(info.local_size, n));
-  if (n == 1) {
-    local = world;
-  } else {
-    for (int first = 0; first < n; first += ls) {
-      std::vector<int> ranks;
-      for (int r = first; r < std::min(n, first + ls); ++r) ranks.push_back(r);
-      auto g = world->newGroup(ranks);
-      if (g) local = g;
-    }
-  }
+  comm::WorldInfo info;
+  auto world = comm::init(opts, &info);
+  // The ranks agreed on who is on which node at rendezvous; every rank takes part in every node's group.
+  auto local = comm::newNodeGroup(world, info);
   return Distributed(world, local, info);
 }
 

@@ -8,6 +8,7 @@
 
 #include "comm/net/socket.h"
 #include "comm_test_util.h"
+#include "rendezvous_env.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/rendezvous.h"
 
@@ -16,29 +17,6 @@ namespace {
 
 using comm::InitOptions;
 using comm::detectWorld;
-
-const char* kVars[] = {"RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-                       "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK",
-                       "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID",
-                       "SLURM_NTASKS_PER_NODE", "DTRAIN_INIT_METHOD", "DTRAIN_USE_AGENT_STORE",
-                       "DTRAIN_RESTART_COUNT", "TORCHELASTIC_RESTART_COUNT", "DTRAIN_TRANSPORT", "DTRAIN_TIMEOUT",
-                       "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME"};
-
-// Clears the rendezvous variables for the test and restores them afterwards.
-class Env : public ::testing::Test {
- protected:
-  void SetUp() override {
-    for (const char* v : kVars) {
-      if (const char* x = getenv(v)) saved_[v] = x;
-      unsetenv(v);
-    }
-  }
-  void TearDown() override {
-    for (const char* v : kVars) unsetenv(v);
-    for (auto& [k, v] : saved_) setenv(k.c_str(), v.c_str(), 1);
-  }
-  std::map<std::string, std::string> saved_;
-};
 
 int openFds() {
   int n = 0;
@@ -77,13 +55,16 @@ TEST_F(Env, SourcesInOrder) {
   setenv("SLURM_PROCID", "3", 1);
   setenv("SLURM_NTASKS", "8", 1);
   setenv("SLURM_LOCALID", "1", 1);
-  setenv("SLURM_NTASKS_PER_NODE", "4", 1);
+  setenv("SLURM_NODEID", "1", 1);
+  setenv("SLURM_TASKS_PER_NODE", "2,6", 1);
   auto w = detectWorld();
   EXPECT_EQ(w.source, "slurm");
   EXPECT_EQ(w.rank, 3);
   EXPECT_EQ(w.size, 8);
   EXPECT_EQ(w.local_rank, 1);
-  EXPECT_EQ(w.local_size, 4);
+  EXPECT_EQ(w.local_size, 6);
+  EXPECT_EQ(w.node, 1);
+  EXPECT_EQ(w.num_nodes, 2);
   setenv("OMPI_COMM_WORLD_RANK", "2", 1);
   setenv("OMPI_COMM_WORLD_SIZE", "6", 1);
   setenv("OMPI_COMM_WORLD_LOCAL_RANK", "0", 1);
@@ -160,6 +141,8 @@ TEST_F(Env, InitInRealProcesses) {
        [&](int r, int w) {
          setenv("SLURM_PROCID", std::to_string(r).c_str(), 1);
          setenv("SLURM_NTASKS", std::to_string(w).c_str(), 1);
+         setenv("SLURM_LOCALID", std::to_string(r).c_str(), 1);
+         setenv("SLURM_TASKS_PER_NODE", std::to_string(w).c_str(), 1);
          setenv("DTRAIN_USE_AGENT_STORE", "1", 1);
          setenv("DTRAIN_INIT_METHOD", ("tcp://127.0.0.1:" + std::to_string(agent.port())).c_str(), 1);
          setenv("DTRAIN_RESTART_COUNT", "2", 1);
@@ -214,6 +197,203 @@ TEST_F(Env, GroupOptionsFromEnvironment) {
   setenv("DTRAIN_TRANSPORT", "auto", 1);
   setenv("DTRAIN_TIMEOUT", "soon", 1);
   EXPECT_THROW(comm::GroupOptions::fromEnv(), InvalidArgument);
+}
+
+// ---- Configuration errors: at once, InvalidArgument naming the variable and its value ----
+
+TEST_F(Env, BadPortsAndAddressesAreRejectedAtOnce) {
+  for (const char* port : {"99999", "0", "65536", "-1", "abc", "29500x", " 29500", "1e4"}) {
+    setenv("MASTER_PORT", port, 1);
+    std::string m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+    EXPECT_NE(m.find(fmt::format("MASTER_PORT='{}' is not a port number (1-65535)", port)), std::string::npos) << m;
+    // The same check guards InitOptions{}, so init() and dtrain::init() fail before anything else.
+    EXPECT_THROW(InitOptions{}, InvalidArgument) << port;
+  }
+  setenv("MASTER_PORT", "65535", 1);
+  EXPECT_EQ(comm::storeAddress().port, 65535);
+  unsetenv("MASTER_PORT");
+  for (const char* addr : {"no-such-host.invalid", "127.0.0.1:29500", "10.0.0.300", "bad host"}) {
+    setenv("MASTER_ADDR", addr, 1);
+    std::string m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+    EXPECT_NE(m.find(fmt::format("MASTER_ADDR='{}' is not a usable address", addr)), std::string::npos) << m;
+  }
+  unsetenv("MASTER_ADDR");
+  InitOptions o;
+  o.master_port = 70000;
+  std::string m = messageOf<InvalidArgument>([&] { comm::storeAddress(o); });
+  EXPECT_NE(m.find("InitOptions::master_port='70000' is not a port number"), std::string::npos) << m;
+  // With a rank known, the message says whose it is; the tcp:// init method is checked in init()
+  // before any socket is opened.
+  setenv("RANK", "1", 1);
+  setenv("WORLD_SIZE", "2", 1);
+  setenv("MASTER_PORT", "99999", 1);
+  m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+  EXPECT_EQ(m.rfind("[rank 1] MASTER_PORT='99999' is not a port number (1-65535)", 0), 0u) << m;
+  unsetenv("MASTER_PORT");
+  setenv("RANK", "0", 1);
+  o = InitOptions{};
+  o.init_method = "tcp://127.0.0.1:99999";
+  m = messageOf<InvalidArgument>([&] { comm::init(o); });
+  EXPECT_NE(m.find("the port of init_method 'tcp://127.0.0.1:99999'='99999' is not a port number"), std::string::npos)
+      << m;
+  o.init_method = "tcp://no-such-host.invalid:29500";
+  m = messageOf<InvalidArgument>([&] { comm::init(o); });
+  EXPECT_NE(m.find("the host of init_method 'tcp://no-such-host.invalid:29500'='no-such-host.invalid' is not a "
+                   "usable address"),
+            std::string::npos)
+      << m;
+}
+
+// Ranks pointed at different MASTER_PORTs: rank 0 names the rank that has not joined its store, after
+// how long, and what to check; rank 1 names the store it cannot reach.
+TEST_F(Env, RanksOnDifferentPortsAreNamedWithWhatToCheck) {
+  uint16_t p0 = freePort(), p1 = freePort();
+  while (p1 == p0) p1 = freePort();
+  auto results = runRanks(2, [&](int rank) {
+    setenv("RANK", std::to_string(rank).c_str(), 1);
+    setenv("WORLD_SIZE", "2", 1);
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", std::to_string(rank == 0 ? p0 : p1).c_str(), 1);
+    InitOptions o;
+    o.group.timeout = std::chrono::seconds(2);
+    std::string m = messageOf<RendezvousError>([&] { comm::init(o); });
+    if (rank == 0) {
+      EXPECT_NE(m.find(fmt::format("[rank 0] rendezvous: rank 1 of 2 has not joined the store at 127.0.0.1:{} "
+                                   "(MASTER_ADDR:MASTER_PORT) after 2s. Check that every rank has the same store "
+                                   "address (MASTER_ADDR and MASTER_PORT",
+                                   p0)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("that 2 processes were started (the world size comes from torchrun variables)"),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("firewall"), std::string::npos) << m;
+    } else {
+      EXPECT_NE(m.find(fmt::format("[rank 1] cannot reach the store at 127.0.0.1:{} (MASTER_ADDR:MASTER_PORT)", p1)),
+                std::string::npos)
+          << m;
+      EXPECT_NE(m.find("Check that rank 0 is running with the same store address"), std::string::npos) << m;
+    }
+  });
+  expectAllOk(results);
+}
+
+// ---- Ranks that disagree about the world fail at start-up, every one of them, naming it ----
+
+struct Disagreement {
+  const char* name;
+  int processes;
+  std::function<void(int process)> env;  // sets the variables of process i
+  const char* message;                   // what every process must say
+};
+
+void PrintTo(const Disagreement& d, std::ostream* os) { *os << d.name; }
+
+class Disagree : public Env, public ::testing::WithParamInterface<Disagreement> {};
+
+TEST_P(Disagree, EveryRankFailsAtStartUpNamingIt) {
+  const Disagreement& d = GetParam();
+  uint16_t port = freePort();
+  auto start = std::chrono::steady_clock::now();
+  auto results = runRanks(d.processes, [&](int p) {
+    setenv("MASTER_ADDR", "127.0.0.1", 1);
+    setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+    d.env(p);
+    InitOptions o;
+    o.group.timeout = std::chrono::seconds(60);  // a disagreement must not wait for the deadline
+    std::string m = messageOf<RendezvousError>([&] { comm::init(o); });
+    EXPECT_NE(m.find(d.message), std::string::npos) << m;
+    EXPECT_EQ(m.rfind("[rank ", 0), 0u) << m;
+  });
+  expectAllOk(results);
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20));
+}
+
+void torchrun(int rank, int world, int local_rank, int local_size) {
+  setenv("RANK", std::to_string(rank).c_str(), 1);
+  setenv("WORLD_SIZE", std::to_string(world).c_str(), 1);
+  setenv("LOCAL_RANK", std::to_string(local_rank).c_str(), 1);
+  setenv("LOCAL_WORLD_SIZE", std::to_string(local_size).c_str(), 1);
+}
+
+// An srun task of job `job`, step 0, on node `node` of `nodelist` with `counts` tasks per node.
+void srunTask(int rank, int ntasks, int local, int node, const char* counts, const char* nodelist, int job = 7) {
+  setenv("SLURM_JOB_ID", std::to_string(job).c_str(), 1);
+  setenv("SLURM_STEP_ID", "0", 1);
+  setenv("SLURM_PROCID", std::to_string(rank).c_str(), 1);
+  setenv("SLURM_NTASKS", std::to_string(ntasks).c_str(), 1);
+  setenv("SLURM_STEP_NUM_TASKS", std::to_string(ntasks).c_str(), 1);
+  setenv("SLURM_LOCALID", std::to_string(local).c_str(), 1);
+  setenv("SLURM_NODEID", std::to_string(node).c_str(), 1);
+  setenv("SLURM_STEP_TASKS_PER_NODE", counts, 1);
+  setenv("SLURM_STEP_NODELIST", nodelist, 1);
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Rendezvous, Disagree,
+    ::testing::Values(
+        Disagreement{"WorldSizeLarger", 2, [](int p) { torchrun(p, p == 0 ? 2 : 3, p, 2); },
+                     "ranks disagree about the world size: rank 0 has 2 (torchrun variables), rank 1 has 3"},
+        // Rank 0 expects a third rank that never comes: rank 1's view is enough to fail both.
+        Disagreement{"WorldSizeSmaller", 2, [](int p) { torchrun(p, p == 0 ? 3 : 2, p, 2); },
+                     "ranks disagree about the world size: rank 0 has 3 (torchrun variables), rank 1 has 2"},
+        // The Slurm hang of issue 9: one rank believes its node has 2 ranks, the other 1.
+        Disagreement{"LocalSize", 2, [](int p) { torchrun(p, 2, 0, p == 0 ? 2 : 1); },
+                     "ranks disagree about who is on node 0"},
+        Disagreement{"DuplicateLocalRank", 2,
+                     [](int p) {
+                       torchrun(p, 2, 0, 2);
+                       setenv("GROUP_RANK", "0", 1);
+                     },
+                     "ranks 0 and 1 both have local rank 0 on node 0"},
+        Disagreement{"SlurmNodeCount", 2,
+                     [](int p) {
+                       if (p == 0) srunTask(0, 2, 0, 0, "2", "localhost");
+                       else srunTask(1, 2, 0, 1, "1(x2)", "localhost,other");
+                     },
+                     "ranks disagree about the number of nodes: rank 0 counts 1, rank 1 counts 2"},
+        Disagreement{"TwoJobsOneStore", 2, [](int p) { srunTask(p, 2, p, 0, "2", "localhost", 100 + p); },
+                     "ranks belong to different jobs: rank 0 to slurm job 100 step 0, rank 1 to slurm job 101 step 0"},
+        Disagreement{"TwoProcessesOneRank", 3, [](int p) { torchrun(p == 2 ? 1 : p, 3, p == 2 ? 1 : p, 3); },
+                     "another process already joined as rank 1"}),
+    [](const ::testing::TestParamInfo<Disagreement>& i) { return std::string(i.param.name); });
+
+// The store's address and the nodes from Slurm's variables alone: 4 tasks on 2 "nodes" of this host
+// laid out cyclically (ranks 0, 2, 3 on node 0; rank 1 on node 1), as --distribution=cyclic would.
+TEST_F(Env, SlurmNodesAndStoreAddressWithoutMasterVariables) {
+  // A job id whose derived port is free here.
+  int job = 4000 + static_cast<int>(getpid() % 1000);
+  while (true) {
+    try {
+      comm::net::Socket::listen("0.0.0.0", static_cast<uint16_t>(comm::slurmStorePort(job, 3)));
+      break;
+    } catch (const Error&) {
+      ++job;
+    }
+  }
+  const int node_of[] = {0, 1, 0, 0}, local_of[] = {0, 0, 1, 2};
+  auto results = runRanks(4, [&](int rank) {
+    srunTask(rank, 4, local_of[rank], node_of[rank], "3,1", "localhost,localhost", job);
+    setenv("SLURM_STEP_ID", "3", 1);
+    auto addr = comm::storeAddress();
+    EXPECT_EQ(addr.host, "localhost");
+    EXPECT_EQ(addr.port, comm::slurmStorePort(job, 3));
+    EXPECT_TRUE(addr.derived);
+    EXPECT_NE(addr.origin.find("the first node of SLURM_STEP_NODELIST"), std::string::npos) << addr.origin;
+    InitOptions o;
+    o.group.timeout = std::chrono::seconds(30);
+    comm::WorldInfo info;
+    auto world = comm::init(o, &info);
+    ASSERT_EQ(info.nodes, (std::vector<std::vector<int>>{{0, 2, 3}, {1}}));
+    auto local = comm::newNodeGroup(world, info);
+    ASSERT_EQ(local->size(), info.local_size);
+    EXPECT_EQ(local->rank(), info.local_rank);
+    int64_t v = rank;
+    local->allreduce(&v, 1, DType::i64)->wait();
+    EXPECT_EQ(v, node_of[rank] == 0 ? 0 + 2 + 3 : 1);
+    world->barrier()->wait();
+  });
+  expectAllOk(results);
 }
 
 }  // namespace

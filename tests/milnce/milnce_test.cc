@@ -102,7 +102,7 @@ TEST(MilNceTraining, WorldTwoEqualsWorldOne) {
     dtrain::comm::GroupOptions go;
     go.timeout = std::chrono::seconds(30);
     auto pg = dtrain::comm::ProcessGroup::create(server.client(), rank, 2, go);
-    dtrain::Distributed two(pg, pg, dtrain::comm::WorldInfo{rank, 2, rank, 2, "explicit"});
+    dtrain::Distributed two(pg, pg, dtrain::comm::WorldInfo{rank, 2, rank, 2, "explicit", 0, 1, "", {{0, 1}}});
     Trainer dist_trainer(two, data, o);
     double loss2 = dist_trainer.lossAndBackward(local);
 
