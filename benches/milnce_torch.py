@@ -1,12 +1,13 @@
 #!/usr/bin/python3
-"""The MIL-NCE job of apps/milnce in PyTorch (DDP, gloo, one thread per rank): the peer that dtrain's
-milnce is measured against. Same data files (milnce gen-data), same loader rules, same model, same
+"""The MIL-NCE job of apps/milnce in PyTorch (DDP, gloo, one compute thread per rank, BLAS included):
+the peer that dtrain's milnce is measured against. Same data files (milnce gen-data), same loader rules, same model, same
 loss, Adam with warmup + cosine; prints samples/s over the timed steps.
 
 usage: milnce_torch.py DATA_DIR WORLD [--batch 32] [--steps 40] [--warmup-steps 5] [--candidates 4]
 """
 import argparse, csv, math, os, random, re, time
 
+import peer_env  # noqa: F401  (before numpy and torch: one compute thread per rank, BLAS included)
 import numpy as np
 import torch
 import torch.distributed as dist
@@ -121,7 +122,7 @@ def milnce(v, t):
 
 
 def run(rank, world, args, port, q):
-    torch.set_num_threads(1)
+    peer_env.check_threads(torch)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     vocab, wv, videos, rate = load(args.data)
     torch.manual_seed(0)
@@ -171,7 +172,7 @@ if __name__ == "__main__":
     ap.add_argument("--candidates", type=int, default=4)
     args = ap.parse_args()
     q = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(run, args=(args.world, args, 29500 + os.getpid() % 1000, q), nprocs=args.world)
+    mp.spawn(run, args=(args.world, args, peer_env.free_port(), q), nprocs=args.world)
     dt = q.get()
     print(f"torch-milnce world={args.world} batch_per_rank={args.batch} candidates={args.candidates} "
           f"ms_per_step={dt * 1e3:.1f} samples_per_s={args.world * args.batch / dt:.1f}")

@@ -1,14 +1,16 @@
 #!/usr/bin/env bash
 # bench_comm.sh: dtrain's allreduce measured side by side with its anchors in the same run.
 #
-# Usage: scripts/bench_comm.sh [--quick] [-h|--help]   (markdown on stdout, progress on stderr)
+# Usage: scripts/bench_comm.sh [--quick|--smoke] [-h|--help]   (markdown on stdout, progress on stderr)
 #
 #   default   REPS repetitions (env REPS, default 3) for world 2 and 4 (env WORLDS, default "2 4").
-#   --quick   smoke run: REPS=1, world 2 only.
+#   --quick   short run: REPS=1, world 2 only.
+#   --smoke   functional check, no meaningful numbers: REPS=1, world 2, sizes 4 KiB and 64 KiB only.
 #
-# The anchors in $ANCHORS_DIR (default /work/shared/anchors) are compiled into a temporary directory
-# and run from there: memcpy_bw.c (gcc), mpi_allreduce.c (mpicc; run as mpi-shm and mpi-tcp) and
-# gloo_allreduce.py (/usr/bin/python3). dtrain is run as
+# The anchors are the peer drivers in benches/ (benches/README.md), compiled into a temporary
+# directory and run from there: memcpy_bw.c (gcc), mpi_allreduce.c (mpicc; run as mpi-shm and
+# mpi-tcp) and gloo_collectives.py (/usr/bin/python3, one compute thread per rank). Each checks its
+# results (wrong=N; N != 0 fails the script). dtrain is run as
 #   $BUILD_DIR/bin/dtrain-run --standalone --nproc-per-node W $BUILD_DIR/bin/dtrain-bench allreduce \
 #       --transport shm|tcp --min-bytes 4K --max-bytes 64M --factor 4
 # (BUILD_DIR defaults to <repo>/build; build it with
@@ -30,13 +32,17 @@ usage() { sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; }
 
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
-anchors=${ANCHORS_DIR:-/work/shared/anchors}
+anchors=$root/benches
 reps=${REPS:-3}
 worlds=${WORLDS:-"2 4"}
 mode=default
+# Sizes in floats (4 KiB .. 64 MiB); dtrain-bench runs 4K..max by x4, which hits every one.
+floats="1024 16384 262144 1048576 4194304 16777216"
+max_bytes=64M
 for a in "$@"; do
   case $a in
     --quick) reps=1; worlds=2; mode=quick ;;
+    --smoke) reps=1; worlds=2; mode=smoke; floats="1024 16384"; max_bytes=64K ;;
     -h|--help) usage; exit 0 ;;
     *) echo "bench_comm.sh: unknown argument '$a'" >&2; usage >&2; exit 2 ;;
   esac
@@ -48,7 +54,7 @@ bench_bin=$build/bin/dtrain-bench
 for f in "$run_bin" "$bench_bin"; do
   [[ -x $f ]] || { echo "bench_comm.sh: $f not found; build with: cmake --build $build --target dtrain-bench dtrain-run -j2" >&2; exit 2; }
 done
-for f in memcpy_bw.c mpi_allreduce.c gloo_allreduce.py; do
+for f in memcpy_bw.c mpi_allreduce.c gloo_collectives.py peer_env.py; do
   [[ -f $anchors/$f ]] || { echo "bench_comm.sh: $anchors/$f not found" >&2; exit 2; }
 done
 
@@ -75,7 +81,9 @@ mpicc -O2 "$anchors/mpi_allreduce.c" -o "$tmp/mpi_allreduce"
 mpirun_flags=(--allow-run-as-root --oversubscribe --bind-to none)
 # shellcheck disable=SC2054  # "tcp,self" is one mpirun argument
 mpi_tcp_flags=(--mca btl tcp,self --mca btl_tcp_if_include lo)
-dtrain_args=(allreduce --min-bytes 4K --max-bytes 64M --factor 4)
+dtrain_args=(allreduce --min-bytes 4K --max-bytes "$max_bytes" --factor 4)
+# shellcheck disable=SC2206  # word splitting intended
+sizes=($floats)
 
 # run NAME OUTFILE CMD...: runs CMD with stdout to OUTFILE; on failure shows its output and exits 1.
 run() {
@@ -95,15 +103,15 @@ for ((r = 1; r <= reps; r++)); do
   loads+="r$r: $(cut -d' ' -f1 /proc/loadavg); "
   run memcpy "$tmp/raw/memcpy.r$r" "$tmp/memcpy_bw"
   for w in $worlds; do
-    run "mpi-shm w=$w" "$tmp/raw/mpi-shm.w$w.r$r" mpirun "${mpirun_flags[@]}" -np "$w" "$tmp/mpi_allreduce"
+    run "mpi-shm w=$w" "$tmp/raw/mpi-shm.w$w.r$r" mpirun "${mpirun_flags[@]}" -np "$w" "$tmp/mpi_allreduce" "${sizes[@]}"
     run "dtrain-shm w=$w" "$tmp/raw/dtrain-shm.w$w.r$r" \
       "$tmp/bin/dtrain-run" --standalone --nproc-per-node "$w" "$tmp/bin/dtrain-bench" "${dtrain_args[@]}" --transport shm
     run "mpi-tcp w=$w" "$tmp/raw/mpi-tcp.w$w.r$r" \
-      mpirun "${mpirun_flags[@]}" "${mpi_tcp_flags[@]}" -np "$w" "$tmp/mpi_allreduce"
+      mpirun "${mpirun_flags[@]}" "${mpi_tcp_flags[@]}" -np "$w" "$tmp/mpi_allreduce" "${sizes[@]}"
     run "dtrain-tcp w=$w" "$tmp/raw/dtrain-tcp.w$w.r$r" \
       "$tmp/bin/dtrain-run" --standalone --nproc-per-node "$w" "$tmp/bin/dtrain-bench" "${dtrain_args[@]}" --transport tcp
     if ((r == 1)); then
-      run "gloo w=$w" "$tmp/raw/gloo.w$w.r$r" /usr/bin/python3 "$anchors/gloo_allreduce.py" "$w"
+      run "gloo w=$w" "$tmp/raw/gloo.w$w.r$r" /usr/bin/python3 "$anchors/gloo_collectives.py" "$w" "${sizes[@]}"
     fi
   done
 done
@@ -114,17 +122,17 @@ commit=$(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo unknown)
 if [[ -n $(git -C "$root" status --porcelain --untracked-files=no 2>/dev/null) ]]; then commit+=" (+ uncommitted changes)"; fi
 
 cmds=$(cat <<EOF
-gcc -O2 $anchors/memcpy_bw.c -o <tmp>/memcpy_bw && <tmp>/memcpy_bw
-mpicc -O2 $anchors/mpi_allreduce.c -o <tmp>/mpi_allreduce
-mpirun ${mpirun_flags[*]} -np W <tmp>/mpi_allreduce                                   # mpi-shm
+gcc -O2 benches/memcpy_bw.c -o <tmp>/memcpy_bw && <tmp>/memcpy_bw
+mpicc -O2 benches/mpi_allreduce.c -o <tmp>/mpi_allreduce
+mpirun ${mpirun_flags[*]} -np W <tmp>/mpi_allreduce ${sizes[*]}   # mpi-shm
 $run_bin --standalone --nproc-per-node W $bench_bin ${dtrain_args[*]} --transport shm   # dtrain-shm
-mpirun ${mpirun_flags[*]} ${mpi_tcp_flags[*]} -np W <tmp>/mpi_allreduce   # mpi-tcp
+mpirun ${mpirun_flags[*]} ${mpi_tcp_flags[*]} -np W <tmp>/mpi_allreduce ${sizes[*]}   # mpi-tcp
 $run_bin --standalone --nproc-per-node W $bench_bin ${dtrain_args[*]} --transport tcp   # dtrain-tcp
-/usr/bin/python3 $anchors/gloo_allreduce.py W                                          # gloo (first repetition only)
+/usr/bin/python3 benches/gloo_collectives.py W ${sizes[*]}   # gloo (first repetition only)
 EOF
 )
 
-RAW=$tmp/raw REPS_N=$reps WORLDS_L=$worlds MODE=$mode NPROC=$(nproc) DATE=$(date '+%Y-%m-%d %H:%M:%S %Z') \
+RAW=$tmp/raw FLOATS="$floats" REPS_N=$reps WORLDS_L=$worlds MODE=$mode NPROC=$(env -u OMP_NUM_THREADS -u OMP_THREAD_LIMIT nproc) DATE=$(date '+%Y-%m-%d %H:%M:%S %Z') \
   LOAD_START=$load_start LOAD_END=$load_end LOADS=$loads ELAPSED=$elapsed COMMIT=$commit BENCH_INFO="$bench_bin built $bench_time, md5 $bench_sum..." CMDS=$cmds HOST_CPU="$(
     grep -m1 'model name' /proc/cpuinfo | cut -d: -f2- | sed 's/^ *//' || true)" \
   /usr/bin/python3 - <<'PY'
@@ -132,8 +140,8 @@ import os, re, statistics, sys
 
 raw, reps = os.environ["RAW"], int(os.environ["REPS_N"])
 worlds = [int(w) for w in os.environ["WORLDS_L"].split()]
-SIZES = [4096, 65536, 1 << 20, 4 << 20, 16 << 20, 64 << 20]
-LABEL = {4096: "4K", 65536: "64K", 1 << 20: "1M", 4 << 20: "4M", 16 << 20: "16M", 64 << 20: "64M"}
+SIZES = [4 * int(f) for f in os.environ["FLOATS"].split()]
+LABEL = {n: f"{n >> 20}M" if n >= 1 << 20 else f"{n >> 10}K" for n in SIZES}
 SYSTEMS = ["mpi-shm", "dtrain-shm", "mpi-tcp", "dtrain-tcp", "gloo"]
 problems = []  # fatal: wrong results or incomplete output
 
@@ -150,12 +158,14 @@ def bw(nbytes, time_us, world):
     return dict(time_us=time_us, algbw=alg, busbw=alg * 2 * (world - 1) / world)
 
 
-def parse_anchor(text):
+def parse_anchor(text, where):
     out = {}
     for line in text.splitlines():
-        m = re.match(r"^\S+ world=(\d+) bytes=(\d+) time_us=([\d.]+) algbw=([\d.]+) busbw=([\d.]+)", line)
+        m = re.match(r"^\S+ world=(\d+) bytes=(\d+) time_us=([\d.]+) algbw=([\d.]+) busbw=([\d.]+) wrong=(\d+)", line)
         if m:
             out[int(m[2])] = bw(int(m[2]), float(m[3]), int(m[1]))
+            if int(m[6]) != 0:
+                problems.append(f"{where}: size {m[2]}: wrong = {m[6]}")
     return out
 
 
@@ -186,7 +196,7 @@ for s in SYSTEMS:
             path = f"{raw}/{s}.w{w}.r{r}"
             if not os.path.exists(path):
                 continue  # gloo after the first repetition
-            rows = parse_dtrain(read(path), f"{s} world={w} rep={r}", w) if s.startswith("dtrain") else parse_anchor(read(path))
+            rows = parse_dtrain(read(path), f"{s} world={w} rep={r}", w) if s.startswith("dtrain") else parse_anchor(read(path), f"{s} world={w} rep={r}")
             for n in SIZES:
                 if n not in rows:
                     problems.append(f"{s} world={w} rep={r}: no result for {n} bytes")
@@ -203,7 +213,7 @@ mc = statistics.median(memcpy) if memcpy else float("nan")
 
 
 def med(s, w, n, k="busbw"):
-    v = data[s][w][n].get(k)
+    v = data[s][w].get(n, {}).get(k)  # sizes a --smoke run skips have none
     return statistics.median(v) if v else float("nan")
 
 
@@ -250,6 +260,8 @@ results = []  # (world, group, size label, ratio, need, kind, pass)
 
 
 def target(w, group, n, r, need, kind):
+    if n not in SIZES:
+        return  # not run (--smoke)
     ok = r == r and (r >= need if kind == ">=" else r <= need)
     results.append((w, group, LABEL[n], r, need, kind, ok))
 
@@ -272,7 +284,10 @@ for w in worlds:
       f"| {f1(med('dtrain-shm', w, n, 'p50_us'))} | {f1(lat['mpi-tcp'])} | {f1(lat['dtrain-tcp'])} | {f1(lat['gloo'])} |")
     P("")
     parts = []
-    for n in (16 << 20, 64 << 20):
+    for n in [n for n in (16 << 20, 64 << 20) if n in SIZES] or [None]:
+        if n is None:
+            parts.append("16M, 64M: not run")
+            continue
         a = med("dtrain-shm", w, n, "algbw")
         parts.append(f"{LABEL[n]}: algbw {f2(a)} GB/s = {100 * ratio(a, mc):.0f}%")
     P(f"Shared-memory path vs the memcpy ceiling ({f2(mc)} GB/s): " + "; ".join(parts) + " of single-core memcpy. "

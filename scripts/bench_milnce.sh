@@ -1,8 +1,13 @@
 #!/usr/bin/env bash
 # MIL-NCE training throughput: dtrain's milnce against the same job in PyTorch (benches/milnce_torch.py:
-# DDP over gloo, one thread per rank), side by side in one run, on the same generated data.
+# DDP over gloo), side by side in one run, on the same generated data. Both sides run one compute
+# thread per rank, BLAS included: the variables below reach dtrain's ranks through dtrain-run (which
+# would set OMP_NUM_THREADS=1 anyway; OpenBLAS follows it) and the PyTorch ranks (benches/peer_env.py
+# sets and checks them too).
 # Usage: scripts/bench_milnce.sh [WORLD...]   (default: 1 2). Env: BUILD_DIR, DATA_DIR, STEPS (PyTorch timed steps).
 set -euo pipefail
+cores=$(nproc)  # before the export: nproc reports OMP_NUM_THREADS when it is set
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 data=${DATA_DIR:-$root/data/milnce}
@@ -11,7 +16,7 @@ worlds=("$@")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 [[ -f $data/meta.json ]] || "$build/bin/milnce" gen-data --out "$data" >/dev/null
-echo "# MIL-NCE training throughput (batch 32 per rank, K=4); $(date -u +%F) $(nproc) cores"
+echo "# MIL-NCE training throughput (batch 32 per rank, K=4); $(date -u +%F) $cores cores"
 for w in "${worlds[@]}"; do
   # dtrain: 3 epochs without evaluation; samples/s of the last two epochs (the first warms up).
   "$build/bin/dtrain-run" --standalone --nproc-per-node "$w" "$build/bin/milnce" train --data "$data" \

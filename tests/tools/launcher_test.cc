@@ -13,6 +13,7 @@
 #include <fstream>
 #include <map>
 #include <optional>
+#include <regex>
 #include <sstream>
 #include <string>
 #include <thread>
@@ -26,6 +27,7 @@ using Clock = std::chrono::steady_clock;
 using namespace std::chrono_literals;
 
 const char* const kLauncher = DTRAIN_BIN_DIR "/dtrain-run";
+const char* const kLineWorker = DTRAIN_BIN_DIR "/line_worker";  // tests/tools/line_worker.cc
 
 struct RunResult {
   int exit_code = -1;  // the launcher's exit code, 128+signal if it was killed
@@ -444,6 +446,142 @@ TEST(Launcher, StopsLingeringServersOnceTheWorkersSucceed) {
   EXPECT_TRUE(contains(r.err, "stopping the servers")) << r.describe();
 }
 
+// The lines line_worker printed (as the console shows them) that are missing from `out`.
+std::vector<std::string> missingWorkerLines(const std::string& out, int rank) {
+  const std::string p = "[rank " + std::to_string(rank) + "]: line ";
+  std::vector<std::string> missing;
+  for (std::string l : {"1 of rank R (printf)", "2 of rank R (cout)", "3 of rank R (printf)"}) {
+    l = p + l.replace(l.find('R'), 1, std::to_string(rank)) + "\n";
+    if (!contains(out, l)) missing.push_back(l);
+  }
+  return missing;
+}
+
+// line_worker on 2 ranks, "hold" mode; the launcher gets SIGTERM once both have printed.
+RunResult stopPrintingWorkers(const std::string& d, const std::map<std::string, std::optional<std::string>>& env) {
+  Launch launch({"--nproc-per-node", "2", "--standalone", kLineWorker, d, "hold"}, env);
+  EXPECT_TRUE(waitForFiles({d + "/ready.0", d + "/ready.1"}));
+  ::kill(launch.pid(), SIGTERM);
+  return launch.wait();
+}
+
+TEST(Launcher, LinesOfWorkersStoppedBySigtermAreNotLost) {
+  dtrain::test::TempDir dir;
+  auto r = stopPrintingWorkers(dir.path(), {{"DTRAIN_LINE_BUFFERED", {}}});
+  EXPECT_EQ(r.exit_code, 143) << r.describe();
+  for (int rank : {0, 1}) EXPECT_EQ(missingWorkerLines(r.out, rank), std::vector<std::string>{}) << r.describe();
+}
+
+// The control: with the line buffering turned off, stdout (a pipe) is block-buffered and a worker
+// killed by SIGTERM loses what it printed. This is what DTRAIN_LINE_BUFFERED=1 prevents.
+TEST(Launcher, LinesAreLostWhenTheUserTurnsLineBufferingOff) {
+  dtrain::test::TempDir dir;
+  auto r = stopPrintingWorkers(dir.path(), {{"DTRAIN_LINE_BUFFERED", "0"}});
+  EXPECT_EQ(r.exit_code, 143) << r.describe();
+  for (int rank : {0, 1}) EXPECT_EQ(missingWorkerLines(r.out, rank).size(), 3u) << r.describe();
+}
+
+TEST(Launcher, LinesOfWorkersStoppedAfterAFailureAreNotLost) {
+  dtrain::test::TempDir dir;
+  auto r = run({"--nproc-per-node", "2", "--standalone", kLineWorker, dir.path(), "fail"},
+               {{"DTRAIN_LINE_BUFFERED", {}}});
+  EXPECT_EQ(r.exit_code, 3) << r.describe();
+  EXPECT_TRUE(contains(r.err, "rank 1 (pid ")) << r.describe();
+  for (int rank : {0, 1}) EXPECT_EQ(missingWorkerLines(r.out, rank), std::vector<std::string>{}) << r.describe();
+}
+
+std::string readFile(const std::string& path) {
+  std::ifstream f(path);
+  EXPECT_TRUE(f.good()) << path << " does not exist";
+  return std::string((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+}
+
+// The run's log directory, from the launcher's "log directory set to DIR" line.
+std::string logDirOf(const RunResult& r) {
+  std::smatch m;
+  EXPECT_TRUE(std::regex_search(r.err, m, std::regex("dtrain-run: log directory set to (\\S+)\n"))) << r.describe();
+  return m.empty() ? "/nonexistent" : m[1].str();
+}
+
+const std::string kOutAndErr = "echo out $RANK; echo err $RANK >&2";
+
+TEST(Launcher, RedirectsWriteTorchrunsLayoutAndNothingToTheConsole) {
+  dtrain::test::TempDir dir;
+  const std::string base = dir.path() + "/logs/job";  // created, parents too
+  auto r = run({"--nproc-per-node", "2", "--standalone", "--log-dir", base, "--redirects", "3", "bash", "-c",
+                kOutAndErr});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(r.out, "") << r.describe();
+  EXPECT_FALSE(contains(r.err, "[rank")) << r.describe();
+  const std::string run_dir = logDirOf(r);
+  EXPECT_TRUE(std::regex_match(run_dir, std::regex(base + "/node0_[A-Za-z0-9]{6}"))) << run_dir;
+  for (int rank : {0, 1}) {
+    const std::string d = run_dir + "/attempt_0/" + std::to_string(rank) + "/";
+    EXPECT_EQ(readFile(d + "stdout.log"), "out " + std::to_string(rank) + "\n");
+    EXPECT_EQ(readFile(d + "stderr.log"), "err " + std::to_string(rank) + "\n");
+  }
+  // A second run into the same base directory gets a directory of its own.
+  auto again = run({"--nproc-per-node", "1", "--standalone", "--log_dir", base, "-r", "1", "true"});
+  ASSERT_EQ(again.exit_code, 0) << again.describe();
+  EXPECT_NE(logDirOf(again), run_dir);
+}
+
+TEST(Launcher, PerRankRedirectsAndTee) {
+  dtrain::test::TempDir dir;
+  // Local rank 0: stdout to the file only. Local rank 1: stderr to the file and the console.
+  auto r = run({"--nproc-per-node", "2", "--standalone", "--log-dir", dir.path(), "-r", "0:1", "-t", "1:2", "bash",
+                "-c", kOutAndErr});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(r.out, "[rank 1]: out 1\n") << r.describe();
+  EXPECT_TRUE(contains(r.err, "[rank 0]: err 0\n")) << r.describe();
+  EXPECT_TRUE(contains(r.err, "[rank 1]: err 1\n")) << r.describe();
+  const std::string a = logDirOf(r) + "/attempt_0/";
+  EXPECT_EQ(readFile(a + "0/stdout.log"), "out 0\n");
+  EXPECT_EQ(readFile(a + "1/stderr.log"), "err 1\n");  // unprefixed in the file
+  EXPECT_FALSE(std::filesystem::exists(a + "0/stderr.log"));
+  EXPECT_FALSE(std::filesystem::exists(a + "1/stdout.log"));
+}
+
+TEST(Launcher, EachRestartLogsIntoItsOwnAttemptDirectory) {
+  dtrain::test::TempDir dir;
+  auto r = run({"--nproc-per-node", "1", "--standalone", "--max-restarts", "2", "--tee", "1", "bash", "-c",
+                kFailUntilSecondRestart},
+               {{"TMPDIR", dir.path()}});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  const std::string run_dir = logDirOf(r);
+  // Without --log-dir, a new directory under $TMPDIR, as torchrun does.
+  EXPECT_TRUE(std::regex_match(run_dir, std::regex(dir.path() + "/dtrain-run_\\w{6}/node0_\\w{6}"))) << run_dir;
+  for (int attempt : {0, 1, 2}) {
+    std::string a = std::to_string(attempt);
+    EXPECT_EQ(readFile(run_dir + "/attempt_" + a + "/0/stdout.log"), "attempt " + a + " " + a + "\n");
+    EXPECT_TRUE(contains(r.out, "[rank 0]: attempt " + a + " " + a + "\n")) << r.describe();
+  }
+}
+
+TEST(Launcher, ServersFollowASingleRedirectValue) {
+  dtrain::test::TempDir dir;
+  auto r = run({"--nproc-per-node", "1", "--standalone", "--servers", "1", "--log-dir", dir.path(), "-r", "1",
+                "bash", "-c", "echo $DTRAIN_ROLE"});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  EXPECT_EQ(r.out, "") << r.describe();
+  const std::string a = logDirOf(r) + "/attempt_0/";
+  EXPECT_EQ(readFile(a + "0/stdout.log"), "worker\n");
+  EXPECT_EQ(readFile(a + "server0/stdout.log"), "server\n");
+}
+
+TEST(Launcher, LogDirectoryProblemsAreReported) {
+  dtrain::test::TempDir dir;
+  const std::string file = dir.path() + "/a_file";
+  std::ofstream(file) << "x";
+  auto r = run({"--nproc-per-node", "1", "--standalone", "--log-dir", file, "-r", "3", "true"});
+  EXPECT_EQ(r.exit_code, 1) << r.describe();
+  EXPECT_TRUE(contains(r.err, "dtrain-run: error: cannot create the log directory " + file +
+                                  ": a file of that name exists")) << r.describe();
+  auto unused = run({"--nproc-per-node", "1", "--standalone", "--log-dir", dir.path(), "true"});
+  EXPECT_EQ(unused.exit_code, 0) << unused.describe();
+  EXPECT_TRUE(contains(unused.err, "--log-dir " + dir.path() + " is unused: nothing is redirected")) << unused.describe();
+}
+
 TEST(Launcher, MissingProgramIsAnError) {
   auto r = run({"--nproc-per-node", "2", "--standalone", "/nonexistent/program"});
   EXPECT_EQ(r.exit_code, 1) << r.describe();
@@ -464,6 +602,11 @@ TEST(Launcher, BadUsageExits2WithAMessage) {
       {{"--nproc-per-node", "1", "--nnodes", "2", "--node-rank", "2", "true"}, "--node-rank"},
       {{"--nproc-per-node", "1", "--master-port", "70000", "true"}, "--master-port"},
       {{"--nproc-per-node", "1", "--grace-period", "-1", "--standalone", "true"}, "--grace-period"},
+      {{"--nproc-per-node", "1", "--standalone", "--redirects", "4", "true"}, "--redirects '4': not a value in 0..3"},
+      {{"--nproc-per-node", "2", "--standalone", "--tee", "0:1,x", "true"}, "--tee '0:1,x': 'x' is not LOCAL_RANK:VALUE"},
+      {{"--nproc-per-node", "2", "--standalone", "-r", "0:1,0:2", "true"}, "local rank 0 is named twice"},
+      {{"--nproc-per-node", "2", "--standalone", "-r", "2:1", "true"},
+       "--redirects '2:1' names local rank 2, but --nproc-per-node is 2"},
   };
   for (const auto& c : cases) {
     auto r = run(c.args);

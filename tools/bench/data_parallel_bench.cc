@@ -1,25 +1,25 @@
 // dtrain-bench ddp --mode dp: DataParallel (one process, N replica threads) on the reference MLP, for
 // the DP-vs-DDP comparison. Each step trains on N x batch rows, like N DDP ranks of `batch` rows.
+// Verified like ddp (ddp_bench.cc): after the timed steps the model is compared with the same
+// training without DataParallel (reference_mlp.h); wrong > 0 makes the exit status 1.
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
+#include <tuple>
 
+#include "bench/reference_mlp.h"
 #include "dtrain/data_parallel.h"
 
 namespace dtrain::bench {
 
-int runDataParallel(int threads, int batch, int steps, int warmup) {
+int runDataParallel(int threads, int batch, int steps, int warmup, double tol) {
   torch::set_num_threads(1);  // one intra-op thread per replica
-  torch::manual_seed(0);
-  auto net = torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
-                                   torch::nn::ReLU(), torch::nn::Linear(2048, 1024), torch::nn::ReLU(),
-                                   torch::nn::Linear(1024, 10));
+  auto net = referenceMlp();
   DataParallel dp(net, threads);
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  auto g = at::make_generator<at::CPUGeneratorImpl>(0);
-  auto x = at::randn({threads * batch, 784}, g);
-  auto y = at::randint(0, 10, {threads * batch}, g, torch::kLong);
+  auto opt = makeSgd(net);
+  at::Tensor x, y;  // named, not structured bindings: the step lambda captures them
+  std::tie(x, y) = rankBatch(0, threads * batch);
   auto loss_fn = [](torch::nn::Module& replica, const at::Tensor& xs, const at::Tensor& ys) {
     return torch::nn::functional::cross_entropy(replica.as<torch::nn::Sequential>()->forward(xs), ys);
   };
@@ -32,11 +32,14 @@ int runDataParallel(int threads, int batch, int steps, int warmup) {
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < steps; ++i) step();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / steps;
-  int64_t params = 0;
-  for (auto& p : net->parameters()) params += p.numel();
-  std::printf("dtrain-dp threads=%d params=%lld batch_per_replica=%d ms_per_step=%.1f samples_per_s=%.1f\n", threads,
-              static_cast<long long>(params), batch, dt * 1e3, threads * batch / dt);
-  return 0;
+
+  auto ref = trainReference(x, y, warmup + steps);
+  ParamCheck c = compareParams(net, ref, tol);
+  std::printf("dtrain-dp threads=%d params=%lld batch_per_replica=%d ms_per_step=%.1f samples_per_s=%.1f "
+              "wrong=%lld/%lld max_err=%.1e\n",
+              threads, static_cast<long long>(countParams(net)), batch, dt * 1e3, threads * batch / dt,
+              static_cast<long long>(c.wrong), static_cast<long long>(c.tensors), c.max_rel);
+  return c.wrong == 0 ? 0 : 1;
 }
 
 }  // namespace dtrain::bench

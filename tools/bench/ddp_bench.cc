@@ -1,10 +1,17 @@
-// dtrain-bench ddp: trains the reference MLP of ../shared/anchors/torch_ddp.py (784-2048-2048-1024-10,
+// dtrain-bench ddp: trains the reference MLP of benches/torch_ddp.py (784-2048-2048-1024-10,
 // batch 64 per rank, SGD momentum 0.9, one compute thread per rank) and prints a line of the same
 // form as that script:
 //   dtrain-ddp world=2 params=7912458 batch_per_rank=64 ms_per_step=... samples_per_s=... hidden=0.83
+//   transport=shm hook=none wrong=0/16 max_err=1.6e-03
 // hidden is the fraction of the allreduce time that backward hid (DDP's lastStats, averaged over the
 // timed steps). Run it under dtrain-run for several ranks; alone it is the one-rank baseline.
 // `--mode dp --threads N` runs DataParallel (one process, N replica threads) on N x batch instead.
+//
+// Verification, after the timed steps: every rank trains the same MLP in one process with plain
+// libtorch on the global batch (all ranks' batches concatenated) for as many steps, and compares
+// its DDP parameters with that reference (reference_mlp.h). wrong=K/N: K of the N parameter tensors
+// (8 per rank) differ from the reference by more than the tolerance, relative to how far training
+// moved them; max_err is the largest such relative error. K > 0 makes the exit status 1.
 #include "bench/ddp_bench.h"
 
 #include <torch/torch.h>
@@ -12,12 +19,20 @@
 #include <chrono>
 #include <cstdio>
 
+#include "bench/reference_mlp.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
 
 namespace dtrain::bench {
 namespace {
+
+// ||ddp - reference|| / ||reference - init|| per parameter tensor (see compareParams). fp32 DDP
+// differs from the one-process run by summation order only, which drifts to about 2e-3 by 33 steps;
+// a 16-bit hook also rounds every averaged gradient. Not averaging, or averaging only some
+// buckets, is off by order 1.
+constexpr double kTolerance = 0.02;
+constexpr double kToleranceCompressed = 0.05;
 
 struct Options {
   int steps = 30;
@@ -28,19 +43,6 @@ struct Options {
   std::string hook = "none";
 };
 
-torch::nn::Sequential referenceMlp() {
-  torch::manual_seed(0);
-  return torch::nn::Sequential(torch::nn::Linear(784, 2048), torch::nn::ReLU(), torch::nn::Linear(2048, 2048),
-                               torch::nn::ReLU(), torch::nn::Linear(2048, 1024), torch::nn::ReLU(),
-                               torch::nn::Linear(1024, 10));
-}
-
-int64_t countParams(torch::nn::Sequential& net) {
-  int64_t n = 0;
-  for (auto& p : net->parameters()) n += p.numel();
-  return n;
-}
-
 int runDdp(const Options& o) {
   torch::set_num_threads(1);
   auto dist = dtrain::init();
@@ -48,39 +50,48 @@ int runDdp(const Options& o) {
   DistributedDataParallel ddp(net.ptr(), dist.world());
   if (o.hook == "fp16") ddp.registerCommHook(fp16CompressHook());
   if (o.hook == "bf16") ddp.registerCommHook(bf16CompressHook());
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.01).momentum(0.9));
-  auto g = at::make_generator<at::CPUGeneratorImpl>(dist.rank());
-  auto x = at::randn({o.batch, 784}, g);
-  auto y = at::randint(0, 10, {o.batch}, g, torch::kLong);
+  auto opt = makeSgd(net);
+  auto [x, y] = rankBatch(dist.rank(), o.batch);
   double hidden = 0;
-  auto step = [&] {
-    opt.zero_grad();
-    auto loss = torch::nn::functional::cross_entropy(net->forward(x), y);
-    loss.backward();
-    opt.step();
-    return loss;
-  };
-  for (int i = 0; i < o.warmup; ++i) step();
+  for (int i = 0; i < o.warmup; ++i) sgdStep(net, opt, x, y);
   dist.world()->barrier()->wait();
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) {
-    step();
+    sgdStep(net, opt, x, y);
     hidden += ddp.lastStats().hidden_fraction();
   }
   dist.world()->barrier()->wait();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;
+
+  auto [gx, gy] = globalBatch(dist.size(), o.batch);
+  auto ref = trainReference(gx, gy, o.warmup + o.steps);
+  const double tol = o.hook == "none" ? kTolerance : kToleranceCompressed;
+  ParamCheck mine = compareParams(net, ref, tol);
+  if (mine.wrong != 0) {
+    // Said by the rank itself: the sum below goes through the collectives being measured.
+    std::fprintf(stderr,
+                 "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ from the one-process reference "
+                 "by more than %g of the training update (largest %.3g)\n",
+                 dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors), tol,
+                 mine.max_rel);
+  }
+  ParamCheck all = mine;
+  dist.world()->allreduce(&all.wrong, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
+  dist.world()->allreduce(&all.tensors, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
+  dist.world()->allreduce(&all.max_rel, 1, comm::DType::f64, comm::ReduceOp::max)->wait();
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
-                "transport=%s hook=%s\n",
+                "transport=%s hook=%s wrong=%lld/%lld max_err=%.1e\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
-                dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), o.hook.c_str());
+                dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), o.hook.c_str(),
+                static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel);
   }
-  return 0;
+  return mine.wrong == 0 && all.wrong == 0 ? 0 : 1;
 }
 
 }  // namespace
 
-int runDataParallel(int threads, int batch, int steps, int warmup);  // data_parallel_bench.cc
+int runDataParallel(int threads, int batch, int steps, int warmup, double tol);  // data_parallel_bench.cc
 
 void addDdpCommand(CLI::App& app) {
   auto o = std::make_shared<Options>();
@@ -95,7 +106,7 @@ void addDdpCommand(CLI::App& app) {
   sub->callback([o] {
     int rc = 1;
     try {
-      rc = o->mode == "ddp" ? runDdp(*o) : runDataParallel(o->threads, o->batch, o->steps, o->warmup);
+      rc = o->mode == "ddp" ? runDdp(*o) : runDataParallel(o->threads, o->batch, o->steps, o->warmup, kTolerance);
     } catch (const std::exception& e) {
       std::fprintf(stderr, "dtrain-bench ddp: %s\n", e.what());
     }

@@ -1,4 +1,5 @@
-// DDP and DataParallel training throughput on the reference MLP of ../shared/anchors/torch_ddp.py.
+// DDP and DataParallel training throughput on the reference MLP of benches/torch_ddp.py, verified
+// against a one-process run (reference_mlp.h).
 #pragma once
 #include <CLI/CLI.hpp>
 

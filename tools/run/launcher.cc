@@ -21,6 +21,7 @@
 #include "comm/net/socket.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/store.h"
+#include "run/output.h"
 
 extern char** environ;
 
@@ -38,37 +39,10 @@ constexpr milliseconds kTick{250};
 constexpr milliseconds kKillWait{10000};
 // A child that has not exec'd by then is treated as failed to start.
 constexpr milliseconds kExecWait{10000};
-// A line longer than this is forwarded in pieces rather than buffered without bound.
-constexpr size_t kMaxLine = 64 * 1024;
-// What is left in a pipe when its child exits is forwarded up to this much (a grandchild that keeps
-// the pipe open and keeps writing must not stall the launcher).
-constexpr size_t kMaxDrain = 4 << 20;
-
 std::string signalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
 }
-
-// Writes everything unless the destination is gone (EPIPE and such): the launcher's own output
-// failing must not stop it from supervising the workers.
-void writeAll(int fd, const char* p, size_t n) {
-  while (n > 0) {
-    ssize_t w = ::write(fd, p, n);
-    if (w > 0) {
-      p += w;
-      n -= static_cast<size_t>(w);
-    } else if (w < 0 && errno == EINTR) {
-      continue;
-    } else if (w < 0 && errno == EAGAIN) {
-      // Someone made our stdout non-blocking; wait for room, but not forever.
-      pollfd pfd{fd, POLLOUT, 0};
-      if (::poll(&pfd, 1, 1000) <= 0) return;
-    } else {
-      return;
-    }
-  }
-}
-void writeAll(int fd, const std::string& s) { writeAll(fd, s.data(), s.size()); }
 
 template <typename... Args>
 void say(fmt::format_string<Args...> f, Args&&... args) {
@@ -96,87 +70,26 @@ std::pair<Fd, Fd> makePipe() {
   return {Fd(p[0]), Fd(p[1])};
 }
 
-// Forwards one child stream to the launcher's stdout or stderr, a complete line at a time so that
-// lines of different ranks never interleave mid-line.
-class OutputPipe {
- public:
-  OutputPipe(Fd fd, int dest, std::string prefix, bool prefixed)
-      : fd_(std::move(fd)), dest_(dest), prefix_(std::move(prefix)), prefixed_(prefixed) {
-    ::fcntl(fd_.get(), F_SETFL, ::fcntl(fd_.get(), F_GETFL) | O_NONBLOCK);
-  }
-  int fd() const { return fd_.get(); }
-  bool open() const { return fd_.valid(); }
-
-  // Forwards what is readable now (a bounded amount, so one chatty child cannot starve the loop).
-  void pump() { readUpTo(256 * 1024); }
-
-  // The child has exited: what it wrote is already in the pipe. Forward it, flush the last partial
-  // line and close.
-  void finish() {
-    readUpTo(kMaxDrain);
-    if (!partial_.empty()) {
-      std::string out = prefixed_ ? prefix_ + partial_ + "\n" : partial_;
-      writeAll(dest_, out);
-      partial_.clear();
-    }
-    fd_.reset();
-  }
-
- private:
-  void readUpTo(size_t budget) {
-    char buf[64 * 1024];
-    while (fd_.valid() && budget > 0) {
-      ssize_t n = ::read(fd_.get(), buf, std::min(sizeof buf, budget));
-      if (n > 0) {
-        emit(buf, static_cast<size_t>(n));
-        budget -= static_cast<size_t>(n);
-      } else if (n < 0 && errno == EINTR) {
-        continue;
-      } else if (n < 0 && errno == EAGAIN) {
-        return;
-      } else {
-        fd_.reset();  // EOF (or a broken pipe): nothing more will come
-      }
-    }
-  }
-
-  void emit(const char* data, size_t n) {
-    if (!prefixed_) {
-      // Unprefixed output is passed through as it comes, so progress bars (\r) keep working.
-      writeAll(dest_, data, n);
-      return;
-    }
-    std::string out;
-    size_t start = 0;
-    for (size_t i = 0; i < n; ++i) {
-      if (data[i] != '\n') continue;
-      out += prefix_;
-      out += partial_;
-      out.append(data + start, i + 1 - start);
-      partial_.clear();
-      start = i + 1;
-    }
-    partial_.append(data + start, n - start);
-    if (partial_.size() > kMaxLine) {
-      out += prefix_ + partial_ + "\n";
-      partial_.clear();
-    }
-    if (!out.empty()) writeAll(dest_, out);
-  }
-
-  Fd fd_;
-  int dest_;
-  std::string prefix_;
-  bool prefixed_;
-  std::string partial_;
-};
-
 struct Spec {
   std::string name;    // "rank 3" or "server 0", used in messages
   std::string prefix;  // "[rank 3]: "
   bool is_worker = true;
   std::vector<std::string> env;  // NAME=value, complete
+  // --redirects / --tee (Streams bits) and, when either is set, the directory of the log files.
+  int redirect = kNoStreams;
+  int tee = kNoStreams;
+  std::string log_dir{};
 };
+
+// A child stream's OutputPipe: to the console unless redirected (and not teed), to
+// <log_dir>/<file_name> when redirected or teed.
+OutputPipe makeOutput(Fd read_end, const Spec& spec, int stream, int console, const char* file_name,
+                      bool prefixed) {
+  Fd file;
+  if ((spec.redirect | spec.tee) & stream) file = openLogFile(spec.log_dir + "/" + file_name);
+  bool to_console = !(spec.redirect & stream) || (spec.tee & stream);
+  return OutputPipe(std::move(read_end), to_console ? console : -1, spec.prefix, prefixed, std::move(file));
+}
 
 // One child process, the leader of its own process group so that a signal reaches whatever it
 // started too (bash defers its traps until its foreground child exits). Destroying a Child that is
@@ -198,6 +111,9 @@ class Child {
     // Reports exec()'s errno; closed without a word (CLOEXEC) when exec succeeds.
     auto [status_r, status_w] = makePipe();
     const pid_t parent = ::getpid();
+    // The log files are opened before there is a process to clean up if that fails.
+    out_.emplace(makeOutput(std::move(out_r), spec, kOut, STDOUT_FILENO, "stdout.log", prefixed));
+    err_.emplace(makeOutput(std::move(err_r), spec, kErr, STDERR_FILENO, "stderr.log", prefixed));
 
     pid_ = ::fork();
     if (pid_ < 0) throw IoError(fmt::format("fork() for {}: {}", name_, strerror(errno)));
@@ -221,8 +137,6 @@ class Child {
     out_w.reset();
     err_w.reset();
     status_w.reset();
-    out_.emplace(std::move(out_r), STDOUT_FILENO, spec.prefix, prefixed);
-    err_.emplace(std::move(err_r), STDERR_FILENO, spec.prefix, prefixed);
     try {
       waitForExec(status_r, command[0]);
     } catch (...) {
@@ -390,6 +304,11 @@ void checkOptions(const Options& o) {
   require(o.max_restarts >= 0, "--max-restarts must be >= 0, got {}", o.max_restarts);
   require(o.num_servers >= 0, "--servers must be >= 0, got {}", o.num_servers);
   require(o.grace_period.count() >= 0, "--grace-period must be >= 0");
+  for (const auto& [flag, text] : {std::pair{"--redirects", o.redirects}, std::pair{"--tee", o.tee}}) {
+    StreamSpec spec = parseStreamSpec(flag, text);
+    require(spec.largestRank() < o.nproc_per_node, "{} '{}' names local rank {}, but --nproc-per-node is {}", flag,
+            text, spec.largestRank(), o.nproc_per_node);
+  }
 }
 
 Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_unique<SignalWatcher>()) {
@@ -405,6 +324,12 @@ Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_un
     store_ = std::make_unique<comm::TcpStoreServer>(host, static_cast<uint16_t>(opts_.master_port));
   }
   master_port_ = store_ ? store_->port() : static_cast<uint16_t>(opts_.master_port);
+  if (parseStreamSpec("--redirects", opts_.redirects).any() || parseStreamSpec("--tee", opts_.tee).any()) {
+    run_log_dir_ = makeRunLogDir(opts_.log_dir, opts_.node_rank);
+    say("log directory set to {}", run_log_dir_);
+  } else if (!opts_.log_dir.empty()) {
+    say("--log-dir {} is unused: nothing is redirected (see --redirects and --tee)", opts_.log_dir);
+  }
 }
 
 Launcher::~Launcher() = default;
@@ -442,6 +367,25 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   };
   // One compute thread per process when several share the host, unless the user chose otherwise.
   if (!std::getenv("OMP_NUM_THREADS")) common["OMP_NUM_THREADS"] = "1";
+  // A pipe makes stdout block-buffered: what a worker printed would be lost when it is stopped.
+  // dtrain's library makes stdout line-buffered when this is 1 (src/comm/rendezvous/init.cc).
+  if (!std::getenv("DTRAIN_LINE_BUFFERED")) common["DTRAIN_LINE_BUFFERED"] = "1";
+
+  const StreamSpec redirects = parseStreamSpec("--redirects", opts_.redirects);
+  const StreamSpec tee = parseStreamSpec("--tee", opts_.tee);
+  std::string attempt_dir;
+  if (!run_log_dir_.empty()) {
+    attempt_dir = fmt::format("{}/attempt_{}", run_log_dir_, restart);
+    makeDir(attempt_dir);
+  }
+  // Sets where a child's streams go, creating its log directory when it has files.
+  auto routeOutput = [&](Spec& spec, int redirect, int teed, const std::string& subdir) {
+    spec.redirect = redirect;
+    spec.tee = teed;
+    if ((redirect | teed) == kNoStreams) return;
+    spec.log_dir = attempt_dir + "/" + subdir;
+    makeDir(spec.log_dir);
+  };
 
   std::vector<Spec> specs;
   for (int local = 0; local < opts_.nproc_per_node; ++local) {
@@ -458,6 +402,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
       vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
     }
     specs.push_back({fmt::format("rank {}", rank), fmt::format("[rank {}]: ", rank), true, buildEnv(vars)});
+    routeOutput(specs.back(), redirects.forLocalRank(local), tee.forLocalRank(local), std::to_string(local));
   }
   for (int i = 0; i < servers; ++i) {
     auto vars = common;
@@ -469,6 +414,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
     vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
     specs.push_back({fmt::format("server {}", i), fmt::format("[server {}]: ", i), false, buildEnv(vars)});
+    routeOutput(specs.back(), redirects.forServer(), tee.forServer(), fmt::format("server{}", i));
   }
 
   std::vector<std::unique_ptr<Child>> kids;

@@ -33,6 +33,13 @@ struct Options {
   int max_restarts = 0;
   int num_servers = 0;  // parameter-server processes, started on node 0 only
   bool prefix_output = true;
+  // torchrun's --redirects and --tee: "0".."3" (none, stdout, stderr, both) for every local rank,
+  // or per local rank ("0:3,1:2"). Redirected streams go to
+  // <log_dir>/node<R>_XXXXXX/attempt_<restart>/<local_rank>/{stdout,stderr}.log instead of the
+  // console; teed ones to both. Parameter servers (server<i>/) follow a single value only.
+  std::string redirects = "0";
+  std::string tee = "0";
+  std::string log_dir;  // empty: a new directory under ${TMPDIR:-/tmp} when anything is redirected
   std::chrono::milliseconds grace_period{5000};  // SIGTERM -> SIGKILL
   std::vector<std::string> command;              // PROGRAM ARGS...
 };
@@ -64,6 +71,7 @@ class Launcher {
   std::unique_ptr<SignalWatcher> signals_;
   std::unique_ptr<comm::TcpStoreServer> store_;
   uint16_t master_port_ = 0;  // what workers are told: the store's real port when it picked one
+  std::string run_log_dir_;   // this run's log directory, when anything is redirected or teed
 };
 
 }  // namespace dtrain::run

@@ -48,6 +48,15 @@ int main(int argc, char** argv) {
       ->capture_default_str();
   app.add_option("--servers", opts.num_servers, "Parameter-server processes to start on node 0")
       ->capture_default_str();
+  app.add_option("--log-dir,--log_dir", opts.log_dir,
+                 "Base directory for the log files of --redirects and --tee (default: a new directory\n"
+                 "under $TMPDIR); each run writes below a new node<R>_XXXXXX/ in it");
+  app.add_option("-r,--redirects", opts.redirects,
+                 "Send workers' streams to log files instead of the console: 0 none, 1 stdout,\n"
+                 "2 stderr, 3 both, for every local rank (-r 3), or per local rank (-r 0:3,1:2).\n"
+                 "Files: <log-dir>/node<R>_XXXXXX/attempt_<restart>/<local_rank>/stdout.log, stderr.log")
+      ->capture_default_str();
+  app.add_option("-t,--tee", opts.tee, "Like --redirects, but to the log files and the console")->capture_default_str();
   bool no_prefix = false;
   app.add_flag("--no-prefix", no_prefix, "Pass output through without the [rank R]: prefix");
   app.add_option("--grace-period", grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping")

@@ -67,6 +67,15 @@ void checkResolves(const std::string& host, const std::string& what) {
   }
 }
 
+// dtrain-run reads stdout through a pipe, which makes it block-buffered: what a worker printed last
+// would be lost when the launcher stops it. With DTRAIN_LINE_BUFFERED=1 (set by dtrain-run) stdout is
+// line-buffered before main() runs, for printf and std::cout (which writes through stdout unless
+// sync_with_stdio(false)) alike. Every program that forms a group links this file.
+[[maybe_unused]] const bool kLineBuffered = [] {
+  const char* v = std::getenv("DTRAIN_LINE_BUFFERED");
+  return v && std::strcmp(v, "1") == 0 && std::setvbuf(stdout, nullptr, _IOLBF, 0) == 0;
+}();
+
 // A store that keeps the TcpStore server it talks to alive (rank 0 hosts it for the job's lifetime).
 class HostedStore : public PrefixStore {
  public:

@@ -1,0 +1,50 @@
+// The reference MLP of benches/torch_ddp.py (784-2048-2048-1024-10, 7.9M parameters, SGD momentum 0.9
+// on a fixed batch per rank) and what the training benchmarks need to verify what they print: the
+// same training in one process with plain libtorch, and a comparison of the parameters.
+//
+// \code
+//   auto [x, y] = rankBatch(/*rank=*/0, /*rows=*/64);
+//   auto ref = trainReference(x, y, /*steps=*/33);          // no dtrain involved
+//   ParamCheck c = compareParams(net, ref, /*tol=*/0.02);    // c.wrong of c.tensors, c.max_rel
+// \endcode
+#pragma once
+#include <torch/torch.h>
+
+#include <cstdint>
+#include <utility>
+
+namespace dtrain::bench {
+
+// Seeded: every call returns the same initial weights.
+torch::nn::Sequential referenceMlp();
+
+// Rank r's fixed batch (inputs [rows, 784], labels [rows]) from a generator seeded with r.
+std::pair<at::Tensor, at::Tensor> rankBatch(int rank, int rows);
+
+// The ranks' batches 0..world-1 concatenated: the global batch a data-parallel step sees.
+std::pair<at::Tensor, at::Tensor> globalBatch(int world, int rows_per_rank);
+
+// One SGD step (lr 0.01, momentum 0.9) on the mean cross entropy of (x, y); the benchmarks' step.
+void sgdStep(torch::nn::Sequential& net, torch::optim::SGD& opt, const at::Tensor& x, const at::Tensor& y);
+torch::optim::SGD makeSgd(torch::nn::Sequential& net);
+
+// referenceMlp() after `steps` SGD steps on (x, y), in this process with plain libtorch.
+torch::nn::Sequential trainReference(const at::Tensor& x, const at::Tensor& y, int steps);
+
+struct ParamCheck {
+  int64_t wrong = 0;    // parameter tensors beyond the tolerance
+  int64_t tensors = 0;  // parameter tensors compared
+  double max_rel = 0;   // the largest relative error seen
+};
+
+// Compares net's parameters with ref's, tensor by tensor: the error of a tensor is
+// ||net - ref|| / ||ref - init|| (init = referenceMlp()), its distance from the reference measured
+// against how far training moved it. Element-wise or tighter checks cannot work: a mathematically
+// equal computation in another summation order flips a few ReLUs within steps and drifts to
+// relative errors of about 1e-3 after 30 steps, while not averaging, or averaging only some
+// buckets, is off by order 1.
+ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol);
+
+int64_t countParams(torch::nn::Sequential& net);
+
+}  // namespace dtrain::bench
