@@ -5,8 +5,9 @@ loss, Adam with warmup + cosine; prints samples/s over the timed steps.
 
 usage: milnce_torch.py DATA_DIR WORLD [--batch 32] [--steps 40] [--warmup-steps 5] [--candidates 4]
 """
-import argparse, csv, math, os, random, re, time
+import argparse, csv, math, os, random, re, sys, time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peer_env, also when loaded by path (tests)
 import peer_env  # noqa: F401  (before numpy and torch: one compute thread per rank, BLAS included)
 import numpy as np
 import torch

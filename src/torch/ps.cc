@@ -5,6 +5,8 @@
 // variable, the optimizer updates); the environment helpers.
 #include "dtrain/ps.h"
 
+#include "dtrain/comm/rendezvous.h"
+
 #include <ATen/ATen.h>
 #include <fmt/format.h>
 
@@ -1696,10 +1698,11 @@ int envInt(const char* name, int def) {
 }  // namespace
 
 std::shared_ptr<comm::Store> storeFromEnv(std::chrono::milliseconds timeout) {
-  const char* addr = std::getenv("MASTER_ADDR");
-  std::string host = addr && *addr ? addr : "127.0.0.1";
-  int port = envInt("MASTER_PORT", 29500);
-  int restart = envInt("DTRAIN_RESTART_COUNT", 0);
+  // The same address as dtrain::init() (MASTER_ADDR/MASTER_PORT checked at once, Slurm's first node).
+  comm::StoreAddress where = comm::storeAddress(comm::InitOptions{});
+  const std::string& host = where.host;
+  const int port = where.port;
+  int restart = envInt("DTRAIN_RESTART_COUNT", envInt("TORCHELASTIC_RESTART_COUNT", 0));
   std::shared_ptr<comm::Store> base;
   try {
     base = std::make_shared<comm::TcpStore>(host, static_cast<uint16_t>(port), timeout);

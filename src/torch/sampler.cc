@@ -83,7 +83,7 @@ struct DistributedLoaderSampler::State {
 
 DistributedLoaderSampler::DistributedLoaderSampler(int64_t dataset_size, int num_replicas, int rank, bool shuffle,
                                                    uint64_t seed, bool drop_last)
-    : state_(std::make_shared<State>(State{DistributedSampler(dataset_size, num_replicas, rank, shuffle, seed, drop_last)})) {
+    : state_(std::make_shared<State>(State{DistributedSampler(dataset_size, num_replicas, rank, shuffle, seed, drop_last), {}, 0, std::nullopt, false})) {
   state_->order = state_->sampler.order();  // usable before the first reset()
 }
 

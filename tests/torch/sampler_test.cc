@@ -253,8 +253,9 @@ TEST(LoaderSampler, RanksPartitionTheDatasetInTheSamplersOrder) {
           EXPECT_EQ(reads, per * replicas);
           // Padding repeats exactly per*R - n indices; drop_last reads each index at most once.
           EXPECT_EQ(static_cast<int64_t>(counts.size()), drop_last ? per * replicas : n);
-          if (drop_last || n % replicas == 0)
+          if (drop_last || n % replicas == 0) {
             for (auto& [i, c] : counts) EXPECT_EQ(c, 1) << "index " << i;
+          }
         }
 }
 
