@@ -17,6 +17,8 @@
 #include <sstream>
 #include <thread>
 
+#include "dtrain/comm/error.h"
+
 namespace dtrain::test {
 
 std::string ChildResult::describe() const {
@@ -173,6 +175,15 @@ TempDir::TempDir() {
 TempDir::~TempDir() {
   std::error_code ec;
   std::filesystem::remove_all(path_, ec);
+}
+
+std::string errorOf(const std::function<void()>& fn) {
+  try {
+    fn();
+  } catch (const Error& e) {
+    return e.what();
+  }
+  return "no dtrain::Error";
 }
 
 }  // namespace dtrain::test

@@ -57,6 +57,9 @@ std::pair<int, std::string> runCommand(const std::string& cmd, int timeout_secon
 // Resident memory of this process, in KiB (from /proc/self/status).
 long rssKiB();
 
+// The message of the dtrain::Error that fn throws, or "no dtrain::Error" when it throws none.
+std::string errorOf(const std::function<void()>& fn);
+
 // A fresh temporary directory removed (recursively) on destruction.
 class TempDir {
  public:

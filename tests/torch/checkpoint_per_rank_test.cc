@@ -29,15 +29,6 @@ std::shared_ptr<comm::ProcessGroup> group(std::shared_ptr<comm::Store> store, in
   return comm::ProcessGroup::create(std::move(store), rank, world, o);
 }
 
-std::string errorOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no dtrain::Error";
-}
-
 // The optimizer's per-parameter state tensors in parameter order (Adam's moments and step, SGD's
 // momentum buffers): what "identical optimizer state" compares.
 std::vector<at::Tensor> optimizerState(const torch::optim::Optimizer& opt) {

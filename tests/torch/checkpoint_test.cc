@@ -236,15 +236,6 @@ TEST(Checkpoint, StrayTemporaryFileIsIgnoredAndCleanedUp) {
     EXPECT_EQ(e.path().filename().string().rfind(".tmp-", 0), std::string::npos) << e.path();
 }
 
-std::string errorOf(const std::function<void()>& fn) {
-  try {
-    fn();
-  } catch (const Error& e) {
-    return e.what();
-  }
-  return "no dtrain::Error";
-}
-
 TEST(Checkpoint, CorruptOrTruncatedFileIsANamedError) {
   TempDir dir;
   Checkpointer ckpt(dir.path(), 0);

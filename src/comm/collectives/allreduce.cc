@@ -24,7 +24,7 @@ const char* allreduceAlgoName(AllreduceAlgo a) {
   return "?";
 }
 
-void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, ReduceOp op) {
+void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op) {
   const int n = c.size, r = c.rank;
   const size_t bytes = count * dtypeSize(t);
   int p2 = 1;
@@ -32,29 +32,40 @@ void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, Re
   const int extra = n - p2;
   constexpr uint32_t kFoldTag = 1000, kUnfoldTag = 1001;
   std::vector<Op> ops;
+  // The partial sums live in scratch and reach `out` only at the end: by then this rank has heard,
+  // through its partners, from every rank, so the transport's comparison of every rank's call (which
+  // must come before any output is written) costs no wait (shm), and a mismatch leaves `out` untouched.
   if (r >= p2) {  // an extra rank: contribute, then receive the result
-    ops = {transport::sendOp(r - p2, kFoldTag, buf, bytes)};
+    ops = {transport::sendOp(r - p2, kFoldTag, in, bytes)};
     c.run(ops);
-    ops = {transport::recvOp(r - p2, kUnfoldTag, buf, bytes)};
+    ops = {transport::recvOp(r - p2, kUnfoldTag, out, bytes)};
     c.run(ops);
     return;
   }
+  char* acc = static_cast<char*>(c.scratch(2 * bytes));
+  char* tmp = acc + bytes;
+  const void* mine = in;
   if (r < extra) {
-    ops = {transport::recvReduceOp(r + p2, kFoldTag, buf, bytes, t, op)};
+    ops = {transport::recvReduceOp(r + p2, kFoldTag, acc, bytes, t, op, in)};
+    ops[0].to_scratch = true;
     c.run(ops);
+    mine = acc;
   }
-  void* tmp = c.scratch(bytes);
   for (int mask = 1, round = 0; mask < p2; mask <<= 1, ++round) {
     int partner = r ^ mask;
-    ops = {transport::sendOp(partner, round, buf, bytes), transport::recvOp(partner, round, tmp, bytes)};
+    ops = {transport::sendOp(partner, round, mine, bytes), transport::recvOp(partner, round, tmp, bytes)};
+    ops[1].to_scratch = true;
     c.run(ops);
-    reduceInto(buf, tmp, count, t, op);
+    reduceTo(acc, mine, tmp, count, t, op);
+    mine = acc;
   }
-  if (op == ReduceOp::avg) divideBy(buf, count, t, n);
+  if (op == ReduceOp::avg) divideBy(acc, count, t, n);
   if (r < extra) {
-    ops = {transport::sendOp(r + p2, kUnfoldTag, buf, bytes)};
+    ops = {transport::sendOp(r + p2, kUnfoldTag, acc, bytes)};
     c.run(ops);
   }
+  c.compareCalls();
+  if (bytes) std::memcpy(out, acc, bytes);
 }
 
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {
@@ -72,8 +83,11 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
     allreduceRing(c, in, out, count, t, op);
     return;
   }
-  if (in != out && bytes) std::memmove(out, in, bytes);
-  if (c.size > 1) allreduceRecursiveDoubling(c, out, count, t, op);  // avg over one rank is the identity
+  if (c.size > 1) {
+    allreduceRecursiveDoubling(c, in, out, count, t, op);
+  } else if (in != out && bytes) {
+    std::memmove(out, in, bytes);  // avg over one rank is the identity
+  }
 }
 
 }  // namespace dtrain::comm::algo

@@ -21,6 +21,8 @@ struct Context {
   std::vector<uint8_t>& scratch_store;
 
   void run(std::vector<transport::Op>& ops) { tx->run(ops, deadline, label); }
+  // Before writing the output from data received into scratch: every rank's call is this one.
+  void compareCalls() { tx->compareCalls(label, deadline); }
   void* scratch(size_t bytes) {
     if (scratch_store.size() < bytes) scratch_store.resize(bytes);
     return scratch_store.data();
@@ -40,7 +42,7 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
                AllreduceAlgo algo = AllreduceAlgo::kAuto);
 // in == out is in place; out of place never copies in to out.
 void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
-void allreduceRecursiveDoubling(Context& c, void* buf, size_t count, DType t, ReduceOp op);
+void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
 
 void broadcast(Context& c, void* buf, size_t count, DType t, int root);
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);

@@ -187,7 +187,7 @@ struct ProcessGroup::Impl {
         if (!every_rank && !opts.check_fingerprints && needsExchange(t.label.op)) exchangeFingerprints(c);
       }
       t.fn(c);
-      if (check) tx->endCollective(t.label, t.deadline);
+      if (check) tx->compareCalls(t.label, t.deadline);
       t.work->finish();
     } catch (const std::exception& e) {
       if (tx) tx->abort(e);

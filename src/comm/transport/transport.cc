@@ -138,7 +138,7 @@ void throwMismatch(int self, const Label& label, const std::string& peer, uint32
 }
 
 void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const std::string& peer,
-                 const Label& label) {
+                 const Label& label, const char* outputs) {
   if (h.magic != kFrameMagic || h.version != kFrameVersion) {
     throw ProtocolError(fmt::format(
         "[rank {}] {}: bad frame from {}: magic {:#x} version {} (expected {:#x} version {}); "
@@ -149,7 +149,7 @@ void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const
   const bool p2p = op == OpCode::send;
   // A collective frame, or a collective's frame where this rank expected one: compare the calls.
   if ((label.fp.collective() || h.fp.collective()) && (h.fp != label.fp || h.seq != label.seq)) {
-    throwMismatch(self, label, peer, h.seq, h.fp, "the outputs of this call are unspecified");
+    throwMismatch(self, label, peer, h.seq, h.fp, outputs);
   }
   if (h.opcode != static_cast<uint16_t>(op) || (!p2p && h.seq != label.seq) || h.tag != tag) {
     throw ProtocolError(fmt::format(

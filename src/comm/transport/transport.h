@@ -116,6 +116,9 @@ struct Op {
   DType dtype = DType::u8;
   ReduceOp rop = ReduceOp::sum;
   const void* operand = nullptr;
+  // Receives only: `data` is the algorithm's scratch, not a user buffer, so the payload may be delivered
+  // before the ranks' calls were compared (the algorithm calls compareCalls before it writes output).
+  bool to_scratch = false;
   // The first operand of a reduce receive at byte offset `off` of the payload.
   const char* operandAt(size_t off) const {
     return static_cast<const char*>(operand ? operand : data) + off;
@@ -170,9 +173,11 @@ class Transport {
   // sender's fingerprint and every receiver compares it, and the group exchanges fingerprints first for
   // the ops in which some rank would not receive from every other (see ProcessGroup).
   virtual bool beginCollective(const Label& label, Deadline deadline) { return false; }
-  // Called when the collective's algorithm returned: a transport that compares fingerprints in its
-  // first wait makes sure a collective whose algorithm never waited is compared too.
-  virtual void endCollective(const Label& label, Deadline deadline) {}
+  // Returns once every rank's call is known to be this one, or throws the mismatch. A transport that
+  // compares calls before delivering payloads (shm) may still have that pending; algorithms that
+  // receive into scratch call it before they write the output, and the group calls it when the
+  // algorithm returns. Where calls are compared in frame headers (tcp) it returns at once.
+  virtual void compareCalls(const Label& label, Deadline deadline) {}
   // A transport may run allreduce its own way (shared memory: every rank reads every other's staged
   // input directly). Returns false when it has no such path, or (unless `forced`) when it judges the
   // generic algorithms faster for this size; they then apply.
@@ -206,8 +211,9 @@ ErrorKind errorKindOf(const std::exception& e);
 // Checks a received header against what this rank expected; throws ProtocolError naming the peer.
 // A collective whose fingerprint or sequence number differs is a mismatch naming both calls.
 // Abort frames are not handled here (callers check opcode == kAbort first).
+// `outputs` says what became of this call's outputs (see throwMismatch).
 void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const std::string& peer,
-                 const Label& label);
+                 const Label& label, const char* outputs = "the outputs of this call are unspecified");
 // The error for two ranks that called different collectives: names both calls. `outputs` says what
 // became of this call's output ("no output buffer was modified" on shm, "outputs are unspecified").
 [[noreturn]] void throwMismatch(int self, const Label& label, const std::string& peer, uint32_t peer_seq,

@@ -69,6 +69,7 @@ struct alignas(64) RankSlot {
   std::atomic<int32_t> pid;
   std::atomic<uint32_t> aborted;
   std::atomic<int32_t> cores;  // usable cores of this rank, so that every rank makes the same choices
+  std::atomic<uint32_t> awaiting_calls;  // 1 while this rank waits for others to publish their call
   FpEntry fps[2];
   uint32_t abort_kind;
   char abort_msg[kMaxAbortMessage + 1];
@@ -239,12 +240,12 @@ class ShmTransport : public Transport {
     }
     sqi.assign(size_, 0);
     rqi.assign(size_, 0);
-    if (check_pending_) awaitFingerprints(deadline, label);
     size_t remaining = ops.size();
     auto* me = slot(rank_);
     while (remaining > 0) {
       uint32_t bell = me->doorbell.load(std::memory_order_seq_cst);
       bool progress = false;
+      gated_ = false;
       ring_mask_.assign(size_, 0);
       for (int p = 0; p < size_; ++p) {
         if (p == rank_) continue;
@@ -269,6 +270,10 @@ class ShmTransport : public Transport {
       }
       ringPeers();
       if (remaining == 0 || progress) continue;
+      if (gated_) {  // a payload waits for the others' calls: be woken when one is published
+        awaitingCalls(true);
+        if (fingerprintsAgree(label)) continue;  // a call published since the pass: deliver now
+      }
       waitForBell(bell, deadline, label);
     }
   }
@@ -313,10 +318,17 @@ class ShmTransport : public Transport {
       std::memcpy(staged(rank_), mine, sl[rank_] * es);
       std::memcpy(staged(rank_) + sl[rank_ + 1] * es, mine + sl[rank_ + 1] * es, (len - sl[rank_ + 1]) * es);
       publish(kInReady, g);
-      // 2. Reduce my slice, once every rank's call is known to be this one (nothing was written to an
-      //    output yet, so a mismatch leaves every output untouched).
-      if (check_pending_) awaitFingerprints(deadline, label);
-      waitCounters(kInReady, g, deadline, label, "to stage its input");
+      // 2. Reduce my slice, once every rank's input is staged and (first chunk) its call is known to be
+      //    this one: nothing was written to an output yet, so a mismatch leaves every output untouched.
+      //    A rank publishes its call before it stages, so one wait covers both; a rank in another
+      //    collective never stages, but its call is seen (and named) while waiting.
+      if (check_pending_) {
+        waitAll([&](int p) { return sameCall(p, label) && counter(kInReady, p)->v.load(std::memory_order_acquire) >= g; },
+                deadline, label, "to stage its input");
+        check_pending_ = false;
+      } else {
+        waitCounters(kInReady, g, deadline, label, "to stage its input");
+      }
       const size_t a = sl[rank_], cnt = sl[rank_ + 1] - sl[rank_];
       char* res = dst + (off + a) * es;
       bool first = true;
@@ -338,25 +350,28 @@ class ShmTransport : public Transport {
     return true;
   }
 
-  // Publishes this rank's call and compares every rank's before the algorithm runs (algorithms copy
-  // local blocks into the output before they communicate). The direct allreduce writes no output
-  // before its first wait, so there the comparison joins that wait instead of costing one more.
+  // Publishes this rank's call and compares every rank's before anything is written to an output.
+  // Most algorithms copy local blocks into the output before they communicate, so for them the ranks
+  // compare at once. Allreduce writes its output only from received data (or after its first exchange),
+  // so there the comparison joins a wait the algorithm has anyway: the direct allreduce's first wait,
+  // or, over the pair queues, the first delivery of a received payload (pumpRecv holds it back until
+  // every rank's call is known to be the same). Sends go ahead meanwhile.
   bool beginCollective(const Label& label, Deadline deadline) override {
     FpEntry& e = slot(rank_)->fps[++begun_ & 1];
     e.seq = label.seq;
     e.fp = label.fp;
-    e.stamp.store(begun_, std::memory_order_release);
+    e.stamp.store(begun_, std::memory_order_seq_cst);
     check_pending_ = true;
-    for (int p = 0; p < size_; ++p) ring_mask_[p] = p != rank_;
+    // Wake only the ranks that wait for calls (awaitingCalls): ringing everyone on every collective
+    // costs a context switch per peer when ranks outnumber cores.
+    for (int p = 0; p < size_; ++p)
+      ring_mask_[p] = p != rank_ && slot(p)->awaiting_calls.load(std::memory_order_seq_cst);
     ringPeers();
-    const auto algo = label.fp.algo;  // AllreduceAlgorithm: 0 automatic, 3 direct
-    bool direct = label.fp.op == static_cast<uint16_t>(OpCode::allreduce) && (algo == 0 || algo == 3) &&
-                  runsDirect(label.fp.count, static_cast<DType>(label.fp.dtype), algo == 3);
-    if (!direct) awaitFingerprints(deadline, label);
+    if (label.fp.op != static_cast<uint16_t>(OpCode::allreduce)) awaitFingerprints(deadline, label);
     return true;
   }
 
-  void endCollective(const Label& label, Deadline deadline) override {
+  void compareCalls(const Label& label, Deadline deadline) override {
     if (check_pending_) awaitFingerprints(deadline, label);
   }
 
@@ -409,6 +424,9 @@ class ShmTransport : public Transport {
   }
   SegHeader* header() { return reinterpret_cast<SegHeader*>(base_); }
   RankSlot* slot(int r) { return reinterpret_cast<RankSlot*>(base_ + slots_off_ + roundUp(sizeof(RankSlot), 64) * r); }
+  const RankSlot* slot(int r) const {
+    return reinterpret_cast<const RankSlot*>(base_ + slots_off_ + roundUp(sizeof(RankSlot), 64) * r);
+  }
   RingCtl* ctl(int src, int dst) { return reinterpret_cast<RingCtl*>(base_ + ctl_off_) + (src * size_ + dst); }
   char* ringData(int src, int dst) { return base_ + data_off_ + ring_ * (src * size_ + dst); }
 
@@ -467,10 +485,14 @@ class ShmTransport : public Transport {
       r.done += k;
       used += k;
       if (r.done == sizeof(Header)) {
-        checkHeader(r.h, r.op->tag, r.op->bytes, rank_, peerName(p), label);
+        // Payloads are delivered only after every rank's call was compared (see beginCollective).
+        checkHeader(r.h, r.op->tag, r.op->bytes, rank_, peerName(p), label, "no output buffer was modified");
       }
     }
-    if (r.done >= sizeof(Header)) {
+    // A payload reaches its destination only once every rank's call is known to be this one.
+    const bool deliver = !check_pending_ || r.op->to_scratch || fingerprintsAgree(label);
+    gated_ |= !deliver;
+    if (r.done >= sizeof(Header) && deliver) {
       uint64_t n = std::min<uint64_t>({avail - used, r.total - r.done, kPiece});
       uint64_t poff = r.done - sizeof(Header);
       uint64_t real = poff < r.op->bytes ? std::min<uint64_t>(n, r.op->bytes - poff) : 0;
@@ -518,17 +540,36 @@ class ShmTransport : public Transport {
   // mismatch error on this rank (and, since every rank compares every other, on all of them), raised
   // before anything was written to an output.
   void awaitFingerprints(Deadline deadline, const Label& label) {
+    if (fingerprintsAgree(label)) return;
+    awaitingCalls(true);
+    waitAll([&](int p) { return sameCall(p, label); }, deadline, label, "to begin this collective");
     check_pending_ = false;
-    const uint64_t stamp = begun_;
-    waitAll(
-        [&](int p) {
-          const FpEntry& e = slot(p)->fps[stamp & 1];
-          if (e.stamp.load(std::memory_order_acquire) != stamp) return false;
-          if (e.seq != label.seq || e.fp != label.fp)
-            throwMismatch(rank_, label, peerName(p), e.seq, e.fp, "no output buffer was modified");
-          return true;
-        },
-        deadline, label, "to begin this collective");
+    awaitingCalls(false);
+  }
+
+  // Whether rank p began this collective; a different call is a mismatch error.
+  bool sameCall(int p, const Label& label) {
+    const FpEntry& e = slot(p)->fps[begun_ & 1];
+    if (e.stamp.load(std::memory_order_seq_cst) != begun_) return false;
+    if (e.seq != label.seq || e.fp != label.fp)
+      throwMismatch(rank_, label, peerName(p), e.seq, e.fp, "no output buffer was modified");
+    return true;
+  }
+
+  // Without waiting: true (and no longer pending) once every rank began this same collective.
+  bool fingerprintsAgree(const Label& label) {
+    for (int p = 0; p < size_; ++p)
+      if (p != rank_ && !sameCall(p, label)) return false;
+    check_pending_ = false;
+    awaitingCalls(false);
+    return true;
+  }
+
+  // Before sleeping for others' calls, a rank says so and then looks again; a rank that publishes its
+  // call after that sees the flag and rings (both sides seq_cst: one of them sees the other).
+  void awaitingCalls(bool on) {
+    auto& f = slot(rank_)->awaiting_calls;
+    if (f.load(std::memory_order_relaxed) != static_cast<uint32_t>(on)) f.store(on, std::memory_order_seq_cst);
   }
 
   // Waits until ready(p) holds for every other rank p (ready may throw), spinning briefly, then sleeping
@@ -641,7 +682,7 @@ class ShmTransport : public Transport {
     const auto &sqi = sqi_, &rqi = rqi_;
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
-      bool pending = sqi[p] < sq[p].size() || rqi[p] < rq[p].size();
+      bool pending = sqi[p] < sq[p].size() || rqi[p] < rq[p].size() || (check_pending_ && !sameCall(p, label));
       if (!pending) continue;
       if (kill(pids_[p], 0) != 0 && errno == ESRCH) {
         // Data it wrote before dying may still be in the ring: let the caller pump once more.
@@ -660,6 +701,10 @@ class ShmTransport : public Transport {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       bool s = sqi_[p] < sq_[p].size(), r = rqi_[p] < rq_[p].size();
+      if (check_pending_ && slot(p)->fps[begun_ & 1].stamp.load() != begun_) {
+        waiting += fmt::format("{}{} (to begin this collective)", waiting.empty() ? "" : ", ", peerName(p));
+        continue;
+      }
       if (!s && !r) continue;
       waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(p), r ? (s ? "send+recv" : "recv") : "send");
     }
@@ -671,6 +716,7 @@ class ShmTransport : public Transport {
   size_t chunk_ = 0, coll_ctl_off_ = 0, coll_data_off_ = 0;
   uint64_t chunks_done_ = 0;  // chunks of direct allreduce run so far (the same on every rank)
   uint64_t begun_ = 0;        // collectives begun (the stamp of this rank's published fingerprint)
+  bool gated_ = false;          // this pass held back a payload until the others' calls are known
   bool check_pending_ = false;  // begun, but the fingerprints not compared yet
   std::vector<int32_t> pids_;
   std::vector<uint8_t> ring_mask_;
