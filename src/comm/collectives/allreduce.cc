@@ -32,9 +32,10 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
   const int extra = n - p2;
   constexpr uint32_t kFoldTag = 1000, kUnfoldTag = 1001;
   std::vector<Op> ops;
-  // The partial sums live in scratch and reach `out` only at the end: by then this rank has heard,
-  // through its partners, from every rank, so the transport's comparison of every rank's call (which
-  // must come before any output is written) costs no wait (shm), and a mismatch leaves `out` untouched.
+  // Where the transport guards outputs (shm), the partial sums live in scratch and reach `out` only at
+  // the end: by then this rank has heard, through its partners, from every rank, so comparing every
+  // rank's call (which must come before any output is written) costs no wait, and a mismatch leaves
+  // `out` untouched. Elsewhere they accumulate in `out` directly.
   if (r >= p2) {  // an extra rank: contribute, then receive the result
     ops = {transport::sendOp(r - p2, kFoldTag, in, bytes)};
     c.run(ops);
@@ -42,8 +43,8 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
     c.run(ops);
     return;
   }
-  char* acc = static_cast<char*>(c.scratch(2 * bytes));
-  char* tmp = acc + bytes;
+  char* acc = c.guard_output ? static_cast<char*>(c.scratch(2 * bytes)) : static_cast<char*>(out);
+  char* tmp = c.guard_output ? acc + bytes : static_cast<char*>(c.scratch(bytes));
   const void* mine = in;
   if (r < extra) {
     ops = {transport::recvReduceOp(r + p2, kFoldTag, acc, bytes, t, op, in)};
@@ -64,8 +65,10 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
     ops = {transport::sendOp(r + p2, kUnfoldTag, acc, bytes)};
     c.run(ops);
   }
-  c.compareCalls();
-  if (bytes) std::memcpy(out, acc, bytes);
+  if (acc != out) {
+    c.compareCalls();
+    if (bytes) std::memcpy(out, acc, bytes);
+  }
 }
 
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {

@@ -19,6 +19,9 @@ struct Context {
   transport::Label label;
   transport::Deadline deadline;
   std::vector<uint8_t>& scratch_store;
+  // The transport delivers no payload into a user buffer before every rank's call is compared (shm):
+  // algorithms that write the output themselves do so only after compareCalls().
+  bool guard_output = false;
 
   void run(std::vector<transport::Op>& ops) { tx->run(ops, deadline, label); }
   // Before writing the output from data received into scratch: every rank's call is this one.

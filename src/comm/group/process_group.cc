@@ -184,6 +184,7 @@ struct ProcessGroup::Impl {
       if (check) {
         if (opts.check_fingerprints) listMismatch(c);
         bool every_rank = tx->beginCollective(t.label, t.deadline);
+        c.guard_output = every_rank;
         if (!every_rank && !opts.check_fingerprints && needsExchange(t.label.op)) exchangeFingerprints(c);
       }
       t.fn(c);
