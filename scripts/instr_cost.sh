@@ -8,7 +8,9 @@
 # The shm transport spins briefly before sleeping when ranks have a core each; how long it spins
 # depends on timing, not on the code, so both builds are compiled with the spin phase off (kSpins = 0,
 # the same one-line edit in each). Configurations: shm on 2 cores (the direct allreduce), shm with both
-# ranks on one core (recursive doubling over the pair queues), tcp.
+# ranks on one core (recursive doubling over the pair queues), tcp on 2 cores (how often a rank polls a
+# socket that is not ready yet depends on timing: a few % either way between runs) and on one core
+# (the ranks take turns: repeatable).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 base_rev=${1:-2d60e14}
@@ -53,3 +55,4 @@ run() {
 run "shm, 2 cores (direct)" ""
 run "shm, 1 core (pair queues)" "taskset -c 0"
 run "tcp, 2 cores" "DTRAIN_TRANSPORT=tcp"
+run "tcp, 1 core" "DTRAIN_TRANSPORT=tcp taskset -c 0"
