@@ -279,7 +279,12 @@ class TcpTransport : public Transport {
     bool watch_idle = true;
   };
 
+  // A lost connection is usually a consequence: the peer failed (or learnt that another rank did) and
+  // closed its sockets, and it could not send its abort frame to us on a connection it was in the
+  // middle of a frame on. The rank that failed first did send one on every idle connection: look for
+  // it on every peer at a frame boundary, for a short while, and raise that root cause instead.
   [[noreturn]] void throwLost(int i, const Label& label, const char* why) {
+    raiseAnyAbort(label, std::chrono::milliseconds(300));
     throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
   }
 
@@ -332,6 +337,39 @@ class TcpTransport : public Transport {
       throwLost(i, label, strerror(err));
     }
     return moved;
+  }
+
+  // Raises an abort frame waiting at a frame boundary on any peer's connection, polling up to `patience`.
+  void raiseAnyAbort(const Label& label, std::chrono::milliseconds patience) {
+    const Deadline until = Clock::now() + patience;
+    std::vector<int> watch;
+    for (int j = 0; j < size_; ++j) {
+      if (j == rank_ || !peers_[j].sock.valid()) continue;
+      if (!peers_[j].recvs.empty() && peers_[j].recvs.front().hdr_got > 0) continue;  // mid-frame
+      watch.push_back(j);
+    }
+    while (!watch.empty()) {
+      std::vector<pollfd> pfds;
+      for (int j : watch) pfds.push_back({peers_[j].sock.fd(), POLLIN, 0});
+      int ms = net::msUntil(until);
+      if (::poll(pfds.data(), pfds.size(), ms) <= 0 && ms <= 0) return;
+      for (size_t k = pfds.size(); k-- > 0;) {
+        if (!pfds[k].revents) continue;
+        const int j = watch[k];
+        Header h;
+        ssize_t n = ::recv(peers_[j].sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+        if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
+            h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+          const Deadline d = net::deadlineAfter(std::chrono::seconds(2));
+          peers_[j].sock.recvAll(&h, sizeof h, d);
+          raiseAbort(j, h, d, label);
+        }
+        if (n == 0 || n == static_cast<ssize_t>(sizeof h) || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+          watch.erase(watch.begin() + static_cast<long>(k));  // closed, data, or an error: nothing to wait for
+        }
+      }
+      if (Clock::now() >= until) return;
+    }
   }
 
   // A send to peer i failed: the peer is gone. A peer that failed first sends an abort frame with its
