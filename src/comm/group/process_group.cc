@@ -197,18 +197,24 @@ struct ProcessGroup::Impl {
     }
   }
 
-  // Every rank sends its fingerprint (in the frame header) to every other, which compares it.
-  void exchangeFingerprints(algo::Context& c) {
+  // Sends `bytes` at `mine` to every other rank and receives each rank p's into theirs + p * bytes, in
+  // fingerprint frames whose headers carry `fp` (compared by the receivers when it is a collective's).
+  void exchangeWithAll(algo::Context& c, const void* mine, void* theirs, size_t bytes,
+                       const transport::Fingerprint& fp) {
     std::vector<transport::Op> ops;
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
-      ops.push_back(transport::sendOp(p, 0, nullptr, 0));
-      ops.push_back(transport::recvOp(p, 0, nullptr, 0));
+      ops.push_back(transport::sendOp(p, 0, mine, bytes));
+      ops.push_back(transport::recvOp(p, 0, static_cast<char*>(theirs) + p * bytes, bytes));
     }
     transport::Label l = c.label;
     l.op = OpCode::fingerprint;
+    l.fp = fp;
     tx->run(ops, c.deadline, l);
   }
+
+  // Every rank sends its fingerprint (in the frame header) to every other, which compares it.
+  void exchangeFingerprints(algo::Context& c) { exchangeWithAll(c, nullptr, nullptr, 0, c.label.fp); }
 
   // DTRAIN_DEBUG=detail: every rank's call goes to every rank first, and a mismatch lists them all
   // ("ranks 0, 2 called allreduce(...); rank 1 called broadcast(...)").
@@ -216,16 +222,8 @@ struct ProcessGroup::Impl {
     std::vector<Called> all(size);
     const Called mine{c.label.fp, c.label.seq};
     all[rank] = mine;
-    std::vector<transport::Op> ops;
-    for (int p = 0; p < size; ++p) {
-      if (p == rank) continue;
-      ops.push_back(transport::sendOp(p, 0, &all[rank], sizeof(Called)));
-      ops.push_back(transport::recvOp(p, 0, &all[p], sizeof(Called)));
-    }
-    transport::Label l = c.label;
-    l.op = OpCode::fingerprint;
-    l.fp = transport::Fingerprint{};  // compared below, all at once, rather than frame by frame
-    tx->run(ops, c.deadline, l);
+    // Headers without a call: the calls are compared below, all at once, rather than frame by frame.
+    exchangeWithAll(c, &all[rank], all.data(), sizeof(Called), transport::Fingerprint{});
     bool same = std::all_of(all.begin(), all.end(), [&](const Called& f) { return f.fp == mine.fp && f.seq == mine.seq; });
     if (same) return;
     std::vector<std::pair<std::string, std::vector<int>>> groups;
@@ -293,8 +291,9 @@ struct ProcessGroup::Impl {
     bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
     return even ? 0 : transport::hashCounts(counts);
   }
-  static std::string countsText(const std::vector<size_t>& counts) {
-    return unevenHash(counts) ? fmt::format(" counts [{}]", fmt::join(counts, ", ")) : "";
+  // The counts in the op's label, where they enter its fingerprint (hash = unevenHash(counts)).
+  static std::string countsText(const std::vector<size_t>& counts, uint64_t hash) {
+    return hash ? fmt::format(" counts [{}]", fmt::join(counts, ", ")) : "";
   }
   void checkCounts(const std::vector<size_t>& counts, const char* op) const {
     DTRAIN_CHECK(counts.size() == static_cast<size_t>(size), InvalidArgument,
@@ -387,7 +386,7 @@ WorkPtr ProcessGroup::allgatherv(const void* in, void* out, std::vector<size_t> 
   impl_->checkBuf(in, counts[impl_->rank], "input", "allgather");
   impl_->checkBuf(out, total, "output", "allgather");
   uint64_t h = Impl::unevenHash(counts);
-  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, std::nullopt, Impl::countsText(counts),
+  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, std::nullopt, Impl::countsText(counts, h),
                                          [=](algo::Context& c) { algo::allgatherv(c, in, out, counts, t); }, h));
 }
 
@@ -403,7 +402,7 @@ WorkPtr ProcessGroup::reduceScatterv(const void* in, void* out, std::vector<size
   impl_->checkBuf(out, counts[impl_->rank], "output", "reduce_scatter");
   uint64_t h = Impl::unevenHash(counts);
   return impl_->submit(impl_->collective(OpCode::reduce_scatter, t, total, -1, op,
-                                         fmt::format(" {}{}", reduceOpName(op), Impl::countsText(counts)),
+                                         fmt::format(" {}{}", reduceOpName(op), Impl::countsText(counts, h)),
                                          [=](algo::Context& c) { algo::reduceScatterv(c, in, out, counts, t, op); }, h));
 }
 

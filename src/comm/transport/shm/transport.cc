@@ -54,7 +54,7 @@ constexpr size_t kChunkLarge = 1u << 20;
 constexpr auto kSleepSlice = std::chrono::milliseconds(50);
 
 // A rank's published call: stamp is the number of collectives it has begun on this group (written last,
-// with release), so a reader that sees the stamp it expects sees the fingerprint too. Two entries
+// seq_cst), so a reader that sees the stamp it expects sees the fingerprint too. Two entries
 // (stamp parity): a rank cannot begin collective s + 2 before every rank has begun s + 1, which each
 // does only after reading everyone's entry for s, so an entry is never overwritten while still needed.
 struct FpEntry {
@@ -304,7 +304,6 @@ class ShmTransport : public Transport {
     const char* src = static_cast<const char*>(in);
     char* dst = static_cast<char*>(out);
     std::vector<size_t> sl(n + 1);
-    if (count == 0 && check_pending_) awaitFingerprints(deadline, label);
     for (size_t off = 0; off < count; off += chunk_elems) {
       const size_t len = std::min(chunk_elems, count - off);
       const uint64_t g = ++chunks_done_;
@@ -490,9 +489,10 @@ class ShmTransport : public Transport {
       }
     }
     // A payload reaches its destination only once every rank's call is known to be this one.
-    const bool deliver = !check_pending_ || r.op->to_scratch || fingerprintsAgree(label);
-    gated_ |= !deliver;
-    if (r.done >= sizeof(Header) && deliver) {
+    const bool deliver =
+        r.done >= sizeof(Header) && (!check_pending_ || r.op->to_scratch || fingerprintsAgree(label));
+    gated_ |= r.done >= sizeof(Header) && !deliver;
+    if (deliver) {
       uint64_t n = std::min<uint64_t>({avail - used, r.total - r.done, kPiece});
       uint64_t poff = r.done - sizeof(Header);
       uint64_t real = poff < r.op->bytes ? std::min<uint64_t>(n, r.op->bytes - poff) : 0;
@@ -547,10 +547,13 @@ class ShmTransport : public Transport {
     awaitingCalls(false);
   }
 
+  // Whether rank p published its call for the collective this rank began last.
+  bool began(int p) const { return slot(p)->fps[begun_ & 1].stamp.load(std::memory_order_seq_cst) == begun_; }
+
   // Whether rank p began this collective; a different call is a mismatch error.
   bool sameCall(int p, const Label& label) {
+    if (!began(p)) return false;
     const FpEntry& e = slot(p)->fps[begun_ & 1];
-    if (e.stamp.load(std::memory_order_seq_cst) != begun_) return false;
     if (e.seq != label.seq || e.fp != label.fp)
       throwMismatch(rank_, label, peerName(p), e.seq, e.fp, "no output buffer was modified");
     return true;
@@ -701,7 +704,7 @@ class ShmTransport : public Transport {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       bool s = sqi_[p] < sq_[p].size(), r = rqi_[p] < rq_[p].size();
-      if (check_pending_ && slot(p)->fps[begun_ & 1].stamp.load() != begun_) {
+      if (check_pending_ && !began(p)) {
         waiting += fmt::format("{}{} (to begin this collective)", waiting.empty() ? "" : ", ", peerName(p));
         continue;
       }

@@ -283,8 +283,8 @@ class TcpTransport : public Transport {
   // closed its sockets, and it could not send its abort frame to us on a connection it was in the
   // middle of a frame on. The rank that failed first did send one on every idle connection: look for
   // it on every peer at a frame boundary, for a short while, and raise that root cause instead.
-  [[noreturn]] void throwLost(int i, const Label& label, const char* why) {
-    raiseAnyAbort(label, std::chrono::milliseconds(300));
+  [[noreturn]] void throwLost(int i, const Label& label, const std::string& why) {
+    raiseAnyAbort(i, label, std::chrono::milliseconds(300));
     throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
   }
 
@@ -332,22 +332,36 @@ class TcpTransport : public Transport {
       }
       if (w < 0 && errno == EINTR) continue;
       if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) break;
-      const int err = errno;
-      raiseAbortLeftBy(i, label);
-      throwLost(i, label, strerror(err));
+      throwLost(i, label, strerror(errno));
     }
     return moved;
   }
 
-  // Raises an abort frame waiting at a frame boundary on any peer's connection, polling up to `patience`.
-  void raiseAnyAbort(const Label& label, std::chrono::milliseconds patience) {
-    const Deadline until = Clock::now() + patience;
-    std::vector<int> watch;
-    for (int j = 0; j < size_; ++j) {
-      if (j == rank_ || !peers_[j].sock.valid()) continue;
-      if (!peers_[j].recvs.empty() && peers_[j].recvs.front().hdr_got > 0) continue;  // mid-frame
-      watch.push_back(j);
+  // Peeks at peer j's connection: an abort frame waiting there (at a frame boundary) is read and raised.
+  // Returns what the peek returned (the header's size when a whole non-abort header is waiting, 0 at EOF).
+  ssize_t raiseAbortWaiting(int j, Deadline deadline, const Label& label) {
+    Header h;
+    ssize_t n = ::recv(peers_[j].sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+    if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
+        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+      peers_[j].sock.recvAll(&h, sizeof h, deadline);
+      raiseAbort(j, h, deadline, label);
     }
+    return n;
+  }
+
+  // Raises an abort frame waiting at a frame boundary on any peer's connection (peer `first`'s before
+  // the others'), polling up to `patience` for one to arrive.
+  void raiseAnyAbort(int first, const Label& label, std::chrono::milliseconds patience) {
+    const Deadline until = Clock::now() + patience;
+    const Deadline read_by = net::deadlineAfter(std::chrono::seconds(2));
+    auto atBoundary = [&](int j) {  // not in the middle of a frame: what follows would be data
+      return peers_[j].sock.valid() && (peers_[j].recvs.empty() || peers_[j].recvs.front().hdr_got == 0);
+    };
+    if (atBoundary(first)) raiseAbortWaiting(first, read_by, label);
+    std::vector<int> watch;
+    for (int j = 0; j < size_; ++j)
+      if (j != rank_ && atBoundary(j)) watch.push_back(j);
     while (!watch.empty()) {
       std::vector<pollfd> pfds;
       for (int j : watch) pfds.push_back({peers_[j].sock.fd(), POLLIN, 0});
@@ -355,37 +369,12 @@ class TcpTransport : public Transport {
       if (::poll(pfds.data(), pfds.size(), ms) <= 0 && ms <= 0) return;
       for (size_t k = pfds.size(); k-- > 0;) {
         if (!pfds[k].revents) continue;
-        const int j = watch[k];
-        Header h;
-        ssize_t n = ::recv(peers_[j].sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
-        if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
-            h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
-          const Deadline d = net::deadlineAfter(std::chrono::seconds(2));
-          peers_[j].sock.recvAll(&h, sizeof h, d);
-          raiseAbort(j, h, d, label);
-        }
-        if (n == 0 || n == static_cast<ssize_t>(sizeof h) || (n < 0 && errno != EAGAIN && errno != EINTR)) {
+        ssize_t n = raiseAbortWaiting(watch[k], read_by, label);
+        if (n == 0 || n == static_cast<ssize_t>(sizeof(Header)) || (n < 0 && errno != EAGAIN && errno != EINTR)) {
           watch.erase(watch.begin() + static_cast<long>(k));  // closed, data, or an error: nothing to wait for
         }
       }
       if (Clock::now() >= until) return;
-    }
-  }
-
-  // A send to peer i failed: the peer is gone. A peer that failed first sends an abort frame with its
-  // reason on every connection it is not in the middle of a send on; when this rank was only sending
-  // to it, nobody read that frame. If it is waiting at a frame boundary, raise it: the reason (which
-  // names the rank that failed first) is what the user needs, not "connection reset".
-  void raiseAbortLeftBy(int i, const Label& label) {
-    const auto& p = peers_[i];
-    if (!p.recvs.empty() && p.recvs.front().hdr_got > 0) return;  // mid-frame: what follows is data
-    Header h;
-    ssize_t n = ::recv(p.sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
-    if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
-        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
-      const Deadline deadline = net::deadlineAfter(std::chrono::seconds(2));
-      peers_[i].sock.recvAll(&h, sizeof h, deadline);
-      raiseAbort(i, h, deadline, label);
     }
   }
 
@@ -467,15 +456,8 @@ class TcpTransport : public Transport {
   // rank that finished and exited. Only the abort is an error here; the rest is dealt with when an op
   // actually needs that peer.
   void checkIdlePeer(int i, Deadline deadline, const Label& label) {
-    auto& p = peers_[i];
-    p.watch_idle = false;
-    Header h;
-    ssize_t n = ::recv(p.sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
-    if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
-        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
-      p.sock.recvAll(&h, sizeof h, deadline);
-      raiseAbort(i, h, deadline, label);
-    }
+    peers_[i].watch_idle = false;
+    raiseAbortWaiting(i, deadline, label);
   }
 
   std::vector<Peer> peers_;
