@@ -333,12 +333,7 @@ TEST(PSInit, ReadsTheLauncherVariables) {
     EXPECT_EQ(job.numServers(), 1);
     ASSERT_EQ(job.workers()->size(), 2);
     ps::Worker wk(job, o);
-    auto v = torch::zeros({3});
-    wk.declare("v", v);
-    wk.push("v", torch::full({3}, static_cast<float>(p + 1)));
-    wk.clock();
-    wk.pull("v", v);
-    EXPECT_TRUE(v.equal(torch::full({3}, 3.0f))) << v;  // sum_only: 1 + 2
+    expectTwoWorkersSum(wk, p);
     // The workers' own group works beside the PS.
     int64_t x = p + 1;
     job.workers()->allreduce(&x, 1, comm::DType::i64)->wait();

@@ -475,12 +475,7 @@ TEST(PSEnv, RunServerIfRoleAndStoreFromEnv) {
       return;
     }
     ps::Worker wk(ps::storeFromEnv(), p, W, 1, o);
-    auto v = torch::zeros({3});
-    wk.declare("v", v);
-    wk.push("v", torch::full({3}, static_cast<float>(p + 1)));
-    wk.clock();
-    wk.pull("v", v);
-    EXPECT_TRUE(v.equal(torch::full({3}, 3.0f))) << v;  // sum_only: 1 + 2
+    expectTwoWorkersSum(wk, p);
     wk.finish();
   });
   expectAllOk(results);

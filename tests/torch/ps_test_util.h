@@ -45,6 +45,16 @@ inline std::unique_ptr<torch::optim::Optimizer> makeOpt(ps::PSOptions::Update u,
 }
 
 // max |got - want| within rel of max(1, max |want|).
+// Worker p of two pushes p + 1 into a 3-element tensor of servers that only sum, and pulls the sum, 3.
+inline void expectTwoWorkersSum(ps::Worker& wk, int p) {
+  auto v = torch::zeros({3});
+  wk.declare("v", v);
+  wk.push("v", torch::full({3}, static_cast<float>(p + 1)));
+  wk.clock();
+  wk.pull("v", v);
+  EXPECT_TRUE(v.equal(torch::full({3}, 3.0f))) << v;  // sum_only: 1 + 2
+}
+
 inline void expectClose(const torch::Tensor& got, const torch::Tensor& want, double rel, const std::string& what) {
   double diff = (got - want).abs().max().item<double>();
   double scale = std::max(1.0, want.abs().max().item<double>());
