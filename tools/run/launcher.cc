@@ -1,7 +1,7 @@
 // dtrain-run's engine. One thread, one poll() loop per attempt: it watches the launcher's signals
 // (through a signalfd), every child's stdout/stderr pipe and the deadlines of a shutdown in progress.
 // Children are reaped with waitpid(WNOHANG) whenever SIGCHLD arrives or the loop ticks.
-#include "run/launcher.h"
+#include "launcher.h"
 
 #include <fcntl.h>
 #include <poll.h>
@@ -18,10 +18,10 @@
 #include <optional>
 #include <thread>
 
-#include "comm/net/socket.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/fd.h"
 #include "dtrain/comm/store.h"
-#include "run/output.h"
+#include "output.h"
 
 extern char** environ;
 

@@ -5,7 +5,7 @@
 #include <cstdio>
 
 #include "dtrain/comm/error.h"
-#include "run/launcher.h"
+#include "launcher.h"
 
 namespace {
 

@@ -1,5 +1,5 @@
 // Workers' output: the console forwarding, torchrun's --redirects/--tee values and the log files.
-#include "run/output.h"
+#include "output.h"
 
 #include <fcntl.h>
 #include <poll.h>

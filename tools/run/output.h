@@ -12,7 +12,7 @@
 #include <optional>
 #include <string>
 
-#include "comm/net/socket.h"
+#include "dtrain/comm/fd.h"
 
 namespace dtrain::run {
 
