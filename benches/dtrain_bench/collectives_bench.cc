@@ -9,7 +9,7 @@
 // result against values it computes itself, and #wrong is the total over ranks. A rank that found
 // wrong elements says so on stderr and exits 1 itself, since the total is summed by the very
 // collectives being measured.
-#include "bench/collectives_bench.h"
+#include "collectives_bench.h"
 
 #include <fmt/format.h>
 
@@ -19,7 +19,7 @@
 #include <cstdlib>
 #include <vector>
 
-#include "comm/collectives/kernels.h"
+#include "dtrain/comm/element.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/rendezvous.h"
 

@@ -1,0 +1,21 @@
+// One element of a typed buffer read or written as a double: how tests and benchmarks fill and check
+// buffers of every DType (f16 and bf16 round to nearest even, integers convert like static_cast).
+// Implemented in dtrain::comm (src/comm/collectives/kernels.cc, next to the reduction kernels).
+//
+// \code
+//   std::vector<uint16_t> buf(n);                                   // n x f16
+//   for (size_t i = 0; i < n; ++i) dtrain::comm::storeElement(buf.data(), DType::f16, i, rank + 1);
+//   pg->allreduce(buf.data(), n, DType::f16)->wait();
+//   bool ok = dtrain::comm::loadElement(buf.data(), DType::f16, 0) == world * (world + 1) / 2;
+// \endcode
+#pragma once
+#include <cstddef>
+
+#include "dtrain/comm/types.h"
+
+namespace dtrain::comm {
+
+double loadElement(const void* buf, DType t, size_t i);
+void storeElement(void* buf, DType t, size_t i, double v);
+
+}  // namespace dtrain::comm
