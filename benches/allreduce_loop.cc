@@ -1,5 +1,5 @@
 // N allreduces of 4 KiB (1024 x f32), each waited for: the loop whose instruction count
-// scripts/instr_cost.sh compares between two revisions under callgrind (the cost of the always-on
+// benches/instr_cost.sh compares between two revisions under callgrind (the cost of the always-on
 // collective fingerprint check, docs/PERFORMANCE.md). Comm layer only; builds with g++ alone.
 #include <cstdlib>
 #include <vector>

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Instructions per 4 KiB allreduce (2 ranks, callgrind): revision HEAD_REV against BASE_REV.
-# Usage: bash scripts/instr_cost.sh [BASE_REV] [HEAD_REV] [ITERS]   (defaults: 2d60e14, the commit
+# Usage: benches/instr_cost.sh [BASE_REV] [HEAD_REV] [ITERS]   (or: benches/run.sh instr-cost ...)
+#        (defaults: 2d60e14, the commit
 #        before the always-on fingerprint check; HEAD; 2000 iterations). Needs valgrind. Builds each
 #        revision's comm library in a temporary git worktree (committed code only) and prints, per
 #        configuration, each rank's instructions per allreduce ((Ir(ITERS) - Ir(0)) / ITERS, so start-up

@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
-# MIL-NCE training throughput: dtrain's milnce against the same job in PyTorch (benches/milnce_torch.py:
-# DDP over gloo), side by side in one run, on the same generated data. Both sides run one compute
-# thread per rank, BLAS included: the variables below reach dtrain's ranks through dtrain-run (which
-# would set OMP_NUM_THREADS=1 anyway; OpenBLAS follows it) and the PyTorch ranks (benches/peer_env.py
-# sets and checks them too).
-# Usage: scripts/bench_milnce.sh [WORLD...]   (default: 1 2). Env: BUILD_DIR, DATA_DIR, STEPS (PyTorch timed steps).
+# MIL-NCE training throughput: dtrain's milnce against the same job in PyTorch
+# (benches/peers/milnce_torch.py: DDP over gloo), side by side in one run, on the same generated data.
+# Both sides run one compute thread per rank, BLAS included: the variables below reach dtrain's ranks
+# through dtrain-run (which would set OMP_NUM_THREADS=1 anyway; OpenBLAS follows it) and the PyTorch
+# ranks (benches/peers/peer_env.py sets and checks them too).
+# Usage: benches/milnce.sh [WORLD...]   (default: 1 2; or: benches/run.sh milnce [WORLD...]).
+# Env: BUILD_DIR, DATA_DIR, STEPS (PyTorch timed steps).
 set -euo pipefail
 cores=$(nproc)  # before the export: nproc reports OMP_NUM_THREADS when it is set
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -22,7 +23,7 @@ for w in "${worlds[@]}"; do
   "$build/bin/dtrain-run" --standalone --nproc-per-node "$w" "$build/bin/milnce" train --data "$data" \
     --out "$tmp/run$w" --epochs 3 --no-eval --no-progress >/dev/null
   ours=$(/usr/bin/python3 -c "import json,sys; l=[json.loads(x) for x in open(sys.argv[1])][1:]; print(f'{sum(x[\"samples_per_s\"] for x in l)/len(l):.1f}')" "$tmp/run$w/metrics.jsonl")
-  theirs=$(/usr/bin/python3 "$root/benches/milnce_torch.py" "$data" "$w" --steps "${STEPS:-40}" | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
+  theirs=$(/usr/bin/python3 "$root/benches/peers/milnce_torch.py" "$data" "$w" --steps "${STEPS:-40}" | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
   ratio=$(/usr/bin/python3 -c "print(f'{$ours/$theirs:.2f}')")
   echo "world=$w dtrain_samples_per_s=$ours pytorch_samples_per_s=$theirs ratio=${ratio}x"
 done

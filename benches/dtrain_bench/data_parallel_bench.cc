@@ -8,7 +8,7 @@
 #include <cstdio>
 #include <tuple>
 
-#include "bench/reference_mlp.h"
+#include "reference_mlp.h"
 #include "dtrain/data_parallel.h"
 
 namespace dtrain::bench {

@@ -1,4 +1,4 @@
-// dtrain-bench ddp: trains the reference MLP of benches/torch_ddp.py (784-2048-2048-1024-10,
+// dtrain-bench ddp: trains the reference MLP of benches/peers/torch_ddp.py (784-2048-2048-1024-10,
 // batch 64 per rank, SGD momentum 0.9, one compute thread per rank) and prints a line of the same
 // form as that script:
 //   dtrain-ddp world=2 params=7912458 batch_per_rank=64 ms_per_step=... samples_per_s=... hidden=0.83
@@ -12,14 +12,14 @@
 // its DDP parameters with that reference (reference_mlp.h). wrong=K/N: K of the N parameter tensors
 // (8 per rank) differ from the reference by more than the tolerance, relative to how far training
 // moved them; max_err is the largest such relative error. K > 0 makes the exit status 1.
-#include "bench/ddp_bench.h"
+#include "ddp_bench.h"
 
 #include <torch/torch.h>
 
 #include <chrono>
 #include <cstdio>
 
-#include "bench/reference_mlp.h"
+#include "reference_mlp.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"

@@ -1,4 +1,4 @@
-// DDP and DataParallel training throughput on the reference MLP of benches/torch_ddp.py, verified
+// DDP and DataParallel training throughput on the reference MLP of benches/peers/torch_ddp.py, verified
 // against a one-process run (reference_mlp.h).
 #pragma once
 #include <CLI/CLI.hpp>

@@ -6,10 +6,10 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
-#include "bench/collectives_bench.h"
-#include "bench/ddp_bench.h"
-#include "bench/pipeline_bench.h"
-#include "bench/ps_bench.h"
+#include "collectives_bench.h"
+#include "ddp_bench.h"
+#include "pipeline_bench.h"
+#include "ps_bench.h"
 #include "dtrain/comm/error.h"
 
 int main(int argc, char** argv) {

@@ -10,7 +10,7 @@
 //   #wrong         gradient elements of every stage (summed over the ranks) that differ from the one-process
 //                  run's by more than 1e-4 of its largest, plus 1 when the batch loss does; the program
 //                  exits 1 when any configuration had one
-#include "bench/pipeline_bench.h"
+#include "pipeline_bench.h"
 
 #include <torch/torch.h>
 

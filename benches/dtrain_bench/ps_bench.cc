@@ -1,7 +1,7 @@
 // dtrain-bench ps: the parameter server (run under `dtrain-run --servers S`; the same binary is a
 // server or a worker by DTRAIN_ROLE).
 //
-//   --mode mlp: the reference MLP of benches/torch_ddp.py (784-2048-2048-1024-10, batch 64 per
+//   --mode mlp: the reference MLP of benches/peers/torch_ddp.py (784-2048-2048-1024-10, batch 64 per
 //     worker, SGD momentum 0.9 applied by the servers, BSP) trained through the PS; a pull and a push per
 //     parameter per step. Prints
 //       dtrain-ps workers=2 servers=1 params=7912458 batch_per_worker=64 ms_per_step=... samples_per_s=...
@@ -15,7 +15,7 @@
 // tensor pushed every step with rank-dependent gradients (BSP's mean, closed form), in mlp mode the
 // trained parameters against one process training on every worker's batch (rank 0), in sparse mode a row
 // table of known pushes and the dense allreduce of rank-dependent values against their average.
-#include "bench/ps_bench.h"
+#include "ps_bench.h"
 
 #include <torch/torch.h>
 

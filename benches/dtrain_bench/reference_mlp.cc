@@ -1,5 +1,5 @@
 // The reference MLP and its one-process reference training (see reference_mlp.h).
-#include "bench/reference_mlp.h"
+#include "reference_mlp.h"
 
 #include <algorithm>
 #include <cmath>

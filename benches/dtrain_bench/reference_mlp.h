@@ -1,4 +1,4 @@
-// The reference MLP of benches/torch_ddp.py (784-2048-2048-1024-10, 7.9M parameters, SGD momentum 0.9
+// The reference MLP of benches/peers/torch_ddp.py (784-2048-2048-1024-10, 7.9M parameters, SGD momentum 0.9
 // on a fixed batch per rank) and what the training benchmarks need to verify what they print: the
 // same training in one process with plain libtorch, and a comparison of the parameters.
 //

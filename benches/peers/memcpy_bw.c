@@ -1,6 +1,6 @@
 // The hardware reference for the shared-memory collectives: single-core memcpy bandwidth (bytes
 // copied per second) of a 64 MiB buffer, best of 10. Checks that the copy arrived.
-//   gcc -O2 benches/memcpy_bw.c -o /tmp/memcpy_bw && /tmp/memcpy_bw
+//   gcc -O2 benches/peers/memcpy_bw.c -o /tmp/memcpy_bw && /tmp/memcpy_bw
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>

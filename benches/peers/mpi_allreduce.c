@@ -1,10 +1,10 @@
-// Peer driver: OpenMPI MPI_Allreduce (float sum) at the sizes of scripts/bench_comm.sh, nccl-tests
+// Peer driver: OpenMPI MPI_Allreduce (float sum) at the sizes of benches/comm.sh, nccl-tests
 // style busbw = algbw * 2(n-1)/n. One line per size from rank 0:
 //   mpi world=2 bytes=4096 time_us=4.3 algbw=0.953 busbw=0.953 wrong=0
 // time_us is rank 0's mean over 2e8/bytes iterations (3..200) after 2 warm-up calls. The result of
 // the last call is checked on every rank (inputs rank+1+i%4, so each element's sum is exact); the
 // program exits 1 if any element was wrong.
-//   mpicc -O2 benches/mpi_allreduce.c -o /tmp/mpi_allreduce
+//   mpicc -O2 benches/peers/mpi_allreduce.c -o /tmp/mpi_allreduce
 //   mpirun --allow-run-as-root --oversubscribe --bind-to none -np 2 /tmp/mpi_allreduce [FLOATS...]
 #include <mpi.h>
 #include <stdio.h>

@@ -1,4 +1,4 @@
-"""Shared by the PyTorch peer drivers in benches/. Import it before torch and numpy:
+"""Shared by the PyTorch peer drivers in benches/peers/. Import it before torch and numpy:
 
     import peer_env  # noqa: F401  (first: one compute thread per rank, BLAS included)
     import torch

@@ -42,7 +42,7 @@ TEST(MilNceLoss, HandCheckedCases) {
   EXPECT_NEAR(milNceLoss(v, t).item<double>(), want, 1e-12);
 }
 
-// The loss and its gradients equal benches/milnce_torch.py's `milnce` (the reference code's formula),
+// The loss and its gradients equal benches/peers/milnce_torch.py's `milnce` (the reference code's formula),
 // run by Python's PyTorch on the same inputs.
 TEST(MilNceLoss, MatchesPyTorchReference) {
   dtrain::test::TempDir dir;
@@ -55,7 +55,7 @@ TEST(MilNceLoss, MatchesPyTorchReference) {
   writeNpy(dir.path() + "/t.npy", t.detach().to(torch::kFloat));
   std::string out = dtrain::test::runPython(
       "import importlib.util, sys, numpy as np, torch\n"
-      "spec = importlib.util.spec_from_file_location('ref', '" DTRAIN_SOURCE_DIR "/benches/milnce_torch.py')\n"
+      "spec = importlib.util.spec_from_file_location('ref', '" DTRAIN_SOURCE_DIR "/benches/peers/milnce_torch.py')\n"
       "ref = importlib.util.module_from_spec(spec); spec.loader.exec_module(ref)\n"
       "d = '" + dir.path() + "'\n"
       "v = torch.from_numpy(np.load(d + '/v.npy')).double().requires_grad_()\n"
