@@ -353,14 +353,17 @@ int Launcher::run() {
   }
 }
 
-Launcher::Outcome Launcher::runOnce(int restart) {
-  const int world = opts_.nnodes * opts_.nproc_per_node;
-  const int servers = opts_.node_rank == 0 ? opts_.num_servers : 0;
+namespace {
+
+// What every child of one attempt runs with: its name, environment and where its output goes.
+std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::string& run_log_dir, int restart) {
+  const int world = o.nnodes * o.nproc_per_node;
+  const int servers = o.node_rank == 0 ? o.num_servers : 0;
 
   std::map<std::string, std::optional<std::string>> common = {
-      {"MASTER_ADDR", opts_.master_addr},
-      {"MASTER_PORT", std::to_string(master_port_)},
-      {"GROUP_RANK", std::to_string(opts_.node_rank)},
+      {"MASTER_ADDR", o.master_addr},
+      {"MASTER_PORT", std::to_string(master_port)},
+      {"GROUP_RANK", std::to_string(o.node_rank)},
       {"DTRAIN_RESTART_COUNT", std::to_string(restart)},
       {"TORCHELASTIC_RESTART_COUNT", std::to_string(restart)},
       {"DTRAIN_USE_AGENT_STORE", "1"},
@@ -371,11 +374,11 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   // dtrain's library makes stdout line-buffered when this is 1 (src/comm/rendezvous/init.cc).
   if (!std::getenv("DTRAIN_LINE_BUFFERED")) common["DTRAIN_LINE_BUFFERED"] = "1";
 
-  const StreamSpec redirects = parseStreamSpec("--redirects", opts_.redirects);
-  const StreamSpec tee = parseStreamSpec("--tee", opts_.tee);
+  const StreamSpec redirects = parseStreamSpec("--redirects", o.redirects);
+  const StreamSpec tee = parseStreamSpec("--tee", o.tee);
   std::string attempt_dir;
-  if (!run_log_dir_.empty()) {
-    attempt_dir = fmt::format("{}/attempt_{}", run_log_dir_, restart);
+  if (!run_log_dir.empty()) {
+    attempt_dir = fmt::format("{}/attempt_{}", run_log_dir, restart);
     makeDir(attempt_dir);
   }
   // Sets where a child's streams go, creating its log directory when it has files.
@@ -388,18 +391,18 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   };
 
   std::vector<Spec> specs;
-  for (int local = 0; local < opts_.nproc_per_node; ++local) {
-    int rank = opts_.node_rank * opts_.nproc_per_node + local;
+  for (int local = 0; local < o.nproc_per_node; ++local) {
+    int rank = o.node_rank * o.nproc_per_node + local;
     auto vars = common;
     vars["RANK"] = std::to_string(rank);
     vars["LOCAL_RANK"] = std::to_string(local);
     vars["WORLD_SIZE"] = std::to_string(world);
-    vars["LOCAL_WORLD_SIZE"] = std::to_string(opts_.nproc_per_node);
+    vars["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
     vars["DTRAIN_ROLE"] = "worker";
-    if (opts_.num_servers > 0) {
-      vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
+    if (o.num_servers > 0) {
+      vars["DTRAIN_NUM_SERVERS"] = std::to_string(o.num_servers);
       vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
-      vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
+      vars["DTRAIN_NUM_NODES"] = std::to_string(o.nnodes);
     }
     specs.push_back({fmt::format("rank {}", rank), fmt::format("[rank {}]: ", rank), true, buildEnv(vars)});
     routeOutput(specs.back(), redirects.forLocalRank(local), tee.forLocalRank(local), std::to_string(local));
@@ -410,19 +413,26 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     for (const char* v : {"RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE"}) vars[v] = std::nullopt;
     vars["DTRAIN_ROLE"] = "server";
     vars["DTRAIN_SERVER_INDEX"] = std::to_string(i);
-    vars["DTRAIN_NUM_SERVERS"] = std::to_string(opts_.num_servers);
+    vars["DTRAIN_NUM_SERVERS"] = std::to_string(o.num_servers);
     vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
-    vars["DTRAIN_NUM_NODES"] = std::to_string(opts_.nnodes);
+    vars["DTRAIN_NUM_NODES"] = std::to_string(o.nnodes);
     specs.push_back({fmt::format("server {}", i), fmt::format("[server {}]: ", i), false, buildEnv(vars)});
     routeOutput(specs.back(), redirects.forServer(), tee.forServer(), fmt::format("server{}", i));
   }
+  return specs;
+}
 
-  std::vector<std::unique_ptr<Child>> kids;
-  for (const auto& spec : specs) {
-    kids.push_back(
-        std::make_unique<Child>(spec, opts_.command, signals_->originalMask(), opts_.prefix_output));
-  }
+// How supervising one attempt's children ended: the signal that stopped the launcher, or the exit
+// code of the first child that failed (neither: every child succeeded).
+struct Ending {
+  int stop_signal = 0;
+  std::optional<int> failure_code;
+};
 
+// Pumps the children's output and follows them until none runs: forwards signals, stops the others
+// when one fails, stops servers left running after the workers finished, escalates to SIGKILL.
+Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatcher& signals,
+                         milliseconds grace_period) {
   auto anyRunning = [&](auto pred) {
     return std::any_of(kids.begin(), kids.end(), [&](const auto& k) { return k->running() && pred(*k); });
   };
@@ -442,7 +452,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   auto stopping = [&] { return term_deadline.has_value(); };
   auto beginStop = [&](int sig) {
     signalRunning(sig);
-    term_deadline = Clock::now() + opts_.grace_period;
+    term_deadline = Clock::now() + grace_period;
   };
 
   std::vector<pollfd> pfds;
@@ -453,7 +463,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     for (const auto& d : {drain_deadline, term_deadline, kill_deadline}) {
       if (d) wake = std::min(wake, *d);
     }
-    pfds.assign(1, pollfd{signals_->fd(), POLLIN, 0});
+    pfds.assign(1, pollfd{signals.fd(), POLLIN, 0});
     pipes.assign(1, nullptr);
     for (auto& k : kids) {
       for (OutputPipe* p : {&k->out(), &k->err()}) {
@@ -471,13 +481,13 @@ Launcher::Outcome Launcher::runOnce(int restart) {
       if (pfds[i].revents != 0) pipes[i]->pump();
     }
 
-    for (int sig : signals_->read()) {
+    for (int sig : signals.read()) {
       if (sig == SIGCHLD || sig == SIGPIPE) continue;
       if (stop_signal == 0) {
         stop_signal = sig;
         say("received {}; forwarding it to the workers", signalName(sig));
         signalRunning(sig);
-        if (!stopping()) term_deadline = Clock::now() + opts_.grace_period;
+        if (!stopping()) term_deadline = Clock::now() + grace_period;
       } else if (!kill_deadline) {
         say("received {} again; killing the workers", signalName(sig));
         signalRunning(SIGKILL);
@@ -497,7 +507,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     now = Clock::now();
     if (!stopping() && !drain_deadline && !anyRunning([](const Child& k) { return k.isWorker(); }) &&
         anyRunning(all)) {
-      drain_deadline = now + opts_.grace_period;
+      drain_deadline = now + grace_period;
     }
     if (!stopping() && drain_deadline && now >= *drain_deadline) {
       say("all workers finished; stopping the servers still running");
@@ -507,7 +517,7 @@ Launcher::Outcome Launcher::runOnce(int restart) {
       for (auto& k : kids) {
         if (!k->running()) continue;
         say("{} (pid {}) still running {:g}s after SIGTERM; sending SIGKILL", k->name(), k->pid(),
-            opts_.grace_period.count() / 1000.0);
+            grace_period.count() / 1000.0);
       }
       signalRunning(SIGKILL);
       kill_deadline = now + kKillWait;
@@ -522,9 +532,20 @@ Launcher::Outcome Launcher::runOnce(int restart) {
     // SIGTERM and outlived their leader) goes too.
     for (auto& k : kids) k->signalGroup(SIGKILL);
   }
+  return {stop_signal, failure_code};
+}
 
-  if (stop_signal != 0) return {128 + stop_signal, false};
-  if (failure_code) return {*failure_code, true};
+}  // namespace
+
+Launcher::Outcome Launcher::runOnce(int restart) {
+  std::vector<std::unique_ptr<Child>> kids;
+  for (const auto& spec : childSpecs(opts_, master_port_, run_log_dir_, restart)) {
+    kids.push_back(
+        std::make_unique<Child>(spec, opts_.command, signals_->originalMask(), opts_.prefix_output));
+  }
+  const Ending e = superviseChildren(kids, *signals_, opts_.grace_period);
+  if (e.stop_signal != 0) return {128 + e.stop_signal, false};
+  if (e.failure_code) return {*e.failure_code, true};
   return {0, false};
 }
 
