@@ -8,6 +8,7 @@ pkgs=(
   libtorch-dev libopenblas0-pthread
   openmpi-bin libopenmpi-dev python3-torch
   iproute2 procps
+  clang-tidy-14
   munge slurmctld slurmd slurm-client
 )
 missing=()

@@ -1,0 +1,220 @@
+#!/usr/bin/env bash
+# check_structure.sh: the structural acceptance checks of the code base (issue 10), runnable by anyone
+# and run by scripts/test.sh (so by CI). Each check prints every offender on its own line, starting
+# with "FAIL <check>:"; the exit status is 1 when any check fails, 0 when all pass.
+#
+#   file-size        no source file in src/, apps/, tools/, benches/ over 600 lines
+#   function-size    clang-tidy-14 readability-function-size (LineThreshold 120) reports no function in
+#                    src/, apps/, tools/, benches/ (run over BUILD_DIR/compile_commands.json, JOBS in
+#                    parallel; gcc's precompiled-header flags are replaced by the header they stand for,
+#                    since clang cannot read gcc's .gch: a private copy of compile_commands.json is used)
+#   getenv           the environment is read in one file of src/: `grep -rl getenv src` names at most one
+#   tool-includes    the tools (tools/, benches/dtrain_bench/) compile without src/ on their include path:
+#                    they use the public headers of include/ only
+#   transport-algos  nothing under src/comm/transport/ implements a collective algorithm: no function
+#                    named after a collective (allreduce, allgather, reduceScatter, broadcast, reduce,
+#                    alltoall) is declared, defined or called there (comments and strings aside), and no
+#                    header of src/comm/collectives/ (the algorithms and their reduction kernels) is included
+#
+# Usage: scripts/check_structure.sh [--no-tidy] [--report FILE]
+#   --no-tidy      skip function-size (the only slow check: ~5 min of CPU over the whole tree)
+#   --report FILE  also write the offenders (the FAIL lines) to FILE
+# Env: BUILD_DIR (default <repo>/build, configured: it needs compile_commands.json), JOBS (default 2),
+#      CLANG_TIDY (default clang-tidy-14).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${BUILD_DIR:-$root/build}
+jobs=${JOBS:-2}
+tidy_bin=${CLANG_TIDY:-clang-tidy-14}
+run_tidy=1
+report=""
+while (($#)); do
+  case $1 in
+    --no-tidy) run_tidy=0; shift ;;
+    --report) report=${2:?check_structure.sh: --report needs a file}; shift 2 ;;
+    -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
+    *) echo "check_structure.sh: unknown argument '$1'" >&2; exit 2 ;;
+  esac
+done
+ccdb=$build/compile_commands.json
+[[ -f $ccdb ]] || { echo "check_structure.sh: $ccdb not found: configure first (cmake -S $root -B $build)" >&2; exit 2; }
+
+tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
+fails=$tmp/fails
+: >"$fails"
+fail() { echo "FAIL $*" | tee -a "$fails"; }
+cd "$root"
+dirs=(src apps tools benches)
+
+# ---- file-size ----
+while IFS= read -r f; do
+  n=$(wc -l <"$f")
+  ((n <= 600)) || fail "file-size: $f: $n lines (limit 600)"
+done < <(find "${dirs[@]}" -type f \( -name '*.cc' -o -name '*.h' -o -name '*.c' -o -name '*.cpp' -o -name '*.hpp' \
+  -o -name '*.py' -o -name '*.sh' \) | sort)
+
+# ---- getenv ----
+mapfile -t readers < <(grep -rl getenv src | sort || true)
+((${#readers[@]} <= 1)) || fail "getenv: ${#readers[@]} files of src/ read the environment (limit one): ${readers[*]}"
+
+# ---- tool-includes ----
+/usr/bin/python3 - "$ccdb" "$root" >>"$tmp/includes" <<'PY'
+import json, re, shlex, sys
+ccdb, root = sys.argv[1], sys.argv[2]
+for e in json.load(open(ccdb)):
+    f = e["file"]
+    if not (f.startswith(root + "/tools/") or f.startswith(root + "/benches/")):
+        continue
+    args = e["arguments"] if "arguments" in e else shlex.split(e["command"])
+    for i, a in enumerate(args):
+        d = None
+        for flag in ("-I", "-isystem", "-iquote", "-idirafter"):
+            if a == flag and i + 1 < len(args):
+                d = args[i + 1]
+            elif a.startswith(flag) and len(a) > len(flag):
+                d = a[len(flag):]
+        if d is not None and re.match(re.escape(root) + r"/src(/|$)", d.rstrip("/") + "/"):
+            print(f"tool-includes: {f[len(root) + 1:]} is compiled with {d} on its include path")
+            break
+PY
+while IFS= read -r line; do fail "$line"; done <"$tmp/includes"
+
+# ---- transport-algos ----
+/usr/bin/python3 - "$root" >"$tmp/transport" <<'PY'
+import os, re, sys
+root = sys.argv[1]
+names = r"(allreduce|allReduce|allgather|allGather|reduceScatter|reduce_scatter|broadcast|reduce|alltoall|allToAll)"
+# The op's name, alone or with an algorithm's suffix (allreduceRing, broadcastTree, ...).
+variant = r"(?:Ring|Direct|Tree|Star|Pairwise|Recursive\w*|Halving\w*|Doubling\w*|Impl)?\s*\("
+call = re.compile(r"(?<![\w.])" + names + variant)
+call_member = re.compile(r"(?:->|\.|::)" + names + variant)
+include = re.compile(r'#\s*include\s*"comm/collectives/')
+def strip(line, in_block):
+    # Drops comments and string/char literals, keeps code.
+    out, i = [], 0
+    while i < len(line):
+        if in_block:
+            j = line.find("*/", i)
+            if j < 0:
+                return "".join(out), True
+            i, in_block = j + 2, False
+        elif line.startswith("//", i):
+            break
+        elif line.startswith("/*", i):
+            in_block, i = True, i + 2
+        elif line[i] in "\"'":
+            q, i = line[i], i + 1
+            while i < len(line) and line[i] != q:
+                i += 2 if line[i] == "\\" else 1
+            i += 1
+        else:
+            out.append(line[i]); i += 1
+    return "".join(out), in_block
+base = os.path.join(root, "src/comm/transport")
+for d, _, files in sorted(os.walk(base)):
+    for fn in sorted(files):
+        p = os.path.join(d, fn)
+        rel = p[len(root) + 1:]
+        in_block = False
+        for no, line in enumerate(open(p, errors="replace"), 1):
+            if include.search(line):
+                header = line.split('"')[1]
+                print(f"transport-algos: {rel}:{no}: includes {header} (collective algorithms and "
+                      "their kernels live in src/comm/collectives/)")
+                continue
+            code, in_block = strip(line, in_block)
+            m = call.search(code) or call_member.search(code)
+            if m:
+                print(f"transport-algos: {rel}:{no}: collective '{m.group(1)}' in a transport: {code.strip()[:100]}")
+PY
+while IFS= read -r line; do fail "$line"; done <"$tmp/transport"
+
+# ---- function-size ----
+if ((run_tidy)); then
+  command -v "$tidy_bin" >/dev/null || { fail "function-size: $tidy_bin not installed (scripts/setup.sh installs it)"; }
+fi
+if ((run_tidy)) && command -v "$tidy_bin" >/dev/null; then
+  t0=$SECONDS
+  # clang cannot read gcc's precompiled headers: point each `-include .../cmake_pch.hxx` at a copy of
+  # that header (the text it was built from) in a directory without the .gch, and drop -Winvalid-pch.
+  /usr/bin/python3 - "$ccdb" "$root" "$tmp/db" >"$tmp/files" <<'PY'
+import json, os, re, shutil, sys
+ccdb, root, out = sys.argv[1:]
+os.makedirs(out + "/pch")
+entries, files = [], []
+def copy(src):
+    dst = os.path.join(out, "pch", src.strip("/").replace("/", "_"))
+    if not os.path.exists(dst):
+        shutil.copy(src, dst)
+    return dst
+for e in json.load(open(ccdb)):
+    f = e["file"]
+    if not any(f.startswith(f"{root}/{d}/") for d in ("src", "apps", "tools", "benches")):
+        continue
+    if "command" in e:
+        e["command"] = re.sub(r"-include (\S+/cmake_pch\.hxx)(?=\s)", lambda m: "-include " + copy(m[1]), e["command"]).replace(" -Winvalid-pch", "")
+    else:
+        a = e["arguments"]
+        for i in range(len(a) - 1):
+            if a[i] == "-include" and a[i + 1].endswith("cmake_pch.hxx"):
+                a[i + 1] = copy(a[i + 1])
+        e["arguments"] = [x for x in a if x != "-Winvalid-pch"]
+    entries.append(e)
+    if f not in files:
+        files.append(f)
+json.dump(entries, open(out + "/compile_commands.json", "w"))
+print("\n".join(files))
+PY
+  mkdir -p "$tmp/tidy"
+  config='{CheckOptions: [{key: readability-function-size.LineThreshold, value: 120}]}'
+  export tidy_bin config tmp root
+  # One clang-tidy per translation unit, JOBS at a time; each writes its own output file.
+  # shellcheck disable=SC2016  # expanded by the inner shell
+  xargs -a "$tmp/files" -P "$jobs" -I{} sh -c \
+    'out="$tmp/tidy/$(echo "$1" | tr / _)"; "$tidy_bin" -p "$tmp/db" --quiet --checks="-*,readability-function-size" \
+       --config="$config" --header-filter="^$root/(src|apps|tools|benches)/" "$1" >"$out" 2>"$out.err" || echo "$1" >"$out.failed"' \
+    _ {}
+  # clang-tidy exits non-zero on any compile error. A fatal one (a header not found, ...) means the
+  # file was not looked at: that fails. Others still leave an AST with every function (clang recovers;
+  # e.g. clang 14 rejects lambdas capturing structured bindings, which gcc accepts): noted, not failed.
+  for f in "$tmp"/tidy/*.failed; do
+    [[ -e $f ]] || continue
+    tu=$(cat "$f")
+    out=${f%.failed}
+    if grep -q 'fatal error' "$out" "$out.err"; then
+      fail "function-size: clang-tidy could not process ${tu#"$root"/}: $(grep -m3 'error' "$out" "$out.err" | tr '\n' ' ')"
+    else
+      echo "check_structure: note: clang reported errors in ${tu#"$root"/} (sizes from its error recovery):" \
+        "$(grep -m2 'error:' "$out" | sed 's/^[^ ]* //' | tr '\n' ' ')" >&2
+    fi
+  done
+  # "<file>:<line>:<col>: warning: function 'name' exceeds ..." then "note: N lines including ...".
+  /usr/bin/python3 - "$root" "$tmp"/tidy/* <<'PY' | sort -u >"$tmp/functions"
+import re, sys
+root = sys.argv[1]
+for p in sys.argv[2:]:
+    if p.endswith((".err", ".failed")):
+        continue
+    last = None
+    for line in open(p, errors="replace"):
+        m = re.match(r"(\S+):(\d+):\d+: warning: function '([^']*)' exceeds recommended size", line)
+        if m:
+            last = (m[1], m[2], m[3])
+            continue
+        m = re.match(r"\S+: note: (\d+) lines including whitespace and comments \(threshold (\d+)\)", line)
+        if m and last:
+            f = last[0][len(root) + 1:] if last[0].startswith(root + "/") else last[0]
+            print(f"function-size: {f}:{last[1]}: '{last[2]}' is {m[1]} lines (limit {m[2]})")
+            last = None
+PY
+  while IFS= read -r line; do fail "$line"; done <"$tmp/functions"
+  echo "check_structure: clang-tidy over $(wc -l <"$tmp/files") translation units took $((SECONDS - t0)) s" >&2
+fi
+
+[[ -z $report ]] || cp "$fails" "$report"
+n=$(wc -l <"$fails")
+if ((n)); then
+  echo "check_structure: $n offender(s)" >&2
+  exit 1
+fi
+echo "check_structure: all checks pass" >&2
