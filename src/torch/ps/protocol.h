@@ -69,8 +69,6 @@ comm::GroupOptions groupOptions(std::chrono::milliseconds timeout);
 // The store of the (worker w, server s) pair's 2-rank group.
 std::shared_ptr<comm::Store> pairStore(const std::shared_ptr<comm::Store>& store, int w, int s);
 
-// Floats of state per element: the value, then the momentum buffer or Adam's m and v.
-int64_t stateSlots(const PSOptions& o);
 // Rows of a table that server s of S serves (ids s, s+S, ...).
 inline int64_t localRowCount(int64_t num_rows, int s, int S) { return num_rows > s ? (num_rows - s + S - 1) / S : 0; }
 

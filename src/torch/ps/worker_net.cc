@@ -14,7 +14,7 @@ namespace dtrain::ps {
 // Worker: the network side (on the Worker's thread)
 // ------------------------------------------------------------------------------------------------
 
-void Worker::netDeclare(const Entry& e, const at::Tensor& t) {
+void Worker::Impl::netDeclare(const Entry& e, const at::Tensor& t) {
   Batch b(rank_, sent_, received_);
   const float* data = t.data_ptr<float>();
   for (const auto& p : e.parts) {
@@ -24,15 +24,15 @@ void Worker::netDeclare(const Entry& e, const at::Tensor& t) {
     h.count = p.count;
     h.clock = clock_;  // a tensor declared at step c starts at version c (bsp)
     h.flags = rank_ == 0 ? kFlagInit : 0;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    auto& pg = pgOf(p.server);
     b.sendHeader(p.server, pg, h);
     if (rank_ == 0) b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
-  for (const auto& p : e.parts) b.recvReply(p.server, *conns_[static_cast<size_t>(p.server)]->pg, kAck);
+  for (const auto& p : e.parts) b.recvReply(p.server, pgOf(p.server), kAck);
 }
 
-void Worker::netDeclareRows(const Entry& e) {
+void Worker::Impl::netDeclareRows(const Entry& e) {
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
     Header h;
@@ -41,13 +41,13 @@ void Worker::netDeclareRows(const Entry& e) {
     h.count = e.num_rows;
     h.row_dim = e.dim;
     h.flags = rank_ == 0 ? kFlagInit : 0;
-    b.sendHeader(s, *conns_[static_cast<size_t>(s)]->pg, h);
+    b.sendHeader(s, pgOf(s), h);
   }
   b.waitAll();
-  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
 }
 
-void Worker::netPush(const Entry& e, const at::Tensor& g, int clock) {
+void Worker::Impl::netPush(const Entry& e, const at::Tensor& g, int clock) {
   Batch b(rank_, sent_, received_);
   const float* data = g.data_ptr<float>();
   for (const auto& p : e.parts) {
@@ -56,14 +56,14 @@ void Worker::netPush(const Entry& e, const at::Tensor& g, int clock) {
     h.key = p.key;
     h.clock = clock;
     h.count = p.count;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    auto& pg = pgOf(p.server);
     b.sendHeader(p.server, pg, h);
     b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
 }
 
-void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock) {
+void Worker::Impl::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock) {
   float* dst = out.data_ptr<float>();
   // Sends a partition's request (and, for pushPull, its gradient) to its server.
   auto request = [&](Batch& b, const Part& p) {
@@ -72,12 +72,12 @@ void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& o
     h.key = p.key;
     h.clock = clock;
     h.count = p.count;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    auto& pg = pgOf(p.server);
     b.sendHeader(p.server, pg, h);
     if (grad) b.send(p.server, pg, grad->data_ptr<float>() + p.offset, p.count, DType::f32);
   };
   auto reply = [&](Batch& b, const Part& p) {
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    auto& pg = pgOf(p.server);
     Header h = b.recvReply(p.server, pg, kValues);
     if (h.key != p.key || h.count != p.count) {
       throw ProtocolError(fmt::format("[worker {}] server {}: reply for partition {} x {}, expected {} x {}",
@@ -103,7 +103,7 @@ void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& o
   for (const auto& p : e.parts) reply(b, p);
 }
 
-void Worker::netClock(uint16_t flags, int clock) {
+void Worker::Impl::netClock(uint16_t flags, int clock) {
   Batch b(rank_, sent_, received_);
   sendToAllServers(b, conns_, kClock, clock, flags);
   b.waitAll();
@@ -156,14 +156,14 @@ Header rowsHeader(uint16_t op, uint32_t key, int clock, int64_t n, int64_t dim) 
 }
 }  // namespace
 
-void Worker::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
+void Worker::Impl::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
   std::vector<at::Tensor> keep;  // the selected rows stay alive until every send completed
   Batch b(rank_, sent_, received_);
   for (const auto& m : rowMessages(ids, num_servers_, maxRowsPerMessage(opts_, e.dim))) {
     auto sid = rowsOf(ids, m), sg = rowsOf(g, m);
     keep.push_back(sid);
     keep.push_back(sg);
-    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
+    auto& pg = pgOf(m.server);
     b.sendHeader(m.server, pg, rowsHeader(kPushRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, sid.data_ptr<int64_t>(), sid.numel(), DType::i64);
     b.send(m.server, pg, sg.data_ptr<float>(), sg.numel(), DType::f32);
@@ -171,7 +171,7 @@ void Worker::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor
   b.waitAll();
 }
 
-void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
+void Worker::Impl::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
   struct Req {
     RowMessage m;
     at::Tensor sid, values;  // values: a slice of out when the message's rows are contiguous in it
@@ -182,7 +182,7 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
     Req r;
     r.sid = rowsOf(ids, m);
     r.values = m.idx.defined() ? at::empty({m.n, e.dim}, at::kFloat) : rowsOf(out, m);
-    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
+    auto& pg = pgOf(m.server);
     b.sendHeader(m.server, pg, rowsHeader(kPullRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, r.sid.data_ptr<int64_t>(), r.sid.numel(), DType::i64);
     r.m = std::move(m);
@@ -191,7 +191,7 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
   b.waitAll();
   for (auto& r : reqs) {
     const int s = r.m.server;
-    auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+    auto& pg = pgOf(s);
     Header h = b.recvReply(s, pg, kValues);
     if (h.key != e.key || h.count != r.m.n || h.row_dim != e.dim) {
       throw ProtocolError(fmt::format("[worker {}] server {}: pullRows reply {} x {} for table {}, expected {} x {}",
@@ -202,11 +202,11 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
   }
 }
 
-void Worker::netFinish() {
+void Worker::Impl::netFinish() {
   Batch b(rank_, sent_, received_);
   sendToAllServers(b, conns_, kBye, clock_);
   b.waitAll();
-  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
 }
 
 }  // namespace dtrain::ps
