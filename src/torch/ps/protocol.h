@@ -56,6 +56,20 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes, "wire header size");
 
+// A request or reply header; the fields a message does not use stay 0.
+inline Header makeHeader(uint16_t op, uint32_t key, int32_t clock, int64_t count, int64_t row_dim = 0,
+                         uint16_t flags = 0, int64_t aux = 0) {
+  Header h;
+  h.op = op;
+  h.flags = flags;
+  h.key = key;
+  h.clock = clock;
+  h.count = count;
+  h.row_dim = row_dim;
+  h.aux = aux;
+  return h;
+}
+
 const char* opName(uint16_t op);
 
 inline int64_t partLimit(const PSOptions& o) { return std::max<int64_t>(1, static_cast<int64_t>(o.partition_bytes / 4)); }

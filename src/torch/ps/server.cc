@@ -23,11 +23,7 @@ void recvNow(ProcessGroup& pg, void* p, size_t count, DType t) {
 }
 void reply(ProcessGroup& pg, uint16_t op, uint32_t key, int64_t count, int64_t row_dim, const void* payload,
            size_t payload_count, DType t) {
-  Header h;
-  h.op = op;
-  h.key = key;
-  h.count = count;
-  h.row_dim = row_dim;
+  const Header h = makeHeader(op, key, 0, count, row_dim);
   sendAll(pg, {{&h, {sizeof(Header), DType::u8}}, {payload, {payload_count, t}}});
 }
 
@@ -142,9 +138,7 @@ void Server::State::serve(int w) {
     if (pg) {
       try {
         std::string m = msg.substr(0, static_cast<size_t>(kMaxErrorBytes));
-        Header h;
-        h.op = kError;
-        h.count = static_cast<int64_t>(m.size());
+        const Header h = makeHeader(kError, 0, 0, static_cast<int64_t>(m.size()));
         auto w1 = pg->send(&h, sizeof(Header), DType::u8, 0);
         auto w2 = pg->send(m.data(), m.size(), DType::u8, 0);
         w1->wait(deadlines.error_reply);

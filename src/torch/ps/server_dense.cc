@@ -135,13 +135,7 @@ void Server::State::onGetState(int w, ProcessGroup& pg, const Header& h) {
     });
   }
   auto all = d.data.clone();
-  Header r;
-  r.op = kValues;
-  r.key = h.key;
-  r.count = d.n;
-  r.row_dim = all.size(0);
-  r.aux = d.steps;
-  r.clock = static_cast<int32_t>(d.version);
+  const Header r = makeHeader(kValues, h.key, static_cast<int32_t>(d.version), d.n, all.size(0), 0, d.steps);
   lk.unlock();
   sendAll(pg, {{&r, {sizeof(Header), DType::u8}}, {all.data_ptr<float>(), {static_cast<size_t>(all.numel()), DType::f32}}});
 }

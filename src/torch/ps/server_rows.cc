@@ -143,11 +143,7 @@ void Server::State::onGetRowsState(int w, ProcessGroup& pg, const Header& h) {
   std::vector<int64_t> ids = t.ids, steps = t.steps;
   rl.unlock();
   lk.unlock();
-  Header r;
-  r.op = kValues;
-  r.key = h.key;
-  r.count = m;
-  r.row_dim = t.stride;
+  const Header r = makeHeader(kValues, h.key, 0, m, t.stride);
   sendAll(pg, {{&r, {sizeof(Header), DType::u8}},
                {ids.data(), {ids.size(), DType::i64}},
                {steps.data(), {steps.size(), DType::i64}},

@@ -48,11 +48,7 @@ void Worker::Impl::netGetDenseState(const std::string& name, const Entry& e, int
   for (size_t i = 0; i < e.parts.size(); ++i) {
     const auto& p = e.parts[i];
     auto& pg = pgOf(p.server);
-    Header h;
-    h.op = kGetState;
-    h.key = p.key;
-    h.clock = c;
-    b.sendHeader(p.server, pg, h);
+    b.sendHeader(p.server, pg, makeHeader(kGetState, p.key, c, 0));
     b.waitAll();
     Header r = b.recvReply(p.server, pg, kValues);
     if (r.key != p.key || r.count != p.count || r.row_dim != slots) {
@@ -77,12 +73,7 @@ void Worker::Impl::netGetRowsState(const std::string& name, const Entry& e, int6
   std::vector<at::Tensor> ids, steps, data;
   for (int s = 0; s < num_servers_; ++s) {
     auto& pg = pgOf(s);
-    Header h;
-    h.op = kGetState;
-    h.flags = kFlagRows;
-    h.key = e.key;
-    h.clock = c;
-    b.sendHeader(s, pg, h);
+    b.sendHeader(s, pg, makeHeader(kGetState, e.key, c, 0, 0, kFlagRows));
     b.waitAll();
     Header r = b.recvReply(s, pg, kValues);
     if (r.key != e.key || r.count < 0 || r.count > localRowCount(e.num_rows, s, num_servers_) ||
@@ -168,14 +159,9 @@ void Worker::Impl::netSetDenseState(const Entry& e, int64_t slots, const at::Ten
     const auto& p = e.parts[i];
     auto& pg = pgOf(p.server);
     auto buf = v.narrow(1, p.offset, p.count).contiguous();
-    Header h;
-    h.op = kSetState;
-    h.key = p.key;
-    h.count = p.count;
-    h.row_dim = slots;
-    h.aux = steps[static_cast<int64_t>(i)].item<int64_t>();
-    h.clock = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
-    b.sendHeader(p.server, pg, h);
+    const auto version = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
+    b.sendHeader(p.server, pg,
+                 makeHeader(kSetState, p.key, version, p.count, slots, 0, steps[static_cast<int64_t>(i)].item<int64_t>()));
     b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
     b.waitAll();
     b.recvReply(p.server, pg, kAck);
@@ -191,13 +177,7 @@ void Worker::Impl::netSetRowsState(const Entry& e, int64_t slots, const at::Tens
     auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
     auto sd = d.index_select(0, idx).contiguous();
     auto& pg = pgOf(s);
-    Header h;
-    h.op = kSetState;
-    h.flags = kFlagRows;
-    h.key = e.key;
-    h.count = si.numel();
-    h.row_dim = slots * e.dim;
-    b.sendHeader(s, pg, h);
+    b.sendHeader(s, pg, makeHeader(kSetState, e.key, 0, si.numel(), slots * e.dim, kFlagRows));
     b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
     b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
     b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);

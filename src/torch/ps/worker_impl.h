@@ -81,7 +81,8 @@ class Batch {
     return h;
   }
   void waitAll() {
-    for (auto& [s, w] : works_) named(s, [&] { w->wait(); return 0; });
+    // (Not a structured binding: C++17 lambdas cannot capture those, and clang rejects it.)
+    for (auto& sw : works_) named(sw.first, [&] { sw.second->wait(); return 0; });
     works_.clear();
   }
 
@@ -110,11 +111,7 @@ class Batch {
 template <class Conns>
 void sendToAllServers(Batch& b, const Conns& conns, uint16_t op, int32_t clock, uint16_t flags = 0) {
   for (size_t s = 0; s < conns.size(); ++s) {
-    Header h;
-    h.op = op;
-    h.flags = flags;
-    h.clock = clock;
-    b.sendHeader(static_cast<int>(s), *conns[s]->pg, h);
+    b.sendHeader(static_cast<int>(s), *conns[s]->pg, makeHeader(op, 0, clock, 0, 0, flags));
   }
 }
 

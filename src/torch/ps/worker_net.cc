@@ -18,14 +18,9 @@ void Worker::Impl::netDeclare(const Entry& e, const at::Tensor& t) {
   Batch b(rank_, sent_, received_);
   const float* data = t.data_ptr<float>();
   for (const auto& p : e.parts) {
-    Header h;
-    h.op = kDeclare;
-    h.key = p.key;
-    h.count = p.count;
-    h.clock = clock_;  // a tensor declared at step c starts at version c (bsp)
-    h.flags = rank_ == 0 ? kFlagInit : 0;
     auto& pg = pgOf(p.server);
-    b.sendHeader(p.server, pg, h);
+    // A tensor declared at step c starts at version c (bsp).
+    b.sendHeader(p.server, pg, makeHeader(kDeclare, p.key, clock_, p.count, 0, rank_ == 0 ? kFlagInit : 0));
     if (rank_ == 0) b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
@@ -35,13 +30,7 @@ void Worker::Impl::netDeclare(const Entry& e, const at::Tensor& t) {
 void Worker::Impl::netDeclareRows(const Entry& e) {
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
-    Header h;
-    h.op = kDeclareRows;
-    h.key = e.key;
-    h.count = e.num_rows;
-    h.row_dim = e.dim;
-    h.flags = rank_ == 0 ? kFlagInit : 0;
-    b.sendHeader(s, pgOf(s), h);
+    b.sendHeader(s, pgOf(s), makeHeader(kDeclareRows, e.key, 0, e.num_rows, e.dim, rank_ == 0 ? kFlagInit : 0));
   }
   b.waitAll();
   for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
@@ -51,13 +40,8 @@ void Worker::Impl::netPush(const Entry& e, const at::Tensor& g, int clock) {
   Batch b(rank_, sent_, received_);
   const float* data = g.data_ptr<float>();
   for (const auto& p : e.parts) {
-    Header h;
-    h.op = kPush;
-    h.key = p.key;
-    h.clock = clock;
-    h.count = p.count;
     auto& pg = pgOf(p.server);
-    b.sendHeader(p.server, pg, h);
+    b.sendHeader(p.server, pg, makeHeader(kPush, p.key, clock, p.count));
     b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
@@ -67,13 +51,8 @@ void Worker::Impl::netPull(const Entry& e, const at::Tensor* grad, const at::Ten
   float* dst = out.data_ptr<float>();
   // Sends a partition's request (and, for pushPull, its gradient) to its server.
   auto request = [&](Batch& b, const Part& p) {
-    Header h;
-    h.op = grad ? kPushPull : kPull;
-    h.key = p.key;
-    h.clock = clock;
-    h.count = p.count;
     auto& pg = pgOf(p.server);
-    b.sendHeader(p.server, pg, h);
+    b.sendHeader(p.server, pg, makeHeader(grad ? kPushPull : kPull, p.key, clock, p.count));
     if (grad) b.send(p.server, pg, grad->data_ptr<float>() + p.offset, p.count, DType::f32);
   };
   auto reply = [&](Batch& b, const Part& p) {
@@ -145,15 +124,6 @@ at::Tensor rowsOf(const at::Tensor& t, const RowMessage& m) {
   return m.idx.defined() ? t.index_select(0, m.idx) : t.narrow(0, m.start, m.n);
 }
 
-Header rowsHeader(uint16_t op, uint32_t key, int clock, int64_t n, int64_t dim) {
-  Header h;
-  h.op = op;
-  h.key = key;
-  h.clock = clock;
-  h.count = n;
-  h.row_dim = dim;
-  return h;
-}
 }  // namespace
 
 void Worker::Impl::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
@@ -164,7 +134,7 @@ void Worker::Impl::netPushRows(const Entry& e, const at::Tensor& ids, const at::
     keep.push_back(sid);
     keep.push_back(sg);
     auto& pg = pgOf(m.server);
-    b.sendHeader(m.server, pg, rowsHeader(kPushRows, e.key, clock, m.n, e.dim));
+    b.sendHeader(m.server, pg, makeHeader(kPushRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, sid.data_ptr<int64_t>(), sid.numel(), DType::i64);
     b.send(m.server, pg, sg.data_ptr<float>(), sg.numel(), DType::f32);
   }
@@ -183,7 +153,7 @@ void Worker::Impl::netPullRows(const Entry& e, const at::Tensor& ids, const at::
     r.sid = rowsOf(ids, m);
     r.values = m.idx.defined() ? at::empty({m.n, e.dim}, at::kFloat) : rowsOf(out, m);
     auto& pg = pgOf(m.server);
-    b.sendHeader(m.server, pg, rowsHeader(kPullRows, e.key, clock, m.n, e.dim));
+    b.sendHeader(m.server, pg, makeHeader(kPullRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, r.sid.data_ptr<int64_t>(), r.sid.numel(), DType::i64);
     r.m = std::move(m);
     reqs.push_back(std::move(r));
