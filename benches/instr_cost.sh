@@ -28,8 +28,11 @@ cmake --build "$root/build" --target dtrain-run >/dev/null
 for v in base head; do
   rev=$base_rev; [[ $v == head ]] && rev=$head_rev
   git -C "$root" worktree add --detach "$work/$v" "$rev" >/dev/null 2>&1
-  sed -i 's/constexpr unsigned kSpins = [0-9]*;/constexpr unsigned kSpins = 0;/' "$work/$v/src/comm/transport/shm/transport.cc"
-  grep -q 'kSpins = 0;' "$work/$v/src/comm/transport/shm/transport.cc" || { echo "instr_cost: no kSpins in $rev" >&2; exit 1; }
+  # kSpins is defined in shm/transport.cc in older revisions, in shm/segment.h since issue 10.
+  spins_file=$(grep -rl 'constexpr unsigned kSpins = ' "$work/$v/src/comm/transport/shm/" | head -1 || true)
+  [[ -n $spins_file ]] || { echo "instr_cost: no kSpins in $rev" >&2; exit 1; }
+  sed -i 's/constexpr unsigned kSpins = [0-9]*;/constexpr unsigned kSpins = 0;/' "$spins_file"
+  grep -q 'kSpins = 0;' "$spins_file" || { echo "instr_cost: cannot turn the spin phase off in $rev" >&2; exit 1; }
   launcher=(); command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   cmake -S "$work/$v" -B "$work/$v/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF "${launcher[@]}" >/dev/null
   cmake --build "$work/$v/build" --target dtrain_comm >/dev/null
