@@ -129,7 +129,7 @@ class DistributedDataParallel {
   struct Stats {
     double comm_ms = 0;     // first bucket launched -> last bucket done
     double exposed_ms = 0;  // end of backward -> last bucket done (what backward did not hide)
-    double hidden_fraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
+    double hiddenFraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
   };
   Stats lastStats() const;
 

@@ -11,6 +11,7 @@
 #include <atomic>
 #include <map>
 
+#include "buckets.h"
 #include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
@@ -31,22 +32,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
   buckets.clear();
   bucket_of.assign(params.size(), 0);
   offset_of.assign(params.size(), 0);
-  std::vector<std::vector<size_t>> groups;
-  std::vector<c10::ScalarType> types;
-  size_t bytes = 0;
-  for (size_t i : order) {
-    const auto& p = params[i];
-    size_t b = p.numel() * p.element_size();
-    size_t cap = groups.size() <= 1 ? opts.first_bucket_bytes : opts.bucket_bytes;
-    bool fresh = groups.empty() || types.back() != p.scalar_type() || (bytes + b > cap && !groups.back().empty());
-    if (fresh) {
-      groups.emplace_back();
-      types.push_back(p.scalar_type());
-      bytes = 0;
-    }
-    groups.back().push_back(i);
-    bytes += b;
-  }
+  auto groups = detail::assignBuckets(params, order, {opts.bucket_bytes, opts.first_bucket_bytes});
   for (size_t k = 0; k < groups.size(); ++k) {
     Bucket bk;
     int64_t numel = 0;
@@ -58,7 +44,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
     bk.gb.index = static_cast<int>(k);
     bk.gb.params = groups[k];
     bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
-    bk.dtype = toCommDType(types[k], "DDP gradient bucket");
+    bk.dtype = toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");
     buckets.push_back(std::move(bk));
     for (size_t i : groups[k]) adoptGrad(i);
   }
@@ -325,9 +311,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     m.broadcastFrom(0, m.params, "DDP parameter");
     m.broadcastFrom(0, m.buffers, "DDP buffer");
   }
-  std::vector<size_t> reverse(m.params.size());
-  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
-  m.buildBuckets(reverse);
+  m.buildBuckets(detail::reverseOrder(m.params.size()));
   owner_ = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < m.params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
