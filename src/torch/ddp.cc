@@ -107,11 +107,18 @@ void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
     first_launch = Clock::now();
     any_launched = true;
   }
-  if (hook) {
-    b.work = hook->run(*pg, b.gb);
-  } else {
+  if (!hook) {
     b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype, comm::ReduceOp::avg);
+    return;
   }
+  b.gb.lane_ = hook_runner->open(b.gb.index, pg->rank(), hook->name(), chain_pg.get());
+  struct Seal {  // also when run() throws: the hook thread must not wait for this bucket forever
+    detail::HookLane& lane;
+    ~Seal() { lane.seal(); }
+  } seal{*b.gb.lane_};
+  b.work = hook->run(*pg, b.gb);
+  DTRAIN_CHECK(b.work != nullptr, InvalidArgument, "[rank {}] DDP comm hook '{}' returned no Work for bucket {}",
+               pg->rank(), hook->name(), b.gb.index);
 }
 
 void DistributedDataParallel::Impl::finishPass() {
@@ -183,7 +190,6 @@ void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_po
   for (auto& b : buckets) {
     b.work->wait();
     if (last_done) *last_done = std::max(*last_done, b.work->finishedAt());
-    if (hook) hook->finish(b.gb);
     if (scale != 1.0) b.gb.flat.mul_(scale);
   }
 }
@@ -335,7 +341,18 @@ void DistributedDataParallel::beforeForward() {
 }
 
 void DistributedDataParallel::setSync(bool on) { impl_->sync = on; }
-void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) { impl_->hook = std::move(hook); }
+void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) {
+  auto& m = *impl_;
+  DTRAIN_CHECK(!m.in_backward, InvalidArgument, "[rank {}] DistributedDataParallel::registerCommHook during backward",
+               m.pg->rank());
+  if (hook && hook->chainsCollectives() && !m.chain_pg) {
+    std::vector<int> all(static_cast<size_t>(m.pg->size()));
+    for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+    m.chain_pg = m.pg->newGroup(all);
+  }
+  if (hook && !m.hook_runner) m.hook_runner = std::make_unique<detail::HookRunner>();
+  m.hook = std::move(hook);
+}
 const std::vector<at::Tensor>& DistributedDataParallel::parameters() const { return impl_->params; }
 const std::vector<std::string>& DistributedDataParallel::parameterNames() const { return impl_->names; }
 comm::ProcessGroup& DistributedDataParallel::processGroup() const { return *impl_->pg; }
@@ -345,32 +362,6 @@ std::vector<std::vector<size_t>> DistributedDataParallel::bucketLayout() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& b : impl_->buckets) out.push_back(b.gb.params);
   return out;
-}
-
-namespace {
-// Averages a bucket in a 16-bit float type: half the bytes on the wire.
-class CastHook : public CommHook {
- public:
-  CastHook(c10::ScalarType t, comm::DType ct, const char* name) : t_(t), ct_(ct), name_(name) {}
-  std::string name() const override { return name_; }
-  comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
-    b.scratch = b.flat.to(t_).contiguous();
-    return pg.allreduce(b.scratch.data_ptr(), static_cast<size_t>(b.scratch.numel()), ct_, comm::ReduceOp::avg);
-  }
-  void finish(GradBucket& b) override { b.flat.copy_(b.scratch); }
-
- private:
-  c10::ScalarType t_;
-  comm::DType ct_;
-  const char* name_;
-};
-}  // namespace
-
-std::shared_ptr<CommHook> fp16CompressHook() {
-  return std::make_shared<CastHook>(at::kHalf, comm::DType::f16, "fp16_compress");
-}
-std::shared_ptr<CommHook> bf16CompressHook() {
-  return std::make_shared<CastHook>(at::kBFloat16, comm::DType::bf16, "bf16_compress");
 }
 
 }  // namespace dtrain
