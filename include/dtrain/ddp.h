@@ -122,8 +122,8 @@ struct GradBucket {
 // same order on a group, and ranks finish their first stages in different orders. So first stages go on
 // DDP's group from autograd's thread in bucket order, and every continuation runs on one DDP thread,
 // bucket by bucket in launch order (within a bucket in the order then() was called): bucket k+1's
-// continuations wait until bucket k's chain has issued its last step, even if bucket k+1's first stage
-// finished earlier. Continuations issue on a second group of the same ranks (chainGroup(), created by
+// continuations wait until all of bucket k's have run, even if bucket k+1's first stage finished
+// earlier. Continuations issue on a second group of the same ranks (chainGroup(), created by
 // registerCommHook), so that they never race the first stages that autograd's thread issues meanwhile.
 class CommHook {
  public:

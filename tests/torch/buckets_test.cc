@@ -23,7 +23,8 @@ std::vector<at::Tensor> tensors(const std::vector<std::pair<int64_t, c10::Scalar
 
 TEST(AssignBuckets, ReverseOrderFirstBucketSmallThenFull) {
   // Six float parameters of 4 elements (16 bytes each).
-  auto ps = tensors({{4, at::kFloat}, {4, at::kFloat}, {4, at::kFloat}, {4, at::kFloat}, {4, at::kFloat}, {4, at::kFloat}});
+  std::vector<at::Tensor> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(at::zeros({4}, at::kFloat));
   detail::BucketSizes s{/*bucket_bytes=*/48, /*first_bucket_bytes=*/16};
   EXPECT_EQ(detail::reverseOrder(6), (std::vector<size_t>{5, 4, 3, 2, 1, 0}));
   EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2}, {1, 0}}));

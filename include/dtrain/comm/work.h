@@ -60,7 +60,8 @@ class Work {
   WorkPtr then(std::function<WorkPtr()> next, Post post = {});
 
   // Calls fn once the op completed: at once (on this thread) if it has, else on the thread that
-  // completes it, with the same rules as then()'s `next` without `post`: short, and never waiting.
+  // completes it, with the same rules as then()'s `next` without `post`: short, never waiting, and
+  // never throwing.
   void onComplete(std::function<void()> fn);
 
   // Used by the group that runs the op.
