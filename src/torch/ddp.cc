@@ -1,5 +1,6 @@
-// DistributedDataParallel (see ddp.h for the design): bucket layout, the synced backward pass, the
-// buffer broadcast at its end, and the comm hooks. The join scope's shadow passes are in join.cc.
+// DistributedDataParallel (see ddp.h for the design): bucket layout, the synced backward pass and the
+// buffer broadcast at its end. The comm hooks' continuation thread and the fp16/bf16 hooks are in
+// ddp_hooks.cc, the join scope's shadow passes in join.cc.
 #include "dtrain/ddp.h"
 
 #include <torch/csrc/autograd/engine.h>

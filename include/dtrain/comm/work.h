@@ -71,11 +71,11 @@ class Work {
   void waitUntil(const std::function<std::chrono::steady_clock::time_point()>& until, const std::string& why);
   // A chain's deadline moves with its steps (see then()).
   void extendDeadline(std::chrono::steady_clock::time_point to);
+  std::chrono::steady_clock::time_point currentDeadline() const;
   static void runStep(const WorkPtr& chain, const std::string& after, std::exception_ptr error,
                       const std::function<WorkPtr()>& next);
   std::string what_;
   std::chrono::steady_clock::time_point deadline_;
-  std::chrono::steady_clock::duration timeout_;  // deadline - creation time
   int rank_;
   std::weak_ptr<WorkExecutor> executor_;
   mutable std::mutex mu_;

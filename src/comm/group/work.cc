@@ -17,7 +17,6 @@ constexpr auto kWaitGrace = std::chrono::seconds(10);
 Work::Work(std::string what, Clock::time_point deadline, int rank, std::weak_ptr<WorkExecutor> executor)
     : what_(std::move(what)),
       deadline_(deadline),
-      timeout_(std::max(Clock::duration::zero(), deadline - Clock::now())),
       rank_(rank),
       executor_(std::move(executor)) {}
 
@@ -82,18 +81,26 @@ void Work::onComplete(std::function<void()> fn) {
   fn();
 }
 
+Clock::time_point Work::currentDeadline() const {
+  std::lock_guard<std::mutex> g(mu_);
+  return deadline_;
+}
+
 void Work::extendDeadline(Clock::time_point to) {
   std::lock_guard<std::mutex> g(mu_);
   deadline_ = std::max(deadline_, to);
 }
 
 WorkPtr Work::then(std::function<WorkPtr()> next, Post post) {
-  auto chain = std::make_shared<Work>(what_ + " -> then", deadline_, rank_, executor_);
-  onComplete([this, chain, next = std::move(next), post = std::move(post)] {
+  const auto deadline = currentDeadline();
+  auto chain = std::make_shared<Work>(what_ + " -> then", deadline, rank_, executor_);
+  // then() usually follows the op's issue at once, so this is about the op's timeout.
+  const auto timeout = std::max(Clock::duration::zero(), deadline - Clock::now());
+  onComplete([this, chain, timeout, next = std::move(next), post = std::move(post)] {
     // This Work is complete (error_ no longer changes); the task may run after it is gone.
     std::exception_ptr error = error_;
-    // The step may wait in `post`'s queue: give it this op's timeout from now.
-    chain->extendDeadline(Clock::now() + timeout_);
+    // The step may wait in `post`'s queue: give it that much time from now.
+    chain->extendDeadline(Clock::now() + timeout);
     auto task = [chain, after = what_, error, next] { runStep(chain, after, error, next); };
     if (post) {
       post(std::move(task));
@@ -129,7 +136,7 @@ void Work::runStep(const WorkPtr& chain, const std::string& after, std::exceptio
     chain->finish();
     return;
   }
-  chain->extendDeadline(step->deadline_);
+  chain->extendDeadline(step->currentDeadline());
   Work* s = step.get();  // alive while its callbacks run
   step->onComplete([chain, s] { chain->finish(s->error_); });
 }
