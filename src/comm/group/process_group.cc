@@ -15,6 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/collectives/collectives.h"
+#include "comm/group/work_executor.h"
 #include "comm/net/socket.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
