@@ -118,7 +118,6 @@ inline constexpr int64_t kHeaderBytes = 40;
 // completed and rethrows its error; it gives up with a TimeoutError naming the operation 4 x
 // PSOptions::timeout after the operation was issued (an operation's own waits are bounded by the timeout,
 // so that deadline only fires when several long operations are queued ahead of it).
-using WorkHandle = comm::WorkPtr;  // the name ps_module.cc still uses; the same type as comm::WorkPtr
 
 // The workers of one host acting as one PS client (see the file comment).
 struct LocalAggregation {

@@ -18,7 +18,7 @@ struct DistributedModule::Impl {
     int64_t numel = 0;
     at::Tensor grads, values;      // flat float32
     size_t ready = 0;
-    WorkHandle push, pull;
+    comm::WorkPtr push, pull;
   };
   std::shared_ptr<torch::nn::Module> module;
   Worker* worker = nullptr;
