@@ -55,11 +55,14 @@ Environment Environment::read() {
     const char* v = std::getenv(name);
     if (v && *v) values[name] = v;
   }
-  return Environment(std::move(values));
+  return of(std::move(values));
 }
 
-Environment::Environment(std::map<std::string, std::string> values) : values_(std::move(values)) {
-  for (const auto& kv : values_) checkKnown(kv.first);
+Environment Environment::of(std::map<std::string, std::string> values) {
+  for (const auto& kv : values) checkKnown(kv.first);
+  Environment env;
+  env.values_ = std::move(values);
+  return env;
 }
 
 const char* Environment::get(const char* name) const {

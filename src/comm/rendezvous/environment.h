@@ -3,7 +3,7 @@
 // Environment, so they are tested on values built in the test, without setenv:
 //
 // \code
-//   rendezvous::Environment env({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
+//   auto env = rendezvous::Environment::of({{"RANK", "1"}, {"WORLD_SIZE", "2"}});
 //   WorldInfo w = rendezvous::detectWorld(env, InitOptions{});   // w.rank == 1
 // \endcode
 //
@@ -20,7 +20,9 @@ class Environment {
   static Environment read();
   // Given values. Every name must be one dtrain reads (a misspelt name would silently be unset):
   // dtrain::Error naming it otherwise.
-  explicit Environment(std::map<std::string, std::string> values = {});
+  static Environment of(std::map<std::string, std::string> values);
+  // No variable set.
+  Environment() = default;
 
   // The value, or nullptr when the variable is unset or empty. `name` must be one dtrain reads.
   const char* get(const char* name) const;
