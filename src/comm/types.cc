@@ -32,6 +32,16 @@ const char* dtypeName(DType t) {
   return "?";
 }
 
+const char* allreduceAlgorithmName(AllreduceAlgorithm a) {
+  switch (a) {
+    case AllreduceAlgorithm::automatic: return "auto";
+    case AllreduceAlgorithm::ring: return "ring";
+    case AllreduceAlgorithm::recursive_doubling: return "rd";
+    case AllreduceAlgorithm::direct: return "direct";
+  }
+  return "?";
+}
+
 const char* reduceOpName(ReduceOp op) {
   switch (op) {
     case ReduceOp::sum: return "sum";

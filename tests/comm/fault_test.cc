@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "comm/net/socket.h"
+#include "comm/transport/tcp/hello.h"
 #include "comm/transport/transport.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/error.h"
@@ -214,7 +215,7 @@ TEST(HostileTransportPeer, BadFramesAreProtocolErrors) {
        },
        "bad frame from rank 1"},
       {"abort frame claiming 1 TB",
-       [](auto& s) { sendHeader(s, comm::transport::kFrameMagic, OpCode::kAbort, 1ull << 40); },
+       [](auto& s) { sendHeader(s, comm::transport::kFrameMagic, OpCode::abort, 1ull << 40); },
        "abort frame claiming 1099511627776 bytes"},
   };
   for (const auto& c : cases) {

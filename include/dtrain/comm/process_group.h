@@ -56,10 +56,6 @@ struct GroupOptions {
   static GroupOptions fromEnv();
 };
 
-// automatic: the transport's own path if it has one (shm), else recursive doubling for small buffers
-// and the ring for large ones. direct: the transport's own path (falls back to automatic on tcp).
-enum class AllreduceAlgorithm { automatic, ring, recursive_doubling, direct };
-
 // One send or receive of a batch that runs concurrently (like torch.distributed.batch_isend_irecv).
 struct P2POp {
   enum Kind { kSend, kRecv } kind;

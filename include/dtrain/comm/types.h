@@ -10,6 +10,14 @@ namespace dtrain::comm {
 enum class DType : uint8_t { f32, f64, f16, bf16, i32, i64, u8 };
 enum class ReduceOp : uint8_t { sum, avg, min, max, prod };
 
+// How allreduce runs. automatic: chosen by size and transport (see docs/ARCHITECTURE.md): direct on
+// shared memory, else recursive doubling for small buffers and the ring for large ones. direct: every
+// rank reads the others' staged data in shared memory (falls back to automatic where there is none,
+// e.g. over tcp). ring, recursive_doubling: forced.
+enum class AllreduceAlgorithm : uint8_t { automatic, ring, recursive_doubling, direct };
+// "auto", "ring", "rd", "direct"
+const char* allreduceAlgorithmName(AllreduceAlgorithm a);
+
 inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,
                                        DType::i32, DType::i64, DType::u8};
 inline constexpr ReduceOp kAllReduceOps[] = {ReduceOp::sum, ReduceOp::avg, ReduceOp::min,

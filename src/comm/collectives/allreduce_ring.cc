@@ -60,7 +60,7 @@ void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t,
     int rb = (r - s - 2 + 2 * n) % n;
     const char* from = s == 0 ? src : base;
     ops[0] = transport::sendOp(right, s, from + off[sb] * es, counts[sb] * es);
-    ops[1] = transport::recvReduceOp(left, s, base + off[rb] * es, counts[rb] * es, t, op, src + off[rb] * es);
+    ops[1] = recvReduceOp(left, s, base + off[rb] * es, counts[rb] * es, t, op, src + off[rb] * es);
     c.run(ops);
   }
   if (op == ReduceOp::avg) divideBy(base + off[r] * es, counts[r], t, n);

@@ -12,34 +12,31 @@ namespace dtrain::comm::algo {
 
 using transport::Op;
 
-namespace {
-constexpr size_t kSmallBroadcastBytes = 64u << 10;
+void broadcastTree(Context& c, void* buf, size_t count, DType t, int root) {
+  const int n = c.size, r = c.rank;
+  const size_t bytes = count * dtypeSize(t);
+  std::vector<Op> ops;
+  const int vr = (r - root + n) % n;
+  int mask = 1;
+  while (mask < n) {
+    if (vr & mask) {
+      ops = {transport::recvOp((vr - mask + root) % n, 0, buf, bytes)};
+      c.run(ops);
+      break;
+    }
+    mask <<= 1;
+  }
+  ops.clear();
+  for (mask >>= 1; mask > 0; mask >>= 1) {
+    if (vr + mask < n) ops.push_back(transport::sendOp((vr + mask + root) % n, 0, buf, bytes));
+  }
+  if (!ops.empty()) c.run(ops);
 }
 
-void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
+void broadcastScatterAllgather(Context& c, void* buf, size_t count, DType t, int root) {
   const int n = c.size, r = c.rank;
-  if (n == 1) return;
   const size_t es = dtypeSize(t);
-  const size_t bytes = count * es;
   std::vector<Op> ops;
-  if (bytes <= kSmallBroadcastBytes || count < static_cast<size_t>(n)) {
-    const int vr = (r - root + n) % n;
-    int mask = 1;
-    while (mask < n) {
-      if (vr & mask) {
-        ops = {transport::recvOp((vr - mask + root) % n, 0, buf, bytes)};
-        c.run(ops);
-        break;
-      }
-      mask <<= 1;
-    }
-    ops.clear();
-    for (mask >>= 1; mask > 0; mask >>= 1) {
-      if (vr + mask < n) ops.push_back(transport::sendOp((vr + mask + root) % n, 0, buf, bytes));
-    }
-    if (!ops.empty()) c.run(ops);
-    return;
-  }
   auto counts = evenBlocks(count, n);
   auto off = prefixOffsets(counts);
   char* base = static_cast<char*>(buf);

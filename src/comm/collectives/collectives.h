@@ -1,10 +1,15 @@
 // Collective algorithms over a Transport. Each is a synchronous free function run by a ProcessGroup's
 // worker thread; the algorithm files explain how each works. Counts are in elements.
+//
+// The entry points (allreduce, broadcast, reduce, ...) pick an algorithm in select.cc, the one place
+// where sizes, transports and topology decide; the algorithms themselves (allreduce_ring.cc,
+// allreduce_rd.cc, allreduce_direct.cc, broadcast.cc, ...) never choose.
 #pragma once
 #include <cstddef>
 #include <cstdint>
 #include <vector>
 
+#include "comm/collectives/kernels.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/types.h"
 
@@ -36,19 +41,32 @@ struct Context {
 std::vector<size_t> evenBlocks(size_t count, int size);
 std::vector<size_t> prefixOffsets(const std::vector<size_t>& counts);
 
-enum class AllreduceAlgo { kAuto, kRing, kRecursiveDoubling, kDirect };
-const char* allreduceAlgoName(AllreduceAlgo a);
-// Below this many bytes allreduce uses recursive doubling (latency), above it the ring (bandwidth).
-inline constexpr size_t kSmallAllreduceBytes = 32u << 10;
+// A receive that reduces its payload into `data` (see transport::Op::reduce) with dtrain's kernels:
+// data[i] = operand[i] (op) payload[i], operand defaulting to data (in place).
+inline transport::Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t, ReduceOp r,
+                                  const void* operand = nullptr) {
+  return transport::Op{transport::Op::kRecv, peer, tag, data, bytes, &reduceTo, t, r, operand};
+}
 
+// ---- Entry points: choose (select.cc), then run one of the algorithms below. ----
+// `algo` is what the caller asked for; automatic, or direct where the transport has no staging area,
+// leaves the choice to select.cc.
 void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op,
-               AllreduceAlgo algo = AllreduceAlgo::kAuto);
-// in == out is in place; out of place never copies in to out.
-void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
-void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
-
+               AllreduceAlgorithm algo = AllreduceAlgorithm::automatic);
 void broadcast(Context& c, void* buf, size_t count, DType t, int root);
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
+// The algorithm allreduce runs for this call on this group (the same on every rank).
+AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, AllreduceAlgorithm asked);
+
+// ---- Algorithms. in == out is in place; out of place never copies in to out. ----
+void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
+void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
+void allreduceDirect(Context& c, transport::Staging& st, const void* in, void* out, size_t count, DType t,
+                     ReduceOp op);
+void broadcastTree(Context& c, void* buf, size_t count, DType t, int root);
+void broadcastScatterAllgather(Context& c, void* buf, size_t count, DType t, int root);
+void reduceTree(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
+void reduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
 // out receives every rank's block in rank order; counts[r] is rank r's element count.
 void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t);
 // Ring allgather of blocks already in place in buf (rank r owns block r); used by several algorithms.

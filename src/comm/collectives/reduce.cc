@@ -14,38 +14,33 @@ namespace dtrain::comm::algo {
 
 using transport::Op;
 
-namespace {
-constexpr size_t kSmallReduceBytes = 64u << 10;
+void reduceTree(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
+  const int n = c.size, r = c.rank;
+  const size_t bytes = count * dtypeSize(t);
+  std::vector<Op> ops;
+  // The root accumulates in out; others in scratch.
+  void* acc = r == root ? out : c.scratch(bytes);
+  if (acc != in && bytes) std::memmove(acc, in, bytes);
+  const int vr = (r - root + n) % n;
+  for (int mask = 1; mask < n; mask <<= 1) {
+    if (vr & mask) {
+      ops = {transport::sendOp((vr - mask + root) % n, 0, acc, bytes)};
+      c.run(ops);
+      return;
+    }
+    if (vr + mask < n) {
+      ops = {recvReduceOp((vr + mask + root) % n, 0, acc, bytes, t, op)};
+      c.run(ops);
+    }
+  }
+  if (op == ReduceOp::avg) divideBy(out, count, t, n);
 }
 
-void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
+void reduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
   const int n = c.size, r = c.rank;
   const size_t es = dtypeSize(t);
   const size_t bytes = count * es;
-  if (n == 1) {
-    if (in != out && bytes) std::memmove(out, in, bytes);
-    return;
-  }
   std::vector<Op> ops;
-  if (bytes <= kSmallReduceBytes || count < static_cast<size_t>(n)) {
-    // The root accumulates in out; others in scratch.
-    void* acc = r == root ? out : c.scratch(bytes);
-    if (acc != in && bytes) std::memmove(acc, in, bytes);
-    const int vr = (r - root + n) % n;
-    for (int mask = 1; mask < n; mask <<= 1) {
-      if (vr & mask) {
-        ops = {transport::sendOp((vr - mask + root) % n, 0, acc, bytes)};
-        c.run(ops);
-        return;
-      }
-      if (vr + mask < n) {
-        ops = {transport::recvReduceOp((vr + mask + root) % n, 0, acc, bytes, t, op)};
-        c.run(ops);
-      }
-    }
-    if (op == ReduceOp::avg) divideBy(out, count, t, n);
-    return;
-  }
   auto counts = evenBlocks(count, n);
   auto off = prefixOffsets(counts);
   // Reduce-scatter in place on a scratch copy (the root may use out itself).
@@ -57,7 +52,7 @@ void reduce(Context& c, const void* in, void* out, size_t count, DType t, Reduce
     int sb = (r - s - 1 + 2 * n) % n;
     int rb = (r - s - 2 + 2 * n) % n;
     ops[0] = transport::sendOp(right, s, work + off[sb] * es, counts[sb] * es);
-    ops[1] = transport::recvReduceOp(left, s, work + off[rb] * es, counts[rb] * es, t, op);
+    ops[1] = recvReduceOp(left, s, work + off[rb] * es, counts[rb] * es, t, op);
     c.run(ops);
   }
   ops.clear();

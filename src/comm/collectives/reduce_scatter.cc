@@ -31,7 +31,7 @@ void reduceScatterv(Context& c, const void* in, void* out, const std::vector<siz
     int sb = (r - s - 1 + 2 * n) % n;
     int rb = (r - s - 2 + 2 * n) % n;
     ops[0] = transport::sendOp(right, s, work + off[sb] * es, counts[sb] * es);
-    ops[1] = transport::recvReduceOp(left, s, work + off[rb] * es, counts[rb] * es, t, op);
+    ops[1] = recvReduceOp(left, s, work + off[rb] * es, counts[rb] * es, t, op);
     c.run(ops);
   }
   if (op == ReduceOp::avg) divideBy(work + off[r] * es, counts[r], t, n);

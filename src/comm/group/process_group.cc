@@ -316,12 +316,8 @@ WorkPtr ProcessGroup::allreduce(const void* in, void* out, size_t count, DType t
                                 AllreduceAlgorithm algo) {
   impl_->checkBuf(in, count, "input", "allreduce");
   impl_->checkBuf(out, count, "output", "allreduce");
-  auto a = algo == AllreduceAlgorithm::ring                 ? algo::AllreduceAlgo::kRing
-           : algo == AllreduceAlgorithm::recursive_doubling ? algo::AllreduceAlgo::kRecursiveDoubling
-           : algo == AllreduceAlgorithm::direct             ? algo::AllreduceAlgo::kDirect
-                                                            : algo::AllreduceAlgo::kAuto;
   return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, fmt::format(" {}", reduceOpName(op)),
-                                         [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, a); }, 0,
+                                         [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, algo); }, 0,
                                          static_cast<uint8_t>(algo)));
 }
 

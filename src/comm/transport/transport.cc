@@ -25,7 +25,7 @@ const char* opName(OpCode op) {
     case OpCode::barrier: return "barrier";
     case OpCode::send: return "send/recv";
     case OpCode::fingerprint: return "fingerprint";
-    case OpCode::kAbort: return "abort";
+    case OpCode::abort: return "abort";
   }
   return "unknown-op";
 }
@@ -124,8 +124,8 @@ std::string Fingerprint::describe(uint32_t seq) const {
   if (counts_hash) s += fmt::format(", counts #{:08x}", static_cast<uint32_t>(counts_hash ^ (counts_hash >> 32)));
   if (rop != 0xFF) s += fmt::format(", {}", reduceOpName(static_cast<ReduceOp>(rop)));
   if (root >= 0) s += fmt::format(", root {}", root);
-  static const char* const kAlgos[] = {"", "ring", "rd", "direct"};
-  if (algo > 0 && algo < 4) s += fmt::format(", algorithm {}", kAlgos[algo]);
+  if (algo > 0 && algo <= static_cast<uint8_t>(AllreduceAlgorithm::direct))
+    s += fmt::format(", algorithm {}", allreduceAlgorithmName(static_cast<AllreduceAlgorithm>(algo)));
   return s + fmt::format(") seq={}", seq);
 }
 

@@ -28,8 +28,9 @@ namespace dtrain::comm::transport {
 using Clock = std::chrono::steady_clock;
 using Deadline = Clock::time_point;
 
-// Operation codes carried in frames. Collectives have codes below kAbort; kAbort carries a failing
-// rank's error message to its peers so that everyone reports the root cause.
+// Operation codes carried in frames: the collectives, point-to-point sends, the fingerprint exchange,
+// and abort, which carries a failing rank's error message to its peers so that everyone reports the
+// root cause.
 enum class OpCode : uint16_t {
   none = 0,
   allreduce,
@@ -43,7 +44,7 @@ enum class OpCode : uint16_t {
   barrier,
   send,
   fingerprint,
-  kAbort = 0xABu,
+  abort = 0xABu,
 };
 const char* opName(OpCode op);
 
@@ -88,20 +89,9 @@ struct Header {
 };
 static_assert(sizeof(Header) == 56, "frame header layout");
 
-// The first bytes a TCP connector sends: who it is, and the group it belongs to (a random nonce chosen
-// by rank 0 for each group), so that the acceptor can drop anything else.
-struct TcpHello {
-  static constexpr uint16_t kKind = 0x4845;  // "HE"
-  uint32_t magic = kFrameMagic;
-  uint16_t version = kFrameVersion;
-  uint16_t kind = kKind;
-  uint64_t nonce = 0;
-  int32_t rank = -1;
-  int32_t size = 0;
-};
-
-// dst[i] = dst[i] (op) src[i] for `bytes / elem` elements.
-using ReduceFn = void (*)(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
+// out[i] = a[i] (op) b[i] for `count` elements (out may alias a). The collectives pass their kernel
+// with each reduce receive, so transports move bytes and never include the kernels themselves.
+using ReduceFn = void (*)(void* out, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
 
 struct Op {
   enum Kind : uint8_t { kSend, kRecv } kind;
@@ -111,8 +101,9 @@ struct Op {
   size_t bytes;
   // Receives only: when set, the payload is reduced into `data` instead of copied:
   // data[i] = operand[i] (op) payload[i], where operand defaults to data itself (in place). A separate
-  // operand lets an out-of-place collective skip copying its input into the output first.
-  bool reduce = false;
+  // operand lets an out-of-place collective skip copying its input into the output first. The
+  // collectives build such receives (algo::recvReduceOp).
+  ReduceFn reduce = nullptr;
   DType dtype = DType::u8;
   ReduceOp rop = ReduceOp::sum;
   const void* operand = nullptr;
@@ -131,10 +122,6 @@ inline Op sendOp(int peer, uint32_t tag, const void* data, size_t bytes) {
 inline Op recvOp(int peer, uint32_t tag, void* data, size_t bytes) {
   return Op{Op::kRecv, peer, tag, data, bytes};
 }
-inline Op recvReduceOp(int peer, uint32_t tag, void* data, size_t bytes, DType t, ReduceOp r,
-                       const void* operand = nullptr) {
-  return Op{Op::kRecv, peer, tag, data, bytes, true, t, r, operand};
-}
 
 // What the ops belong to, for frame checks and error messages.
 struct Label {
@@ -150,6 +137,8 @@ struct TransportOptions {
   std::string listen_host;      // tcp: address to listen on and advertise
   size_t segment_bytes = 0;     // shm: ring capacity per peer pair; tcp: reduce staging. 0 = default
 };
+
+class Staging;
 
 class Transport {
  public:
@@ -178,18 +167,40 @@ class Transport {
   // receive into scratch call it before they write the output, and the group calls it when the
   // algorithm returns. Where calls are compared in frame headers (tcp) it returns at once.
   virtual void compareCalls(const Label& label, Deadline deadline) {}
-  // A transport may run allreduce its own way (shared memory: every rank reads every other's staged
-  // input directly). Returns false when it has no such path, or (unless `forced`) when it judges the
-  // generic algorithms faster for this size; they then apply.
-  virtual bool allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op, Deadline deadline,
-                         const Label& label, bool forced) {
-    return false;
-  }
+  // Memory every rank can address directly (shared memory), for algorithms that read each other's
+  // data in place instead of sending it; nullptr when the transport has none (tcp).
+  virtual Staging* staging() { return nullptr; }
+  // Whether the ranks outnumber the cores any of them may use (the same answer on every rank): waits
+  // are then context switches, and algorithm choices (collectives/select.cc) favour fewer of them.
+  virtual bool oversubscribed() const { return false; }
 
  protected:
   Transport(int rank, int size) : rank_(rank), size_(size) {}
   int rank_;
   int size_;
+};
+
+// A transport's staging area (see Transport::staging): `slots()` slots of (size + 1) chunks of
+// chunkBytes() each: one chunk per rank, where it stages its data for the others to read, and one
+// result chunk. Each rank also has progress counters, one per Counter, that only grow: an algorithm
+// publishes "I reached chunk g" and waits until every other rank has. Waits share the transport's
+// deadline, abort and liveness checks, and name the ranks that are behind.
+class Staging {
+ public:
+  enum Counter { kInReady = 0, kOutReady = 1, kDone = 2 };
+  virtual ~Staging() = default;
+  virtual size_t chunkBytes() const = 0;
+  virtual uint64_t slots() const = 0;
+  // Rank q's chunk of slot s (q == size: the result chunk).
+  virtual char* chunk(uint64_t s, int q) = 0;
+  // Numbers the chunks staged on this group: 1, 2, ... across calls, the same on every rank.
+  virtual uint64_t nextChunk() = 0;
+  virtual void publish(Counter k, uint64_t g) = 0;
+  // Until every other rank's counter k reaches g. With `calls`, also until every rank's call of the
+  // current collective is known and compared (a mismatch throws, naming both calls): the first wait
+  // after which an algorithm writes outputs passes it, so a mismatch modifies no output.
+  virtual void waitFor(Counter k, uint64_t g, Deadline deadline, const Label& label, const char* doing,
+                       bool calls = false) = 0;
 };
 
 // Backends register a factory under a name ("tcp", "shm"); connect() builds the mesh through the store.
@@ -210,7 +221,7 @@ ErrorKind errorKindOf(const std::exception& e);
 [[noreturn]] void throwOfKind(ErrorKind k, const std::string& msg);
 // Checks a received header against what this rank expected; throws ProtocolError naming the peer.
 // A collective whose fingerprint or sequence number differs is a mismatch naming both calls.
-// Abort frames are not handled here (callers check opcode == kAbort first).
+// Abort frames are not handled here (callers check opcode == abort first).
 // `outputs` says what became of this call's outputs (see throwMismatch).
 void checkHeader(const Header& h, uint32_t tag, uint64_t length, int self, const std::string& peer,
                  const Label& label, const char* outputs = "the outputs of this call are unspecified");

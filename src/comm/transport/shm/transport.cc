@@ -32,104 +32,16 @@
 #include <random>
 #include <thread>
 
-#include "comm/collectives/kernels.h"
+#include "comm/transport/shm/segment.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define DTRAIN_CPU_RELAX() _mm_pause()
-#else
-#define DTRAIN_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
-#endif
 
 namespace dtrain::comm::transport {
 namespace {
 
-constexpr uint64_t kSegMagic = 0x4D48535F4E525444ull;  // "DTRN_SHM"
-constexpr size_t kPiece = 64u << 10;                    // publish progress at least this often
-constexpr size_t kMinRing = 4096;
-constexpr size_t kChunkSmall = 256u << 10;
-constexpr size_t kChunkLarge = 1u << 20;
-constexpr auto kSleepSlice = std::chrono::milliseconds(50);
+using namespace shm;  // the segment layout and wait primitives (segment.h)
 
-// A rank's published call: stamp is the number of collectives it has begun on this group (written last,
-// seq_cst), so a reader that sees the stamp it expects sees the fingerprint too. Two entries
-// (stamp parity): a rank cannot begin collective s + 2 before every rank has begun s + 1, which each
-// does only after reading everyone's entry for s, so an entry is never overwritten while still needed.
-struct FpEntry {
-  std::atomic<uint64_t> stamp;
-  uint32_t seq;
-  Fingerprint fp;
-};
-
-struct alignas(64) RankSlot {
-  std::atomic<uint32_t> doorbell;
-  std::atomic<uint32_t> sleepers;
-  std::atomic<int32_t> pid;
-  std::atomic<uint32_t> aborted;
-  std::atomic<int32_t> cores;  // usable cores of this rank, so that every rank makes the same choices
-  std::atomic<uint32_t> awaiting_calls;  // 1 while this rank waits for others to publish their call
-  FpEntry fps[2];
-  uint32_t abort_kind;
-  char abort_msg[kMaxAbortMessage + 1];
-};
-
-struct alignas(64) RingCtl {
-  alignas(64) std::atomic<uint64_t> head;  // bytes written by the producer
-  alignas(64) std::atomic<uint64_t> tail;  // bytes consumed by the consumer
-};
-
-// Progress of one rank through the direct allreduce, in absolute chunk numbers.
-struct alignas(64) Counter {
-  std::atomic<uint64_t> v;
-};
-enum CounterKind { kInReady = 0, kOutReady = 1, kDone = 2 };
-constexpr uint64_t kSlots = 4;  // chunks in flight in the direct allreduce
-
-struct SegHeader {
-  uint64_t magic;
-  uint64_t size;
-  uint64_t ring_bytes;
-  uint64_t total_bytes;
-};
-
-size_t roundUp(size_t v, size_t a) { return (v + a - 1) / a * a; }
-size_t pow2Floor(size_t v) {
-  size_t p = 1;
-  while (p * 2 <= v) p *= 2;
-  return p;
-}
-
-// Cores this process may run on (its affinity mask, which taskset and cgroups narrow), not the
-// machine's count.
-int usableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-// Brief busy-waiting before sleeping on the futex, yielding now and then: when the peer we wait for
-// shares our core (another job, or more ranks than cores) it gets to run instead of us burning the
-// time slice. ~1000 pauses cover a typical small-message round trip (a few microseconds).
-constexpr unsigned kSpins = 1024;
-inline void spinPause(unsigned i) {
-  if ((i & 63) == 63) {
-    sched_yield();
-  } else {
-    DTRAIN_CPU_RELAX();
-  }
-}
-
-long futexWait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::milliseconds d) {
-  timespec ts{static_cast<time_t>(d.count() / 1000), static_cast<long>((d.count() % 1000) * 1000000)};
-  return syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAIT, expected, &ts, nullptr, 0);
-}
-void futexWakeAll(std::atomic<uint32_t>* addr) {
-  syscall(SYS_futex, reinterpret_cast<uint32_t*>(addr), FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
-}
-
-class ShmTransport : public Transport {
+class ShmTransport : public Transport, public Staging {
  public:
   ShmTransport(Store& store, int rank, int size, const TransportOptions& opts) : Transport(rank, size) {
     size_t ring = opts.segment_bytes;
@@ -143,7 +55,7 @@ class ShmTransport : public Transport {
     slots_off_ = roundUp(sizeof(SegHeader), 64);
     ctl_off_ = slots_off_ + roundUp(sizeof(RankSlot), 64) * size;
     data_off_ = roundUp(ctl_off_ + sizeof(RingCtl) * size * size, 4096);
-    // Direct-allreduce chunks. With a core per rank, smaller chunks keep a chunk's staging, reduction
+    // Staging chunks (for the direct allreduce, collectives/allreduce_direct.cc). With a core per rank, smaller chunks keep a chunk's staging, reduction
     // and gather in cache (2 ranks idle, 16 MiB: 4.6 GB/s busbw with 64 KiB chunks, 4.5 with 256 KiB,
     // 3.6 with 1 MiB); but each chunk costs three waits, and when another job takes a core every wait
     // is a context switch, so 256 KiB is the compromise. With more ranks than cores waits are always
@@ -155,7 +67,7 @@ class ShmTransport : public Transport {
       chunk_ = size > usableCores() ? kChunkLarge : kChunkSmall;
     }
     coll_ctl_off_ = data_off_ + ring_ * size * size;
-    coll_data_off_ = roundUp(coll_ctl_off_ + sizeof(Counter) * 3 * size, 4096);
+    coll_data_off_ = roundUp(coll_ctl_off_ + sizeof(ProgressWord) * 3 * size, 4096);
     total_ = coll_data_off_ + kSlots * (size + 1) * chunk_;
     auto deadline = Clock::now() + opts.timeout;
     std::string name;
@@ -278,81 +190,36 @@ class ShmTransport : public Transport {
     }
   }
 
-  // Direct shared-memory allreduce, chunk by chunk (kSlots chunks in flight):
-  //   1. each rank copies its input chunk into its staging area, except its own slice, which nobody
-  //      else reads, and marks it ready;
-  //   2. when every rank's chunk is staged, rank r reduces slice r: its own input slice op every
-  //      other rank's staged slice, written to its output and to the shared result area;
-  //   3. when every slice is reduced, each rank copies the other slices of the result to its output.
-  // A rank moves about (4(n-1)/n + 1 + 2/n) chunk-sizes of memory per chunk, against ~9(n-1)/n for a
-  // ring over the pair queues, and waits twice per chunk instead of 2(n-1) times in a chain, which
-  // matters most when ranks outnumber cores. Each slice has a single reducer, so every rank ends
-  // with the same bits.
-  // Whether allreduce takes the direct path. With more ranks than cores, recursive doubling's log2(n)
-  // exchanges beat three rounds of waiting on everyone for tiny buffers (4 ranks on 2 cores, 4 KiB:
-  // 39 us against 47).
-  bool runsDirect(size_t count, DType t, bool forced) const {
-    return forced || !oversubscribed_ || count * dtypeSize(t) > (16u << 10);
-  }
+  Staging* staging() override { return this; }
+  bool oversubscribed() const override { return oversubscribed_; }
 
-  bool allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op, Deadline deadline,
-                 const Label& label, bool forced) override {
-    const int n = size_;
-    const size_t es = dtypeSize(t);
-    if (!runsDirect(count, t, forced)) return false;
-    const size_t chunk_elems = std::max<size_t>(chunk_ / es, 1);
-    const char* src = static_cast<const char*>(in);
-    char* dst = static_cast<char*>(out);
-    std::vector<size_t> sl(n + 1);
-    for (size_t off = 0; off < count; off += chunk_elems) {
-      const size_t len = std::min(chunk_elems, count - off);
-      const uint64_t g = ++chunks_done_;
-      const uint64_t slot_i = (g - 1) % kSlots;
-      for (int q = 0; q <= n; ++q) sl[q] = len * q / n;  // slice q is [sl[q], sl[q+1])
-      auto staged = [&](int q) { return collData(slot_i, q); };
-      char* result = collData(slot_i, n);
-      // 1. The slot is free once every rank finished chunk g - kSlots.
-      if (g > kSlots) waitCounters(kDone, g - kSlots, deadline, label, "to finish an earlier chunk");
-      const char* mine = src + off * es;
-      std::memcpy(staged(rank_), mine, sl[rank_] * es);
-      std::memcpy(staged(rank_) + sl[rank_ + 1] * es, mine + sl[rank_ + 1] * es, (len - sl[rank_ + 1]) * es);
-      publish(kInReady, g);
-      // 2. Reduce my slice, once every rank's input is staged and (first chunk) its call is known to be
-      //    this one: nothing was written to an output yet, so a mismatch leaves every output untouched.
-      //    A rank publishes its call before it stages, so one wait covers both; a rank in another
-      //    collective never stages, but its call is seen (and named) while waiting.
-      if (check_pending_) {
-        waitAll([&](int p) { return sameCall(p, label) && counter(kInReady, p)->v.load(std::memory_order_acquire) >= g; },
-                deadline, label, "to stage its input");
-        check_pending_ = false;
-      } else {
-        waitCounters(kInReady, g, deadline, label, "to stage its input");
-      }
-      const size_t a = sl[rank_], cnt = sl[rank_ + 1] - sl[rank_];
-      char* res = dst + (off + a) * es;
-      bool first = true;
-      for (int q = 0; q < n; ++q) {
-        if (q == rank_) continue;
-        reduceTo(res, first ? mine + a * es : res, staged(q) + a * es, cnt, t, op);
-        first = false;
-      }
-      if (op == ReduceOp::avg) divideBy(res, cnt, t, n);
-      std::memcpy(result + a * es, res, cnt * es);
-      publish(kOutReady, g);
-      // 3. Gather the other slices.
-      waitCounters(kOutReady, g, deadline, label, "to reduce its slice");
-      char* o = dst + off * es;
-      std::memcpy(o, result, a * es);
-      std::memcpy(o + sl[rank_ + 1] * es, result + sl[rank_ + 1] * es, (len - sl[rank_ + 1]) * es);
-      publish(kDone, g);
+  // Staging: the segment's collective area (kSlots slots of size + 1 chunks) and progress counters.
+  size_t chunkBytes() const override { return chunk_; }
+  uint64_t slots() const override { return kSlots; }
+  char* chunk(uint64_t s, int q) override { return base_ + coll_data_off_ + (s * (size_ + 1) + q) * chunk_; }
+  uint64_t nextChunk() override { return ++chunks_done_; }
+  void publish(Counter k, uint64_t g) override {
+    counter(k, rank_)->v.store(g, std::memory_order_release);
+    for (int p = 0; p < size_; ++p) ring_mask_[p] = p != rank_;
+    ringPeers();
+  }
+  void waitFor(Counter k, uint64_t g, Deadline deadline, const Label& label, const char* doing, bool calls) override {
+    if (calls && check_pending_) {
+      // A rank publishes its call before it stages, so one wait covers both; a rank in another
+      // collective never stages, but its call is seen (and named) while waiting.
+      waitAll([&](int p) { return sameCall(p, label) && counter(k, p)->v.load(std::memory_order_acquire) >= g; },
+              deadline, label, doing);
+      check_pending_ = false;
+    } else {
+      waitAll([&](int p) { return counter(k, p)->v.load(std::memory_order_acquire) >= g; }, deadline, label, doing);
     }
-    return true;
   }
 
   // Publishes this rank's call and compares every rank's before anything is written to an output.
   // Most algorithms copy local blocks into the output before they communicate, so for them the ranks
   // compare at once. Allreduce writes its output only from received data (or after its first exchange),
-  // so there the comparison joins a wait the algorithm has anyway: the direct allreduce's first wait,
+  // so there the comparison joins a wait the algorithm has anyway: the direct allreduce's first wait
+// (Staging::waitFor with calls),
   // or, over the pair queues, the first delivery of a received payload (pumpRecv holds it back until
   // every rank's call is known to be the same). Sends go ahead meanwhile.
   bool beginCollective(const Label& label, Deadline deadline) override {
@@ -502,8 +369,8 @@ class ShmTransport : public Transport {
         uint64_t off = pos & (ring_ - 1);
         uint64_t chunk = std::min<uint64_t>(real, ring_ - off);
         if (r.op->reduce) {
-          reduceTo(dst, r.op->operandAt(static_cast<size_t>(dst - static_cast<char*>(r.op->data))), ring + off,
-                   chunk / dtypeSize(r.op->dtype), r.op->dtype, r.op->rop);
+          r.op->reduce(dst, r.op->operandAt(static_cast<size_t>(dst - static_cast<char*>(r.op->data))), ring + off,
+                       chunk / dtypeSize(r.op->dtype), r.op->dtype, r.op->rop);
         } else {
           std::memcpy(dst, ring + off, chunk);
         }
@@ -519,21 +386,8 @@ class ShmTransport : public Transport {
     return used > 0;
   }
 
-  Counter* counter(CounterKind k, int r) {
-    return reinterpret_cast<Counter*>(base_ + coll_ctl_off_) + (static_cast<int>(k) * size_ + r);
-  }
-  char* collData(uint64_t slot_i, int q) { return base_ + coll_data_off_ + (slot_i * (size_ + 1) + q) * chunk_; }
-
-  void publish(CounterKind k, uint64_t g) {
-    counter(k, rank_)->v.store(g, std::memory_order_release);
-    for (int p = 0; p < size_; ++p) ring_mask_[p] = p != rank_;
-    ringPeers();
-  }
-
-  // Waits until every other rank's counter k reaches g, with the same deadline, abort and liveness
-  // checks as the pair queues; errors name the ranks that are behind.
-  void waitCounters(CounterKind k, uint64_t g, Deadline deadline, const Label& label, const char* doing) {
-    waitAll([&](int p) { return counter(k, p)->v.load(std::memory_order_acquire) >= g; }, deadline, label, doing);
+  ProgressWord* counter(Counter k, int r) {
+    return reinterpret_cast<ProgressWord*>(base_ + coll_ctl_off_) + (static_cast<int>(k) * size_ + r);
   }
 
   // Waits until every rank has begun this collective and compares their calls: a difference is a
@@ -717,7 +571,7 @@ class ShmTransport : public Transport {
   char* base_ = nullptr;
   size_t ring_ = 0, slots_off_ = 0, ctl_off_ = 0, data_off_ = 0, total_ = 0;
   size_t chunk_ = 0, coll_ctl_off_ = 0, coll_data_off_ = 0;
-  uint64_t chunks_done_ = 0;  // chunks of direct allreduce run so far (the same on every rank)
+  uint64_t chunks_done_ = 0;  // chunks staged so far (the same on every rank)
   uint64_t begun_ = 0;        // collectives begun (the stamp of this rank's published fingerprint)
   bool gated_ = false;          // this pass held back a payload until the others' calls are known
   bool check_pending_ = false;  // begun, but the fingerprints not compared yet

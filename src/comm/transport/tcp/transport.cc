@@ -22,8 +22,8 @@
 #include <cstring>
 #include <random>
 
-#include "comm/collectives/kernels.h"
 #include "comm/net/socket.h"
+#include "comm/transport/tcp/hello.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
 
@@ -240,7 +240,7 @@ class TcpTransport : public Transport {
     std::string msg = why.what();
     if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
     Header h;
-    h.opcode = static_cast<uint16_t>(OpCode::kAbort);
+    h.opcode = static_cast<uint16_t>(OpCode::abort);
     h.tag = static_cast<uint32_t>(errorKindOf(why));
     h.length = msg.size();
     for (int i = 0; i < size_; ++i) {
@@ -343,7 +343,7 @@ class TcpTransport : public Transport {
     Header h;
     ssize_t n = ::recv(peers_[j].sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
     if (n == static_cast<ssize_t>(sizeof h) && h.magic == kFrameMagic &&
-        h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+        h.opcode == static_cast<uint16_t>(OpCode::abort)) {
       peers_[j].sock.recvAll(&h, sizeof h, deadline);
       raiseAbort(j, h, deadline, label);
     }
@@ -417,7 +417,7 @@ class TcpTransport : public Transport {
       moved = true;
       r.hdr_got += n;
       if (r.hdr_got == sizeof(Header)) {
-        if (r.h.magic == kFrameMagic && r.h.opcode == static_cast<uint16_t>(OpCode::kAbort)) {
+        if (r.h.magic == kFrameMagic && r.h.opcode == static_cast<uint16_t>(OpCode::abort)) {
           raiseAbort(i, r.h, deadline, label);
         }
         checkHeader(r.h, op.tag, op.bytes, rank_, peerName(i), label);
@@ -440,7 +440,7 @@ class TcpTransport : public Transport {
         r.fill += n;
         size_t whole = r.fill / elem * elem;
         if (whole) {
-          reduceTo(static_cast<char*>(op.data) + r.got, op.operandAt(r.got), p.staging.data(), whole / elem,
+          op.reduce(static_cast<char*>(op.data) + r.got, op.operandAt(r.got), p.staging.data(), whole / elem,
                    op.dtype, op.rop);
           r.got += whole;
           r.fill -= whole;

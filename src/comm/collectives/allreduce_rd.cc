@@ -1,4 +1,4 @@
-// Allreduce: algorithm choice, and recursive doubling for small buffers.
+// Recursive-doubling allreduce, for small buffers (latency).
 //
 // Recursive doubling (latency-optimal, log2(size) rounds): with p2 the largest power of two <= size,
 // the `size - p2` extra ranks first fold their data into a partner (rank - p2) and wait. The p2 ranks
@@ -13,16 +13,6 @@
 namespace dtrain::comm::algo {
 
 using transport::Op;
-
-const char* allreduceAlgoName(AllreduceAlgo a) {
-  switch (a) {
-    case AllreduceAlgo::kAuto: return "auto";
-    case AllreduceAlgo::kRing: return "ring";
-    case AllreduceAlgo::kRecursiveDoubling: return "rd";
-    case AllreduceAlgo::kDirect: return "direct";
-  }
-  return "?";
-}
 
 void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op) {
   const int n = c.size, r = c.rank;
@@ -47,7 +37,7 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
   char* tmp = c.guard_output ? acc + bytes : static_cast<char*>(c.scratch(bytes));
   const void* mine = in;
   if (r < extra) {
-    ops = {transport::recvReduceOp(r + p2, kFoldTag, acc, bytes, t, op, in)};
+    ops = {recvReduceOp(r + p2, kFoldTag, acc, bytes, t, op, in)};
     ops[0].to_scratch = true;
     c.run(ops);
     mine = acc;
@@ -68,28 +58,6 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
   if (acc != out) {
     c.compareCalls();
     if (bytes) std::memcpy(out, acc, bytes);
-  }
-}
-
-void allreduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, AllreduceAlgo algo) {
-  const size_t bytes = count * dtypeSize(t);
-  // The transport's own path (shared memory) when it has one.
-  if (c.size > 1 && (algo == AllreduceAlgo::kAuto || algo == AllreduceAlgo::kDirect) &&
-      c.tx->allreduce(in, out, count, t, op, c.deadline, c.label, algo == AllreduceAlgo::kDirect)) {
-    return;
-  }
-  if (algo == AllreduceAlgo::kAuto || algo == AllreduceAlgo::kDirect) {
-    algo = (bytes <= kSmallAllreduceBytes || count < static_cast<size_t>(c.size)) ? AllreduceAlgo::kRecursiveDoubling
-                                                                                   : AllreduceAlgo::kRing;
-  }
-  if (c.size > 1 && algo == AllreduceAlgo::kRing) {
-    allreduceRing(c, in, out, count, t, op);
-    return;
-  }
-  if (c.size > 1) {
-    allreduceRecursiveDoubling(c, in, out, count, t, op);
-  } else if (in != out && bytes) {
-    std::memmove(out, in, bytes);  // avg over one rank is the identity
   }
 }
 

@@ -1,0 +1,188 @@
+// Checkpoint state I/O of the Worker: saveState() fetches the servers' state, loadState() restores it
+// (see include/dtrain/ps.h for the keys).
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include <climits>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "worker_impl.h"
+
+namespace dtrain::ps {
+
+// ------------------------------------------------------------------------------------------------
+// Worker: server state for checkpoints
+// ------------------------------------------------------------------------------------------------
+
+
+std::map<std::string, at::Tensor> Worker::saveState() {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: saveState after finish()");
+  DTRAIN_CHECK(connected(), InvalidArgument,
+               "ps: saveState on a process that does not talk to the servers (local rank > 0 under local "
+               "aggregation): call it on rank 0");
+  std::map<std::string, at::Tensor> state;
+  const int c = clock_;
+  submit("saveState", [this, &state, c] {
+    const int64_t slots = stateSlots(opts_);
+    Batch b(rank_, sent_, received_);
+    for (const auto& [name, e] : entries_) {
+      if (!e.sparse) {
+        auto all = at::empty({slots, e.numel}, at::kFloat);
+        auto steps = at::empty({static_cast<int64_t>(e.parts.size())}, at::kLong);
+        auto versions = at::empty_like(steps);
+        for (size_t i = 0; i < e.parts.size(); ++i) {
+          const auto& p = e.parts[i];
+          auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+          Header h;
+          h.op = kGetState;
+          h.key = p.key;
+          h.clock = c;
+          b.sendHeader(p.server, pg, h);
+          b.waitAll();
+          Header r = b.recvReply(p.server, pg, kValues);
+          if (r.key != p.key || r.count != p.count || r.row_dim != slots) {
+            throw ProtocolError(fmt::format("[worker {}] server {}: state of partition {} is {} x {}, expected {} x {} "
+                                            "(do the servers run the same update?)",
+                                            rank_, p.server, p.key, r.row_dim, r.count, slots, p.count));
+          }
+          auto buf = at::empty({slots, p.count}, at::kFloat);
+          b.recv(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+          all.narrow(1, p.offset, p.count).copy_(buf);
+          steps[static_cast<int64_t>(i)] = r.aux;
+          versions[static_cast<int64_t>(i)] = static_cast<int64_t>(r.clock);
+        }
+        state[name] = all;
+        state[name + "#step"] = steps;
+        state[name + "#version"] = versions;
+      } else {
+        std::vector<at::Tensor> ids, steps, data;
+        for (int s = 0; s < num_servers_; ++s) {
+          auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+          Header h;
+          h.op = kGetState;
+          h.flags = kFlagRows;
+          h.key = e.key;
+          h.clock = c;
+          b.sendHeader(s, pg, h);
+          b.waitAll();
+          Header r = b.recvReply(s, pg, kValues);
+          if (r.key != e.key || r.count < 0 || r.count > localRowCount(e.num_rows, s, num_servers_) ||
+              r.row_dim != slots * e.dim) {
+            throw ProtocolError(fmt::format("[worker {}] server {}: state of table {}: {} rows x {}, expected at most "
+                                            "{} x {}",
+                                            rank_, s, e.key, r.count, r.row_dim,
+                                            localRowCount(e.num_rows, s, num_servers_), slots * e.dim));
+          }
+          auto i = at::empty({r.count}, at::kLong), st = at::empty({r.count}, at::kLong);
+          auto d = at::empty({r.count, slots * e.dim}, at::kFloat);
+          b.recv(s, pg, i.data_ptr<int64_t>(), r.count, DType::i64);
+          b.recv(s, pg, st.data_ptr<int64_t>(), r.count, DType::i64);
+          b.recv(s, pg, d.data_ptr<float>(), d.numel(), DType::f32);
+          ids.push_back(i);
+          steps.push_back(st);
+          data.push_back(d);
+        }
+        state[name + "#rows"] = at::cat(ids);
+        state[name + "#steps"] = at::cat(steps);
+        state[name + "#data"] = at::cat(data);
+      }
+    }
+    state["#clock"] = at::full({1}, static_cast<int64_t>(c), at::kLong);
+  })->wait();
+  return state;
+}
+
+void Worker::loadState(const std::map<std::string, at::Tensor>& state) {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: loadState after finish()");
+  auto get = [&](const std::string& key, at::ScalarType t) {
+    auto it = state.find(key);
+    DTRAIN_CHECK(it != state.end(), InvalidArgument, "ps: loadState: the state has no '{}'", key);
+    DTRAIN_CHECK(it->second.scalar_type() == t && it->second.device().is_cpu(), InvalidArgument,
+                 "ps: loadState: '{}' is {}, expected {}", key, c10::toString(it->second.scalar_type()),
+                 c10::toString(t));
+    return it->second.contiguous();
+  };
+  const int64_t slots = stateSlots(opts_);
+  auto clk = get("#clock", at::kLong);
+  DTRAIN_CHECK(clk.numel() == 1 && clk.item<int64_t>() >= 0 && clk.item<int64_t>() < INT32_MAX, InvalidArgument,
+               "ps: loadState: bad '#clock'");
+  // Validate everything before anything is sent.
+  for (const auto& [name, e] : entries_) {
+    if (!e.sparse) {
+      auto v = get(name, at::kFloat);
+      DTRAIN_CHECK(v.dim() == 2 && v.size(0) == slots && v.size(1) == e.numel, InvalidArgument,
+                   "ps: loadState: '{}' is {}, expected [{}, {}] (the same tensors and update mode)", name,
+                   fmt::join(v.sizes(), ", "), slots, e.numel);
+      for (const char* k : {"#step", "#version"})
+        DTRAIN_CHECK(get(name + k, at::kLong).numel() == static_cast<int64_t>(e.parts.size()), InvalidArgument,
+                     "ps: loadState: '{}{}' has the wrong length (another partition_bytes?)", name, k);
+    } else {
+      auto ids = get(name + "#rows", at::kLong);
+      auto st = get(name + "#steps", at::kLong);
+      auto d = get(name + "#data", at::kFloat);
+      DTRAIN_CHECK(ids.dim() == 1 && st.numel() == ids.numel() && d.dim() == 2 && d.size(0) == ids.numel() &&
+                       d.size(1) == slots * e.dim,
+                   InvalidArgument, "ps: loadState: table '{}' state has inconsistent shapes", name);
+      checkRows(ids, e, name);
+    }
+  }
+  const int c = static_cast<int>(clk.item<int64_t>());
+  clock_ = c;
+  submit("loadState", [this, &get, slots, c] {
+    if (!connected()) return;
+    Batch b(rank_, sent_, received_);
+    if (rank_ == 0) {
+      for (const auto& [name, e] : entries_) {
+        if (!e.sparse) {
+          auto v = get(name, at::kFloat);
+          auto steps = get(name + "#step", at::kLong), versions = get(name + "#version", at::kLong);
+          for (size_t i = 0; i < e.parts.size(); ++i) {
+            const auto& p = e.parts[i];
+            auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+            auto buf = v.narrow(1, p.offset, p.count).contiguous();
+            Header h;
+            h.op = kSetState;
+            h.key = p.key;
+            h.count = p.count;
+            h.row_dim = slots;
+            h.aux = steps[static_cast<int64_t>(i)].item<int64_t>();
+            h.clock = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
+            b.sendHeader(p.server, pg, h);
+            b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+            b.waitAll();
+            b.recvReply(p.server, pg, kAck);
+          }
+        } else {
+          auto ids = get(name + "#rows", at::kLong), st = get(name + "#steps", at::kLong);
+          auto d = get(name + "#data", at::kFloat);
+          auto owner = ids.remainder(num_servers_);
+          for (int s = 0; s < num_servers_; ++s) {
+            auto idx = (owner == s).nonzero().flatten();
+            auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
+            auto sd = d.index_select(0, idx).contiguous();
+            auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+            Header h;
+            h.op = kSetState;
+            h.flags = kFlagRows;
+            h.key = e.key;
+            h.count = si.numel();
+            h.row_dim = slots * e.dim;
+            b.sendHeader(s, pg, h);
+            b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
+            b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
+            b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);
+            b.waitAll();
+            b.recvReply(s, pg, kAck);
+          }
+        }
+      }
+    }
+    netClock(kFlagSet, c);
+    for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+  })->wait();
+}
+
+}  // namespace dtrain::ps

@@ -1,0 +1,328 @@
+// The parameter-server Worker: Work, the communication thread, construction, declarations and the
+// calling thread's side of each operation (the network side is in worker_net.cc, checkpoint state in
+// state_io.cc).
+#include <ATen/ATen.h>
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <climits>
+#include <condition_variable>
+#include <deque>
+#include <functional>
+#include <mutex>
+#include <thread>
+
+#include "worker_impl.h"
+
+namespace dtrain::ps {
+
+// ------------------------------------------------------------------------------------------------
+// Work and the Worker's communication thread
+// ------------------------------------------------------------------------------------------------
+
+void Work::wait(std::chrono::milliseconds timeout) {
+  std::unique_lock<std::mutex> lk(mu_);
+  if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
+    throw TimeoutError(fmt::format("ps: {} did not complete within {} ms", what_, timeout.count()));
+  }
+  if (error_) std::rethrow_exception(error_);
+}
+
+bool Work::completed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return done_;
+}
+
+void Work::complete(std::exception_ptr error) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    done_ = true;
+    error_ = std::move(error);
+  }
+  cv_.notify_all();
+}
+
+// Runs the Worker's operations in issue order. After one failed, the later ones fail with its error.
+struct Worker::Thread {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::deque<std::pair<WorkHandle, std::function<void()>>> queue;
+  bool stop = false;
+  std::exception_ptr sticky;  // the thread's own
+  std::thread thread;
+
+  void loop() {
+    for (;;) {
+      std::pair<WorkHandle, std::function<void()>> job;
+      {
+        std::unique_lock<std::mutex> lk(mu);
+        cv.wait(lk, [&] { return stop || !queue.empty(); });
+        if (queue.empty()) return;
+        job = std::move(queue.front());
+        queue.pop_front();
+      }
+      std::exception_ptr err;
+      if (sticky) {
+        try {
+          std::rethrow_exception(sticky);
+        } catch (const std::exception& e) {
+          err = sameType(e, fmt::format("{} not run: an earlier operation failed: {}", job.first->what(), e.what()));
+        }
+      } else {
+        try {
+          job.second();
+        } catch (...) {
+          err = std::current_exception();
+          sticky = err;
+        }
+      }
+      job.first->complete(err);
+    }
+  }
+};
+
+WorkHandle Worker::submit(std::string what, std::function<void()> fn) {
+  auto w = std::make_shared<Work>(fmt::format("[worker {}] {}", rank_, what), opts_.timeout * 4);
+  {
+    std::lock_guard<std::mutex> lk(thread_->mu);
+    thread_->queue.emplace_back(w, std::move(fn));
+  }
+  thread_->cv.notify_one();
+  return w;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Worker: construction, declarations, the calling thread's side of each operation
+// ------------------------------------------------------------------------------------------------
+
+namespace {
+void checkWorkerOptions(int num_servers, const PSOptions& opts, const std::shared_ptr<comm::Store>& store) {
+  DTRAIN_CHECK(num_servers >= 1, InvalidArgument, "ps::Worker: {} servers", num_servers);
+  DTRAIN_CHECK(opts.staleness >= 0, InvalidArgument, "ps: staleness {} < 0", opts.staleness);
+  DTRAIN_CHECK(store != nullptr, InvalidArgument, "ps::Worker: no store");
+}
+}  // namespace
+
+Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
+    : rank_(rank), num_workers_(num_workers), num_servers_(num_servers), opts_(opts) {
+  DTRAIN_CHECK(num_workers >= 1 && rank >= 0 && rank < num_workers, InvalidArgument,
+               "ps::Worker: rank {} of {} workers", rank, num_workers);
+  checkWorkerOptions(num_servers, opts, store);
+  load_.assign(static_cast<size_t>(num_servers), 0);
+  connect(store);
+  startThread();
+}
+
+Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
+    : rank_(agg.node), num_workers_(agg.num_nodes), num_servers_(num_servers), opts_(opts) {
+  DTRAIN_CHECK(agg.local != nullptr, InvalidArgument, "ps::Worker: local aggregation without a local group");
+  DTRAIN_CHECK(agg.num_nodes >= 1 && agg.node >= 0 && agg.node < agg.num_nodes, InvalidArgument,
+               "ps::Worker: node {} of {} nodes", agg.node, agg.num_nodes);
+  checkWorkerOptions(num_servers, opts, store);
+  load_.assign(static_cast<size_t>(num_servers), 0);
+  std::vector<int> all(static_cast<size_t>(agg.local->size()));
+  for (size_t i = 0; i < all.size(); ++i) all[i] = static_cast<int>(i);
+  // A group of its own: the Worker's thread issues collectives on it while the user may use agg.local.
+  local_ = agg.local->newGroup(all);
+  if (local_->rank() == 0) connect(store);
+  startThread();
+}
+
+void Worker::startThread() {
+  thread_ = std::make_unique<Thread>();
+  thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
+}
+
+void Worker::connect(const std::shared_ptr<comm::Store>& store) {
+  auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), opts_.timeout / 4);
+  auto gopts = groupOptions(opts_.timeout + grace);
+  for (int s = 0; s < num_servers_; ++s) {
+    auto c = std::make_unique<Conn>();
+    c->server = s;
+    try {
+      c->pg = ProcessGroup::create(pairStore(store, rank_, s), 0, 2, gopts);
+    } catch (...) {
+      rethrowWithContext(fmt::format("[worker {}] connecting to server {}: ", rank_, s));
+    }
+    conns_.push_back(std::move(c));
+  }
+}
+
+Worker::~Worker() {
+  try {
+    finish();
+  } catch (...) {
+  }
+  if (thread_) {
+    {
+      std::lock_guard<std::mutex> lk(thread_->mu);
+      thread_->stop = true;
+    }
+    thread_->cv.notify_all();
+    thread_->thread.join();
+  }
+}
+
+const Worker::Entry& Worker::entry(const std::string& name, bool sparse) const {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: '{}' used after finish()", name);
+  auto it = entries_.find(name);
+  DTRAIN_CHECK(it != entries_.end(), InvalidArgument, "ps: '{}' was not declared", name);
+  DTRAIN_CHECK(it->second.sparse == sparse, InvalidArgument, "ps: '{}' is a {} tensor", name,
+               it->second.sparse ? "sparse (declareRows)" : "dense (declare)");
+  return it->second;
+}
+
+void Worker::declare(const std::string& name, const at::Tensor& init) {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: declare after finish()");
+  DTRAIN_CHECK(!entries_.count(name), InvalidArgument, "ps: '{}' declared twice", name);
+  auto t = floatCpu(init, "initial value");
+  DTRAIN_CHECK(t.numel() > 0, InvalidArgument, "ps: '{}' is empty", name);
+  Entry e;
+  e.numel = t.numel();
+  const int64_t limit = partLimit(opts_);
+  const int64_t nparts = (e.numel + limit - 1) / limit;
+  int64_t off = 0;
+  for (int64_t i = 0; i < nparts; ++i) {
+    int64_t count = e.numel / nparts + (i < e.numel % nparts ? 1 : 0);
+    int s = static_cast<int>(std::min_element(load_.begin(), load_.end()) - load_.begin());
+    load_[static_cast<size_t>(s)] += count * 4;
+    e.parts.push_back(Part{next_key_++, s, off, count});
+    off += count;
+  }
+  entries_.emplace(name, e);
+  submit(fmt::format("declare '{}'", name), [this, e, t] {
+    if (connected()) netDeclare(e, t);
+  })->wait();
+}
+
+void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim) {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: declareRows after finish()");
+  DTRAIN_CHECK(!entries_.count(name), InvalidArgument, "ps: '{}' declared twice", name);
+  DTRAIN_CHECK(num_rows > 0 && dim > 0, InvalidArgument, "ps: table '{}' of {} x {}", name, num_rows, dim);
+  DTRAIN_CHECK(dim <= partLimit(opts_), InvalidArgument, "ps: table '{}' rows of {} floats exceed partition_bytes",
+               name, dim);
+  DTRAIN_CHECK(num_rows / num_servers_ < INT32_MAX, InvalidArgument,
+               "ps: table '{}' of {} rows: more than 2^31 rows per server", name, num_rows);
+  Entry e;
+  e.sparse = true;
+  e.num_rows = num_rows;
+  e.dim = dim;
+  e.key = next_key_++;
+  entries_.emplace(name, e);
+  submit(fmt::format("declareRows '{}'", name), [this, e] {
+    if (connected()) netDeclareRows(e);
+  })->wait();
+}
+
+void checkRows(const at::Tensor& rows, const Worker::Entry& e, const std::string& name) {
+  DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
+               InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU tensor", name);
+  auto r = rows.contiguous();
+  const int64_t* ids = r.data_ptr<int64_t>();
+  for (int64_t i = 0; i < r.numel(); ++i) {
+    DTRAIN_CHECK(ids[i] >= 0 && ids[i] < e.num_rows, InvalidArgument, "ps: row {} of '{}' out of range [0, {})",
+                 ids[i], name, e.num_rows);
+  }
+}
+
+WorkHandle Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
+  const auto& e = entry(name, false);
+  auto g = floatCpu(grad, "gradient");
+  DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("push '{}'", name), [this, &e, g, c] {
+    if (!local_) return netPush(e, g, c);
+    auto sum = localSum(*local_, g, opts_);
+    if (connected()) netPush(e, sum, c);
+  });
+}
+
+WorkHandle Worker::pullAsync(const std::string& name, at::Tensor out) {
+  const auto& e = entry(name, false);
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pull '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("pull '{}'", name), [this, &e, out, c] {
+    if (connected()) netPull(e, nullptr, out, c);
+    if (local_) local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+  });
+}
+
+WorkHandle Worker::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {
+  const auto& e = entry(name, false);
+  auto g = floatCpu(grad, "gradient");
+  DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pushPull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
+  const int c = clock_;
+  return submit(fmt::format("pushPull '{}'", name), [this, &e, g, out, c] {
+    if (!local_) return netPull(e, &g, out, c);
+    auto sum = localSum(*local_, g, opts_);
+    if (connected()) netPull(e, &sum, out, c);
+    local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+  });
+}
+
+WorkHandle Worker::clockAsync() {
+  DTRAIN_CHECK(!finished_, InvalidArgument, "ps: clock after finish()");
+  const int c = ++clock_;
+  return submit(fmt::format("clock {}", c), [this, c] {
+    if (connected()) netClock(0, c);
+  });
+}
+
+WorkHandle Worker::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+  const auto& e = entry(name, true);
+  checkRows(rows, e, name);
+  auto g = floatCpu(grads, "row gradients");
+  DTRAIN_CHECK(g.dim() == 2 && g.size(0) == rows.numel() && g.size(1) == e.dim, InvalidArgument,
+               "ps: pushRows '{}': grads must be [{}, {}]", name, rows.numel(), e.dim);
+  auto ids = rows.contiguous();
+  const int c = clock_;
+  return submit(fmt::format("pushRows '{}'", name), [this, &e, ids, g, c] {
+    if (!local_) return netPushRows(e, ids, g, c);
+    at::Tensor all_ids, all_g;
+    localRows(*local_, ids, &g, e.dim, all_ids, &all_g);
+    if (connected()) netPushRows(e, all_ids, all_g, c);
+  });
+}
+
+at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) {
+  const auto& e = entry(name, true);
+  auto out = at::empty({rows.numel(), e.dim}, at::kFloat);
+  pullRowsAsync(name, rows, out)->wait();
+  return out;
+}
+
+WorkHandle Worker::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
+  const auto& e = entry(name, true);
+  checkRows(rows, e, name);
+  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+                   out.dim() == 2 && out.size(0) == rows.numel() && out.size(1) == e.dim,
+               InvalidArgument, "ps: pullRows '{}': out must be a contiguous float32 CPU tensor [{}, {}]", name,
+               rows.numel(), e.dim);
+  auto ids = rows.contiguous();
+  const int c = clock_;
+  return submit(fmt::format("pullRows '{}'", name), [this, &e, ids, out, c] {
+    if (!local_) return netPullRows(e, ids, out, c);
+    at::Tensor all_ids;
+    int64_t offset = localRows(*local_, ids, nullptr, e.dim, all_ids, nullptr);
+    auto values = at::empty({all_ids.numel(), e.dim}, at::kFloat);
+    if (connected()) netPullRows(e, all_ids, values, c);
+    local_->broadcast(values.data_ptr<float>(), static_cast<size_t>(values.numel()), DType::f32, 0)->wait();
+    out.copy_(values.narrow(0, offset, ids.numel()));
+  });
+}
+
+void Worker::finish() {
+  if (finished_) return;
+  finished_ = true;
+  if (!thread_) return;
+  submit("finish", [this] {
+    if (connected()) netFinish();
+  })->wait();
+}
+
+}  // namespace dtrain::ps
