@@ -1,5 +1,5 @@
 // The process environment as dtrain sees it: every variable dtrain reads, taken once by
-// Environment::read() (the only getenv in src/) into a plain value. Parsing functions take an
+// Environment::read() (the one reader of the environment in src/) into a plain value. Parsing functions take an
 // Environment, so they are tested on values built in the test, without setenv:
 //
 // \code
