@@ -52,11 +52,16 @@
 // (the update mode per row, no 1/W scaling); pullRows obeys the clock gate (bsp: all workers have reached
 // the puller's clock; ssp: staleness). Only the touched rows travel.
 //
-// Asynchronous calls: every operation has an ...Async form returning a Work; the operations of one
-// Worker run in the order they were issued, on the Worker's own communication thread, so a caller can
-// push a bucket while backward computes the next one. The synchronous forms are the Async form plus
-// wait(). Tensors handed to an Async call must not be modified (grads) or read (outputs) until its
+// Asynchronous calls: every operation has an ...Async form returning a comm::WorkPtr (the collectives'
+// Work); the operations of one Worker run in the order they were issued, on the Worker's own
+// communication thread, so a caller can push a bucket while backward computes the next one. The
+// synchronous forms are the Async form plus wait(). Tensors handed to an Async call must not be modified (grads) or read (outputs) until its
 // Work completed. After an operation failed, every later one fails with that error.
+// \code
+//   auto push = ps.pushAsync("fc.weight", fc->weight.grad());  // sent while backward goes on
+//   ...
+//   push->wait();                                               // rethrows the push's error, if any
+// \endcode
 //
 // Local aggregation (Worker(store, LocalAggregation, ...)): the workers of one host form one PS client.
 // They sum their gradients over shared memory (the local group) and only the host's local rank 0 talks
@@ -70,29 +75,24 @@
 // worker calls it after declaring; worker 0 sends the data; every worker's clock becomes the saved one).
 //
 // Failures: every error a worker raises names the server ("[worker w] server s: ..."); a dead server is
-// found by the transport (connection closed / process gone) at once. Worker groups use a deadline of
-// timeout + max(1s, timeout/4), so a server's own (more informative) timeout error arrives first. A
-// server waits for a worker's next request without a practical deadline (a worker may compute for
-// long); a dead worker is found by the transport at once. A
-// server fails on its first error (a worker gone, a protocol error, a BSP/SSP wait past the timeout):
-// it tells every worker, and run() throws.
+// found by the transport (connection closed / process gone) at once. Every deadline derives from
+// PSOptions::timeout in one place (src/torch/ps/deadlines.h): a worker's I/O waits timeout +
+// max(1s, timeout/4), so a server's own (more informative) timeout error arrives first. A server waits
+// for a worker's next request without a practical deadline (a worker may compute for long); a dead
+// worker is found by the transport at once. A server fails on its first error (a worker gone, a
+// protocol error, a BSP/SSP wait past the timeout): it tells every worker, and run() throws.
 #pragma once
 #include <ATen/core/Tensor.h>
 
-#include <atomic>
 #include <chrono>
-#include <condition_variable>
 #include <cstdint>
-#include <functional>
 #include <map>
-#include <mutex>
 #include <memory>
 #include <string>
-#include <thread>
-#include <vector>
 
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/store.h"
+#include "dtrain/comm/work.h"
 
 namespace dtrain::ps {
 
@@ -106,37 +106,19 @@ struct PSOptions {
   size_t partition_bytes = 4u << 20;
   enum class Update { sum_only, sgd, adam } update = Update::sgd;
   double lr = 0.1, momentum = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-8;
+  // The one timeout every deadline of the PS derives from (src/torch/ps/deadlines.h names them): a
+  // server's BSP/SSP wait; a worker's I/O (timeout + max(1 s, timeout / 4)); a Work's wait (4 x timeout).
   std::chrono::milliseconds timeout{60000};
 };
 
 // Bytes of one request or reply header on the wire (counted by bytesSent/bytesReceived).
 inline constexpr int64_t kHeaderBytes = 40;
 
-// The completion of an asynchronous PS operation.
-class Work {
- public:
-  Work(std::string what, std::chrono::milliseconds default_timeout)
-      : what_(std::move(what)), default_timeout_(default_timeout) {}
-  // Waits until the operation completed and rethrows its error. TimeoutError naming the operation if it
-  // has not completed within timeout (the operation itself goes on).
-  void wait(std::chrono::milliseconds timeout);
-  // With the Worker's default deadline (4 x PSOptions::timeout): an operation's own waits are bounded by
-  // the timeout, so this deadline only fires when several long operations are queued ahead of it.
-  void wait() { wait(default_timeout_); }
-  bool completed() const;
-  const std::string& what() const { return what_; }
-  // Called by the Worker's thread.
-  void complete(std::exception_ptr error);
-
- private:
-  std::string what_;
-  std::chrono::milliseconds default_timeout_;
-  mutable std::mutex mu_;
-  std::condition_variable cv_;
-  bool done_ = false;
-  std::exception_ptr error_;
-};
-using WorkHandle = std::shared_ptr<Work>;
+// The asynchronous operations return comm::Work, as the collectives do: wait() blocks until the operation
+// completed and rethrows its error; it gives up with a TimeoutError naming the operation 4 x
+// PSOptions::timeout after the operation was issued (an operation's own waits are bounded by the timeout,
+// so that deadline only fires when several long operations are queued ahead of it).
+using WorkHandle = comm::WorkPtr;  // the name ps_module.cc still uses; the same type as comm::WorkPtr
 
 // The workers of one host acting as one PS client (see the file comment).
 struct LocalAggregation {
@@ -168,30 +150,26 @@ class Worker {
   void declareRows(const std::string& name, int64_t num_rows, int64_t dim);
 
   // grad / out: float32, CPU, same numel as declared (out must be contiguous).
-  void push(const std::string& name, const at::Tensor& grad) { pushAsync(name, grad)->wait(); }
-  void pull(const std::string& name, at::Tensor& out) { pullAsync(name, out)->wait(); }
+  void push(const std::string& name, const at::Tensor& grad);
+  void pull(const std::string& name, at::Tensor& out);
   // push then pull in one round trip per partition; in bsp the values returned include this step's
   // update (the pull waits for version clock+1).
-  void pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out) {
-    pushPullAsync(name, grad, out)->wait();
-  }
+  void pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out);
   // Ends this worker's step: clock() += 1 on every server.
-  void clock() { clockAsync()->wait(); }
-  int clockValue() const { return clock_; }
+  void clock();
+  int clockValue() const;
 
   // rows: int64 [n] (distinct not required; duplicates are applied in turn), grads: float32 [n, dim].
-  void pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
-    pushRowsAsync(name, rows, grads)->wait();
-  }
+  void pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
   at::Tensor pullRows(const std::string& name, const at::Tensor& rows);
 
-  WorkHandle pushAsync(const std::string& name, const at::Tensor& grad);
-  WorkHandle pullAsync(const std::string& name, at::Tensor out);
-  WorkHandle pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out);
-  WorkHandle clockAsync();
-  WorkHandle pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
+  comm::WorkPtr pushAsync(const std::string& name, const at::Tensor& grad);
+  comm::WorkPtr pullAsync(const std::string& name, at::Tensor out);
+  comm::WorkPtr pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out);
+  comm::WorkPtr clockAsync();
+  comm::WorkPtr pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads);
   // out: contiguous float32 [rows.numel(), dim].
-  WorkHandle pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out);
+  comm::WorkPtr pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out);
 
   // The servers' state, gated like a pull at this worker's clock (bsp: every update of the steps before
   // it applied). Keys: "<name>" [slots, numel] (value, then momentum or Adam's m and v), "<name>#step"
@@ -204,66 +182,27 @@ class Worker {
   void loadState(const std::map<std::string, at::Tensor>& state);
 
   // Every byte this worker sent to / received from servers (headers included).
-  int64_t bytesSent() const { return sent_.load(); }
-  int64_t bytesReceived() const { return received_.load(); }
+  int64_t bytesSent() const;
+  int64_t bytesReceived() const;
 
   // Says goodbye to every server (waits for their acknowledgement). Idempotent; the destructor calls it
   // (ignoring errors) if the user did not.
   void finish();
 
   // The PS worker index (with local aggregation: the host's index) and count.
-  int rank() const { return rank_; }
-  int numWorkers() const { return num_workers_; }
+  int rank() const;
+  int numWorkers() const;
   // Training processes behind the PS workers (with local aggregation: hosts x this host's workers,
   // assuming equal hosts).
-  int numProcesses() const { return local_ ? num_workers_ * local_->size() : num_workers_; }
-  int numServers() const { return num_servers_; }
+  int numProcesses() const;
+  int numServers() const;
   // Whether this process talks to the servers (false for local ranks > 0 under local aggregation).
-  bool connected() const { return !conns_.empty(); }
-  const PSOptions& options() const { return opts_; }
-
-  struct Part {
-    uint32_t key;
-    int server;
-    int64_t offset;  // elements into the tensor
-    int64_t count;
-  };
-  struct Entry {
-    bool sparse = false;
-    int64_t numel = 0;             // dense
-    std::vector<Part> parts;       // dense
-    int64_t num_rows = 0, dim = 0; // sparse
-    uint32_t key = 0;              // sparse: the table's key (same on every server)
-  };
+  bool connected() const;
+  const PSOptions& options() const;
 
  private:
-  const Entry& entry(const std::string& name, bool sparse) const;
-  void connect(const std::shared_ptr<comm::Store>& store);
-  void startThread();
-  WorkHandle submit(std::string what, std::function<void()> fn);
-  // The network side of each operation (on the Worker's thread).
-  void netDeclare(const Entry& e, const at::Tensor& init);
-  void netDeclareRows(const Entry& e);
-  void netPush(const Entry& e, const at::Tensor& g, int clock);
-  void netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock);
-  void netClock(uint16_t flags, int clock);
-  void netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& grads, int clock);
-  void netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock);
-  void netFinish();
-  struct Conn;
-  struct Thread;
-
-  int rank_, num_workers_, num_servers_;
-  PSOptions opts_;
-  std::shared_ptr<comm::ProcessGroup> local_;  // local aggregation: this host's workers (own group)
-  std::vector<std::unique_ptr<Conn>> conns_;
-  std::unique_ptr<Thread> thread_;
-  std::map<std::string, Entry> entries_;
-  std::vector<int64_t> load_;  // bytes per server
-  uint32_t next_key_ = 0;
-  int clock_ = 0;
-  bool finished_ = false;
-  std::atomic<int64_t> sent_{0}, received_{0};
+  struct Impl;  // src/torch/ps/worker_impl.h
+  std::unique_ptr<Impl> impl_;
 };
 
 class Server {
@@ -277,9 +216,8 @@ class Server {
   // Fails the server on purpose (from another thread): every worker gets `reason`, run() throws it.
   void abort(const std::string& reason);
 
-  struct State;
-
  private:
+  struct State;  // src/torch/ps/server_state.h
   std::unique_ptr<State> state_;
 };
 
@@ -297,13 +235,8 @@ class ColocatedServer {
   void join();
 
  private:
-  std::unique_ptr<Server> server_;
-  std::chrono::milliseconds timeout_;
-  std::thread thread_;
-  std::exception_ptr error_;
-  std::mutex mu_;
-  std::condition_variable cv_;
-  bool ended_ = false;
+  struct Impl;  // src/torch/ps/server.cc
+  std::unique_ptr<Impl> impl_;
 };
 
 // This process's part in a parameter-server job, as init() found it in the environment.

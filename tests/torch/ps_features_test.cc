@@ -164,10 +164,10 @@ TEST(PSAsyncOps, RunInIssueOrderAndWaitTimesOutNamingTheOp) {
       } catch (const TimeoutError& e) {
         EXPECT_NE(std::string(e.what()).find("[worker 0] pull 't'"), std::string::npos) << e.what();
       }
-      EXPECT_TRUE(push->completed());
+      EXPECT_TRUE(push->isCompleted());
       store->add("go", 1);
       pull->wait();  // waited out of order: clk is done too
-      EXPECT_TRUE(clk->completed());
+      EXPECT_TRUE(clk->isCompleted());
       EXPECT_TRUE(torch::allclose(out, torch::full({10}, -3.0f))) << out;  // mean of 2 and 4
     } else {
       store->wait({"go"}, std::chrono::seconds(20));

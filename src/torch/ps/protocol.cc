@@ -46,10 +46,5 @@ std::shared_ptr<comm::Store> pairStore(const std::shared_ptr<comm::Store>& store
   return std::make_shared<comm::PrefixStore>(fmt::format("ps/w{}s{}", w, s), store);
 }
 
-int64_t stateSlots(const PSOptions& o) {
-  if (o.update == PSOptions::Update::adam) return 3;
-  if (o.update == PSOptions::Update::sgd && o.momentum != 0) return 2;
-  return 1;
-}
 
 }  // namespace dtrain::ps

@@ -56,6 +56,20 @@ struct Header {
 };
 static_assert(sizeof(Header) == kHeaderBytes, "wire header size");
 
+// A request or reply header; the fields a message does not use stay 0.
+inline Header makeHeader(uint16_t op, uint32_t key, int32_t clock, int64_t count, int64_t row_dim = 0,
+                         uint16_t flags = 0, int64_t aux = 0) {
+  Header h;
+  h.op = op;
+  h.flags = flags;
+  h.key = key;
+  h.clock = clock;
+  h.count = count;
+  h.row_dim = row_dim;
+  h.aux = aux;
+  return h;
+}
+
 const char* opName(uint16_t op);
 
 inline int64_t partLimit(const PSOptions& o) { return std::max<int64_t>(1, static_cast<int64_t>(o.partition_bytes / 4)); }
@@ -69,8 +83,6 @@ comm::GroupOptions groupOptions(std::chrono::milliseconds timeout);
 // The store of the (worker w, server s) pair's 2-rank group.
 std::shared_ptr<comm::Store> pairStore(const std::shared_ptr<comm::Store>& store, int w, int s);
 
-// Floats of state per element: the value, then the momentum buffer or Adam's m and v.
-int64_t stateSlots(const PSOptions& o);
 // Rows of a table that server s of S serves (ids s, s+S, ...).
 inline int64_t localRowCount(int64_t num_rows, int s, int S) { return num_rows > s ? (num_rows - s + S - 1) / S : 0; }
 

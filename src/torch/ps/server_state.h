@@ -16,18 +16,25 @@
 #include <vector>
 
 #include "dtrain/comm/error.h"
+#include "deadlines.h"
 #include "protocol.h"
+#include "update_rule.h"
 
 namespace dtrain::ps {
 
+// Handlers: one member function per request kind (server.cc: declarations, clock, goodbye, dispatch;
+// server_dense.cc: dense partitions; server_rows.cc: sparse tables). Each gets the request's header
+// and its connection; it receives the payload, acts, and replies.
 struct Server::State {
+  // A dense partition: `slots` x n floats, the value and then the optimizer state (update_rule.h).
   struct Dense {
     int64_t n = 0;
-    at::Tensor value, buf, m, v;
-    int64_t t = 0;        // adam steps
+    at::Tensor data;      // [slots, n], optimizer state zero until the first update
+    int64_t steps = 0;    // updates applied to the state (Adam's t; momentum started)
     int64_t version = 0;  // updates applied (bsp: steps)
     std::vector<at::Tensor> pending;  // bsp: this step's push of each worker
     int npending = 0;
+    at::Tensor value() const { return data[0]; }
   };
   // A sparse table's rows on this server (ids index, index + S, ...): one flat store, rows in chunks
   // allocated as rows are first touched, and an id -> position array. A row holds its value, then its
@@ -53,6 +60,12 @@ struct Server::State {
       where.assign(static_cast<size_t>(localRowCount(rows, index, S)), -1);
     }
     float* at(int64_t pos) { return chunks[static_cast<size_t>(pos / kChunkRows)].get() + (pos % kChunkRows) * stride; }
+    // Starts loading the row at pos (if any) into the cache.
+    void prefetch(int64_t pos) {
+      if (pos < 0) return;
+      const char* p = reinterpret_cast<const char*>(at(pos));
+      for (int64_t b = 0; b < stride * 4; b += 64) __builtin_prefetch(p + b);
+    }
     // The row's position, or -1.
     int64_t find(int64_t id) const { return where[static_cast<size_t>(id / num_servers)]; }
     // The row's position, created as zeros if absent.
@@ -74,9 +87,14 @@ struct Server::State {
     }
   };
 
+  State(std::shared_ptr<comm::Store> store, int index, int num_servers, int num_workers, PSOptions opts);
+
   std::shared_ptr<comm::Store> store;
   int index, num_servers, num_workers;
   PSOptions opts;
+  Deadlines deadlines;
+  UpdateRule dense_rule;  // bsp + sum_only: a partition's value becomes the step's sum
+  UpdateRule row_rule;    // sparse rows: every push is applied at once
 
   std::mutex mu;
   std::condition_variable cv;
@@ -99,13 +117,14 @@ struct Server::State {
     return m;
   }
 
-  // Waits (lock held) until pred() or failure; a wait past the timeout throws TimeoutError(why()).
+  // Waits (lock held) until pred() or failure; a wait past deadlines.server_wait throws
+  // TimeoutError(why()).
   template <class Pred, class Why>
   void waitFor(std::unique_lock<std::mutex>& lk, Pred pred, Why why) {
-    auto deadline = Clock::now() + opts.timeout;
+    auto deadline = Clock::now() + deadlines.server_wait;
     while (!failed && !pred()) {
       if (cv.wait_until(lk, deadline) == std::cv_status::timeout && !failed && !pred()) {
-        throw TimeoutError(fmt::format("{} {} after {} ms", tag(), why(), opts.timeout.count()));
+        throw TimeoutError(fmt::format("{} {} after {} ms", tag(), why(), deadlines.server_wait.count()));
       }
     }
     if (failed) throw Error(fail_msg);
@@ -125,11 +144,17 @@ struct Server::State {
     return fmt::format("[{}]", fmt::join(miss, ", "));
   }
 
-  // The optimizer step on a dense partition (lock held); update_rule.cc.
-  void apply(Dense& d, const at::Tensor& grad);
-  static void prefetchRow(Rows& t, int64_t pos);
-  // The update of one sparse row (its table's rw lock held exclusively). Each push is applied at once.
-  void applyRow(Rows& t, int64_t pos, const float* g);
+  // The optimizer step on a dense partition (lock held).
+  void apply(Dense& d, const at::Tensor& grad) {
+    dense_rule.apply(d.data.data_ptr<float>(), d.n, grad.data_ptr<float>(), d.n, d.steps);
+    ++d.version;
+  }
+
+  // A pull's gate at the puller's clock (lock held): bsp waits for the partition's version `need`,
+  // ssp for the slowest worker.
+  void pullGate(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, int64_t need);
+  // A bsp push (lock held): kept until every worker's push of the step is in, then one update.
+  void bspPush(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, at::Tensor grad);
 
   void fail(const std::string& msg, std::exception_ptr err) {
     std::vector<std::shared_ptr<ProcessGroup>> others;
@@ -152,7 +177,36 @@ struct Server::State {
   }
 
   void serve(int w);
+  // Handles one request; returns false after the goodbye.
   bool handle(int w, ProcessGroup& pg, const Header& h);
+  void onDeclare(int w, ProcessGroup& pg, const Header& h);
+  void onDeclareRows(int w, ProcessGroup& pg, const Header& h);
+  void onPush(int w, ProcessGroup& pg, const Header& h);  // kPush, kPull and kPushPull
+  void onPushRows(int w, ProcessGroup& pg, const Header& h);
+  void onPullRows(int w, ProcessGroup& pg, const Header& h);
+  void onGetState(int w, ProcessGroup& pg, const Header& h);
+  void onGetRowsState(int w, ProcessGroup& pg, const Header& h);
+  void onSetState(int w, ProcessGroup& pg, const Header& h);
+  void onSetRowsState(int w, ProcessGroup& pg, const Header& h);
+  void onClock(int w, ProcessGroup& pg, const Header& h);
+  void onBye(int w, ProcessGroup& pg, const Header& h);
+  std::string who(int w) const { return fmt::format("{} worker {}", tag(), w); }
+  // The partition / table of a request, ProtocolError if unknown (takes mu).
+  Dense& denseOf(int w, const Header& h, const char* what);
+  Rows& tableOf(int w, const Header& h, const char* what);
+  // A pushRows / pullRows request's table, its ids (and pushed values) received and checked into this
+  // connection thread's buffers (server_rows.cc).
+  Rows& recvRowsRequest(int w, ProcessGroup& pg, const Header& h);
+  // saveState's gate (lock held): like a pull at the requester's clock.
+  void stateGate(std::unique_lock<std::mutex>& lk, int w, const Header& h);
 };
+
+// Sends the parts (pointer, count, type) to a worker and waits (the server side of a reply).
+void sendAll(ProcessGroup& pg, const std::vector<std::pair<const void*, std::pair<size_t, DType>>>& parts);
+// Receives count elements from the worker now.
+void recvNow(ProcessGroup& pg, void* p, size_t count, DType t);
+// A reply header (op, key, count, row_dim) and its payload.
+void reply(ProcessGroup& pg, uint16_t op, uint32_t key, int64_t count, int64_t row_dim, const void* payload,
+           size_t payload_count, DType t);
 
 }  // namespace dtrain::ps

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "update_rule.h"
 #include "worker_impl.h"
 
 namespace dtrain::ps {
@@ -17,8 +18,7 @@ namespace dtrain::ps {
 // Worker: server state for checkpoints
 // ------------------------------------------------------------------------------------------------
 
-
-std::map<std::string, at::Tensor> Worker::saveState() {
+std::map<std::string, at::Tensor> Worker::Impl::saveState() {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: saveState after finish()");
   DTRAIN_CHECK(connected(), InvalidArgument,
                "ps: saveState on a process that does not talk to the servers (local rank > 0 under local "
@@ -27,67 +27,11 @@ std::map<std::string, at::Tensor> Worker::saveState() {
   const int c = clock_;
   submit("saveState", [this, &state, c] {
     const int64_t slots = stateSlots(opts_);
-    Batch b(rank_, sent_, received_);
     for (const auto& [name, e] : entries_) {
-      if (!e.sparse) {
-        auto all = at::empty({slots, e.numel}, at::kFloat);
-        auto steps = at::empty({static_cast<int64_t>(e.parts.size())}, at::kLong);
-        auto versions = at::empty_like(steps);
-        for (size_t i = 0; i < e.parts.size(); ++i) {
-          const auto& p = e.parts[i];
-          auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-          Header h;
-          h.op = kGetState;
-          h.key = p.key;
-          h.clock = c;
-          b.sendHeader(p.server, pg, h);
-          b.waitAll();
-          Header r = b.recvReply(p.server, pg, kValues);
-          if (r.key != p.key || r.count != p.count || r.row_dim != slots) {
-            throw ProtocolError(fmt::format("[worker {}] server {}: state of partition {} is {} x {}, expected {} x {} "
-                                            "(do the servers run the same update?)",
-                                            rank_, p.server, p.key, r.row_dim, r.count, slots, p.count));
-          }
-          auto buf = at::empty({slots, p.count}, at::kFloat);
-          b.recv(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
-          all.narrow(1, p.offset, p.count).copy_(buf);
-          steps[static_cast<int64_t>(i)] = r.aux;
-          versions[static_cast<int64_t>(i)] = static_cast<int64_t>(r.clock);
-        }
-        state[name] = all;
-        state[name + "#step"] = steps;
-        state[name + "#version"] = versions;
+      if (e.sparse) {
+        netGetRowsState(name, e, slots, c, state);
       } else {
-        std::vector<at::Tensor> ids, steps, data;
-        for (int s = 0; s < num_servers_; ++s) {
-          auto& pg = *conns_[static_cast<size_t>(s)]->pg;
-          Header h;
-          h.op = kGetState;
-          h.flags = kFlagRows;
-          h.key = e.key;
-          h.clock = c;
-          b.sendHeader(s, pg, h);
-          b.waitAll();
-          Header r = b.recvReply(s, pg, kValues);
-          if (r.key != e.key || r.count < 0 || r.count > localRowCount(e.num_rows, s, num_servers_) ||
-              r.row_dim != slots * e.dim) {
-            throw ProtocolError(fmt::format("[worker {}] server {}: state of table {}: {} rows x {}, expected at most "
-                                            "{} x {}",
-                                            rank_, s, e.key, r.count, r.row_dim,
-                                            localRowCount(e.num_rows, s, num_servers_), slots * e.dim));
-          }
-          auto i = at::empty({r.count}, at::kLong), st = at::empty({r.count}, at::kLong);
-          auto d = at::empty({r.count, slots * e.dim}, at::kFloat);
-          b.recv(s, pg, i.data_ptr<int64_t>(), r.count, DType::i64);
-          b.recv(s, pg, st.data_ptr<int64_t>(), r.count, DType::i64);
-          b.recv(s, pg, d.data_ptr<float>(), d.numel(), DType::f32);
-          ids.push_back(i);
-          steps.push_back(st);
-          data.push_back(d);
-        }
-        state[name + "#rows"] = at::cat(ids);
-        state[name + "#steps"] = at::cat(steps);
-        state[name + "#data"] = at::cat(data);
+        netGetDenseState(name, e, slots, c, state);
       }
     }
     state["#clock"] = at::full({1}, static_cast<int64_t>(c), at::kLong);
@@ -95,7 +39,65 @@ std::map<std::string, at::Tensor> Worker::saveState() {
   return state;
 }
 
-void Worker::loadState(const std::map<std::string, at::Tensor>& state) {
+void Worker::Impl::netGetDenseState(const std::string& name, const Entry& e, int64_t slots, int c,
+                                    std::map<std::string, at::Tensor>& state) {
+  Batch b(rank_, sent_, received_);
+  auto all = at::empty({slots, e.numel}, at::kFloat);
+  auto steps = at::empty({static_cast<int64_t>(e.parts.size())}, at::kLong);
+  auto versions = at::empty_like(steps);
+  for (size_t i = 0; i < e.parts.size(); ++i) {
+    const auto& p = e.parts[i];
+    auto& pg = pgOf(p.server);
+    b.sendHeader(p.server, pg, makeHeader(kGetState, p.key, c, 0));
+    b.waitAll();
+    Header r = b.recvReply(p.server, pg, kValues);
+    if (r.key != p.key || r.count != p.count || r.row_dim != slots) {
+      throw ProtocolError(fmt::format("[worker {}] server {}: state of partition {} is {} x {}, expected {} x {} "
+                                      "(do the servers run the same update?)",
+                                      rank_, p.server, p.key, r.row_dim, r.count, slots, p.count));
+    }
+    auto buf = at::empty({slots, p.count}, at::kFloat);
+    b.recv(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+    all.narrow(1, p.offset, p.count).copy_(buf);
+    steps[static_cast<int64_t>(i)] = r.aux;
+    versions[static_cast<int64_t>(i)] = static_cast<int64_t>(r.clock);
+  }
+  state[name] = all;
+  state[name + "#step"] = steps;
+  state[name + "#version"] = versions;
+}
+
+void Worker::Impl::netGetRowsState(const std::string& name, const Entry& e, int64_t slots, int c,
+                                   std::map<std::string, at::Tensor>& state) {
+  Batch b(rank_, sent_, received_);
+  std::vector<at::Tensor> ids, steps, data;
+  for (int s = 0; s < num_servers_; ++s) {
+    auto& pg = pgOf(s);
+    b.sendHeader(s, pg, makeHeader(kGetState, e.key, c, 0, 0, kFlagRows));
+    b.waitAll();
+    Header r = b.recvReply(s, pg, kValues);
+    if (r.key != e.key || r.count < 0 || r.count > localRowCount(e.num_rows, s, num_servers_) ||
+        r.row_dim != slots * e.dim) {
+      throw ProtocolError(fmt::format("[worker {}] server {}: state of table {}: {} rows x {}, expected at most "
+                                      "{} x {}",
+                                      rank_, s, e.key, r.count, r.row_dim,
+                                      localRowCount(e.num_rows, s, num_servers_), slots * e.dim));
+    }
+    auto i = at::empty({r.count}, at::kLong), st = at::empty({r.count}, at::kLong);
+    auto d = at::empty({r.count, slots * e.dim}, at::kFloat);
+    b.recv(s, pg, i.data_ptr<int64_t>(), r.count, DType::i64);
+    b.recv(s, pg, st.data_ptr<int64_t>(), r.count, DType::i64);
+    b.recv(s, pg, d.data_ptr<float>(), d.numel(), DType::f32);
+    ids.push_back(i);
+    steps.push_back(st);
+    data.push_back(d);
+  }
+  state[name + "#rows"] = at::cat(ids);
+  state[name + "#steps"] = at::cat(steps);
+  state[name + "#data"] = at::cat(data);
+}
+
+void Worker::Impl::loadState(const std::map<std::string, at::Tensor>& state) {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: loadState after finish()");
   auto get = [&](const std::string& key, at::ScalarType t) {
     auto it = state.find(key);
@@ -133,56 +135,55 @@ void Worker::loadState(const std::map<std::string, at::Tensor>& state) {
   clock_ = c;
   submit("loadState", [this, &get, slots, c] {
     if (!connected()) return;
-    Batch b(rank_, sent_, received_);
     if (rank_ == 0) {
       for (const auto& [name, e] : entries_) {
-        if (!e.sparse) {
-          auto v = get(name, at::kFloat);
-          auto steps = get(name + "#step", at::kLong), versions = get(name + "#version", at::kLong);
-          for (size_t i = 0; i < e.parts.size(); ++i) {
-            const auto& p = e.parts[i];
-            auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-            auto buf = v.narrow(1, p.offset, p.count).contiguous();
-            Header h;
-            h.op = kSetState;
-            h.key = p.key;
-            h.count = p.count;
-            h.row_dim = slots;
-            h.aux = steps[static_cast<int64_t>(i)].item<int64_t>();
-            h.clock = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
-            b.sendHeader(p.server, pg, h);
-            b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
-            b.waitAll();
-            b.recvReply(p.server, pg, kAck);
-          }
+        if (e.sparse) {
+          netSetRowsState(e, slots, get(name + "#rows", at::kLong), get(name + "#steps", at::kLong),
+                          get(name + "#data", at::kFloat));
         } else {
-          auto ids = get(name + "#rows", at::kLong), st = get(name + "#steps", at::kLong);
-          auto d = get(name + "#data", at::kFloat);
-          auto owner = ids.remainder(num_servers_);
-          for (int s = 0; s < num_servers_; ++s) {
-            auto idx = (owner == s).nonzero().flatten();
-            auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
-            auto sd = d.index_select(0, idx).contiguous();
-            auto& pg = *conns_[static_cast<size_t>(s)]->pg;
-            Header h;
-            h.op = kSetState;
-            h.flags = kFlagRows;
-            h.key = e.key;
-            h.count = si.numel();
-            h.row_dim = slots * e.dim;
-            b.sendHeader(s, pg, h);
-            b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
-            b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
-            b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);
-            b.waitAll();
-            b.recvReply(s, pg, kAck);
-          }
+          netSetDenseState(e, slots, get(name, at::kFloat), get(name + "#step", at::kLong),
+                           get(name + "#version", at::kLong));
         }
       }
     }
+    Batch b(rank_, sent_, received_);
     netClock(kFlagSet, c);
-    for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+    for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
   })->wait();
+}
+
+void Worker::Impl::netSetDenseState(const Entry& e, int64_t slots, const at::Tensor& v, const at::Tensor& steps,
+                                    const at::Tensor& versions) {
+  Batch b(rank_, sent_, received_);
+  for (size_t i = 0; i < e.parts.size(); ++i) {
+    const auto& p = e.parts[i];
+    auto& pg = pgOf(p.server);
+    auto buf = v.narrow(1, p.offset, p.count).contiguous();
+    const auto version = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
+    b.sendHeader(p.server, pg,
+                 makeHeader(kSetState, p.key, version, p.count, slots, 0, steps[static_cast<int64_t>(i)].item<int64_t>()));
+    b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+    b.waitAll();
+    b.recvReply(p.server, pg, kAck);
+  }
+}
+
+void Worker::Impl::netSetRowsState(const Entry& e, int64_t slots, const at::Tensor& ids, const at::Tensor& st,
+                                   const at::Tensor& d) {
+  Batch b(rank_, sent_, received_);
+  auto owner = ids.remainder(num_servers_);
+  for (int s = 0; s < num_servers_; ++s) {
+    auto idx = (owner == s).nonzero().flatten();
+    auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
+    auto sd = d.index_select(0, idx).contiguous();
+    auto& pg = pgOf(s);
+    b.sendHeader(s, pg, makeHeader(kSetState, e.key, 0, si.numel(), slots * e.dim, kFlagRows));
+    b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
+    b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
+    b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);
+    b.waitAll();
+    b.recvReply(s, pg, kAck);
+  }
 }
 
 }  // namespace dtrain::ps

@@ -1,94 +1,98 @@
-// The server's optimizer updates: on a dense partition (tensor ops) and on one sparse row.
-#include <ATen/ATen.h>
+// The one update rule of the parameter server (see update_rule.h).
+#include "update_rule.h"
 
+#include <algorithm>
 #include <cmath>
 
-#include "server_state.h"
+// Every operation below is rounded on its own, as ATen's kernels round them; the fused multiply-adds
+// are written out (std::fma) where ATen fuses. Contracting a*b+c on our own would change the results.
+#if defined(__clang__)
+#pragma clang fp contract(off)
+#elif defined(__GNUC__)
+#pragma GCC optimize("fp-contract=off")
+#endif
 
 namespace dtrain::ps {
 
-// The optimizer step on a dense partition (lock held).
-void Server::State::apply(Dense& d, const at::Tensor& grad) {
-  switch (opts.update) {
+int64_t stateSlots(const PSOptions& o) {
+  if (o.update == PSOptions::Update::adam) return 3;
+  if (o.update == PSOptions::Update::sgd && o.momentum != 0) return 2;
+  return 1;
+}
+
+namespace {
+UpdateRule::Kind kindOf(const PSOptions& o, bool assign_sums) {
+  switch (o.update) {
     case PSOptions::Update::sum_only:
-      if (opts.consistency == Consistency::bsp) {
-        d.value.copy_(grad);
-      } else {
-        d.value.add_(grad);
-      }
-      break;
+      return assign_sums ? UpdateRule::Kind::assign : UpdateRule::Kind::accumulate;
     case PSOptions::Update::sgd:
-      if (opts.momentum != 0) {
-        if (!d.buf.defined()) {
-          d.buf = grad.clone();
-        } else {
-          d.buf.mul_(opts.momentum).add_(grad);
-        }
-        d.value.add_(d.buf, -opts.lr);
-      } else {
-        d.value.add_(grad, -opts.lr);
-      }
-      break;
-    case PSOptions::Update::adam: {
-      if (!d.m.defined()) {
-        d.m = at::zeros_like(d.value);
-        d.v = at::zeros_like(d.value);
-      }
-      ++d.t;
-      d.m.mul_(opts.beta1).add_(grad, 1 - opts.beta1);
-      d.v.mul_(opts.beta2).addcmul_(grad, grad, 1 - opts.beta2);
-      double bc1 = 1 - std::pow(opts.beta1, static_cast<double>(d.t));
-      double bc2 = 1 - std::pow(opts.beta2, static_cast<double>(d.t));
-      auto denom = (d.v.sqrt() / std::sqrt(bc2)).add_(opts.eps);
-      d.value.addcdiv_(d.m, denom, -opts.lr / bc1);
-      break;
-    }
+      return o.momentum != 0 ? UpdateRule::Kind::sgd_momentum : UpdateRule::Kind::sgd;
+    case PSOptions::Update::adam:
+      return UpdateRule::Kind::adam;
   }
-  ++d.version;
+  return UpdateRule::Kind::sgd;
+}
+}  // namespace
+
+UpdateRule::UpdateRule(const PSOptions& o, bool assign_sums)
+    : kind_(kindOf(o, assign_sums)),
+      // ATen turns a double Scalar into the float tensor's own type before it computes.
+      lr_(static_cast<float>(o.lr)),
+      momentum_(static_cast<float>(o.momentum)),
+      beta1_(static_cast<float>(o.beta1)),
+      beta2_(static_cast<float>(o.beta2)),
+      eps_(static_cast<float>(o.eps)),
+      beta1d_(o.beta1),
+      beta2d_(o.beta2),
+      lrd_(o.lr) {}
+
+int64_t UpdateRule::slots() const {
+  switch (kind_) {
+    case Kind::adam: return 3;
+    case Kind::sgd_momentum: return 2;
+    default: return 1;
+  }
 }
 
-void Server::State::prefetchRow(Rows& t, int64_t pos) {
-  if (pos < 0) return;
-  const char* p = reinterpret_cast<const char*>(t.at(pos));
-  for (int64_t b = 0; b < t.stride * 4; b += 64) __builtin_prefetch(p + b);
-}
-
-// The update of one sparse row (its table's rw lock held exclusively). Each push is applied at once.
-void Server::State::applyRow(Rows& t, int64_t pos, const float* g) {
-  const int64_t dim = t.dim;
-  float* p = t.at(pos);
-  int64_t& step = t.steps[static_cast<size_t>(pos)];
-  switch (opts.update) {
-    case PSOptions::Update::sum_only:
-      for (int64_t i = 0; i < dim; ++i) p[i] += g[i];
-      break;
-    case PSOptions::Update::sgd:
-      if (opts.momentum != 0) {
-        float* b = p + dim;
-        const bool first = step++ == 0;
-        const auto mom = static_cast<float>(opts.momentum), lr = static_cast<float>(opts.lr);
-        for (int64_t i = 0; i < dim; ++i) {
-          b[i] = first ? g[i] : mom * b[i] + g[i];
-          p[i] -= lr * b[i];
-        }
+void UpdateRule::apply(float* state, int64_t slot_stride, const float* grad, int64_t n, int64_t& step) const {
+  float* p = state;
+  switch (kind_) {
+    case Kind::assign:
+      std::copy(grad, grad + n, p);
+      return;
+    case Kind::accumulate:
+      for (int64_t i = 0; i < n; ++i) p[i] += grad[i];
+      return;
+    case Kind::sgd:  // p.add_(grad, -lr)
+      for (int64_t i = 0; i < n; ++i) p[i] = std::fma(-lr_, grad[i], p[i]);
+      return;
+    case Kind::sgd_momentum: {
+      float* buf = state + slot_stride;
+      if (step++ == 0) {
+        std::copy(grad, grad + n, buf);  // buf = grad.clone()
       } else {
-        const auto lr = static_cast<float>(opts.lr);
-        for (int64_t i = 0; i < dim; ++i) p[i] -= lr * g[i];
+        for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * momentum_ + grad[i];  // buf.mul_(momentum).add_(grad)
       }
-      break;
-    case PSOptions::Update::adam: {
-      float* m = p + dim;
-      float* v = p + 2 * dim;
+      for (int64_t i = 0; i < n; ++i) p[i] = std::fma(-lr_, buf[i], p[i]);  // p.add_(buf, -lr)
+      return;
+    }
+    case Kind::adam: {
+      float* m = state + slot_stride;
+      float* v = state + 2 * slot_stride;
       ++step;
-      double bc1 = 1 - std::pow(opts.beta1, static_cast<double>(step));
-      double bc2 = 1 - std::pow(opts.beta2, static_cast<double>(step));
-      for (int64_t i = 0; i < dim; ++i) {
-        m[i] = static_cast<float>(opts.beta1 * m[i] + (1 - opts.beta1) * g[i]);
-        v[i] = static_cast<float>(opts.beta2 * v[i] + (1 - opts.beta2) * g[i] * g[i]);
-        double denom = std::sqrt(v[i]) / std::sqrt(bc2) + opts.eps;
-        p[i] = static_cast<float>(p[i] - opts.lr / bc1 * m[i] / denom);
+      const double bc1 = 1 - std::pow(beta1d_, static_cast<double>(step));
+      const double bc2 = 1 - std::pow(beta2d_, static_cast<double>(step));
+      const auto one_minus_b1 = static_cast<float>(1 - beta1d_), one_minus_b2 = static_cast<float>(1 - beta2d_);
+      const auto sqrt_bc2 = static_cast<float>(std::sqrt(bc2));
+      const auto neg_step_size = static_cast<float>(-(lrd_ / bc1));
+      for (int64_t i = 0; i < n; ++i) {
+        const float g = grad[i];
+        m[i] = std::fma(one_minus_b1, g, m[i] * beta1_);     // m.mul_(beta1).add_(g, 1 - beta1)
+        v[i] = v[i] * beta2_ + one_minus_b2 * g * g;         // v.mul_(beta2).addcmul_(g, g, 1 - beta2)
+        const float denom = std::sqrt(v[i]) / sqrt_bc2 + eps_;  // (v.sqrt() / sqrt(bc2)).add_(eps)
+        p[i] = p[i] + neg_step_size * m[i] / denom;          // p.addcdiv_(m, denom, -lr / bc1)
       }
-      break;
+      return;
     }
   }
 }

@@ -17,43 +17,21 @@
 namespace dtrain::ps {
 
 // ------------------------------------------------------------------------------------------------
-// Work and the Worker's communication thread
+// The Worker's communication thread
 // ------------------------------------------------------------------------------------------------
 
-void Work::wait(std::chrono::milliseconds timeout) {
-  std::unique_lock<std::mutex> lk(mu_);
-  if (!cv_.wait_for(lk, timeout, [&] { return done_; })) {
-    throw TimeoutError(fmt::format("ps: {} did not complete within {} ms", what_, timeout.count()));
-  }
-  if (error_) std::rethrow_exception(error_);
-}
-
-bool Work::completed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return done_;
-}
-
-void Work::complete(std::exception_ptr error) {
-  {
-    std::lock_guard<std::mutex> lk(mu_);
-    done_ = true;
-    error_ = std::move(error);
-  }
-  cv_.notify_all();
-}
-
 // Runs the Worker's operations in issue order. After one failed, the later ones fail with its error.
-struct Worker::Thread {
+struct Worker::Impl::Thread {
   std::mutex mu;
   std::condition_variable cv;
-  std::deque<std::pair<WorkHandle, std::function<void()>>> queue;
+  std::deque<std::pair<comm::WorkPtr, std::function<void()>>> queue;
   bool stop = false;
   std::exception_ptr sticky;  // the thread's own
   std::thread thread;
 
   void loop() {
     for (;;) {
-      std::pair<WorkHandle, std::function<void()>> job;
+      std::pair<comm::WorkPtr, std::function<void()>> job;
       {
         std::unique_lock<std::mutex> lk(mu);
         cv.wait(lk, [&] { return stop || !queue.empty(); });
@@ -66,7 +44,7 @@ struct Worker::Thread {
         try {
           std::rethrow_exception(sticky);
         } catch (const std::exception& e) {
-          err = sameType(e, fmt::format("{} not run: an earlier operation failed: {}", job.first->what(), e.what()));
+          err = sameType(e, fmt::format("{} not run: an earlier operation failed: {}", job.first->describe(), e.what()));
         }
       } else {
         try {
@@ -76,13 +54,14 @@ struct Worker::Thread {
           sticky = err;
         }
       }
-      job.first->complete(err);
+      job.first->finish(err);
     }
   }
 };
 
-WorkHandle Worker::submit(std::string what, std::function<void()> fn) {
-  auto w = std::make_shared<Work>(fmt::format("[worker {}] {}", rank_, what), opts_.timeout * 4);
+comm::WorkPtr Worker::Impl::submit(std::string what, std::function<void()> fn) {
+  auto w = std::make_shared<comm::Work>(fmt::format("[worker {}] {}", rank_, what),
+                                       std::chrono::steady_clock::now() + deadlines_.operation, rank_);
   {
     std::lock_guard<std::mutex> lk(thread_->mu);
     thread_->queue.emplace_back(w, std::move(fn));
@@ -103,8 +82,8 @@ void checkWorkerOptions(int num_servers, const PSOptions& opts, const std::share
 }
 }  // namespace
 
-Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
-    : rank_(rank), num_workers_(num_workers), num_servers_(num_servers), opts_(opts) {
+Worker::Impl::Impl(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
+    : rank_(rank), num_workers_(num_workers), num_servers_(num_servers), opts_(opts), deadlines_(deadlines(opts)) {
   DTRAIN_CHECK(num_workers >= 1 && rank >= 0 && rank < num_workers, InvalidArgument,
                "ps::Worker: rank {} of {} workers", rank, num_workers);
   checkWorkerOptions(num_servers, opts, store);
@@ -113,8 +92,12 @@ Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, in
   startThread();
 }
 
-Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
-    : rank_(agg.node), num_workers_(agg.num_nodes), num_servers_(num_servers), opts_(opts) {
+Worker::Impl::Impl(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
+    : rank_(agg.node),
+      num_workers_(agg.num_nodes),
+      num_servers_(num_servers),
+      opts_(opts),
+      deadlines_(deadlines(opts)) {
   DTRAIN_CHECK(agg.local != nullptr, InvalidArgument, "ps::Worker: local aggregation without a local group");
   DTRAIN_CHECK(agg.num_nodes >= 1 && agg.node >= 0 && agg.node < agg.num_nodes, InvalidArgument,
                "ps::Worker: node {} of {} nodes", agg.node, agg.num_nodes);
@@ -128,14 +111,13 @@ Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num
   startThread();
 }
 
-void Worker::startThread() {
+void Worker::Impl::startThread() {
   thread_ = std::make_unique<Thread>();
   thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
 }
 
-void Worker::connect(const std::shared_ptr<comm::Store>& store) {
-  auto grace = std::max<std::chrono::milliseconds>(std::chrono::seconds(1), opts_.timeout / 4);
-  auto gopts = groupOptions(opts_.timeout + grace);
+void Worker::Impl::connect(const std::shared_ptr<comm::Store>& store) {
+  auto gopts = groupOptions(deadlines_.worker_io);
   for (int s = 0; s < num_servers_; ++s) {
     auto c = std::make_unique<Conn>();
     c->server = s;
@@ -148,7 +130,7 @@ void Worker::connect(const std::shared_ptr<comm::Store>& store) {
   }
 }
 
-Worker::~Worker() {
+Worker::Impl::~Impl() {
   try {
     finish();
   } catch (...) {
@@ -163,7 +145,7 @@ Worker::~Worker() {
   }
 }
 
-const Worker::Entry& Worker::entry(const std::string& name, bool sparse) const {
+const Entry& Worker::Impl::entry(const std::string& name, bool sparse) const {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: '{}' used after finish()", name);
   auto it = entries_.find(name);
   DTRAIN_CHECK(it != entries_.end(), InvalidArgument, "ps: '{}' was not declared", name);
@@ -172,7 +154,7 @@ const Worker::Entry& Worker::entry(const std::string& name, bool sparse) const {
   return it->second;
 }
 
-void Worker::declare(const std::string& name, const at::Tensor& init) {
+void Worker::Impl::declare(const std::string& name, const at::Tensor& init) {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: declare after finish()");
   DTRAIN_CHECK(!entries_.count(name), InvalidArgument, "ps: '{}' declared twice", name);
   auto t = floatCpu(init, "initial value");
@@ -195,7 +177,7 @@ void Worker::declare(const std::string& name, const at::Tensor& init) {
   })->wait();
 }
 
-void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim) {
+void Worker::Impl::declareRows(const std::string& name, int64_t num_rows, int64_t dim) {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: declareRows after finish()");
   DTRAIN_CHECK(!entries_.count(name), InvalidArgument, "ps: '{}' declared twice", name);
   DTRAIN_CHECK(num_rows > 0 && dim > 0, InvalidArgument, "ps: table '{}' of {} x {}", name, num_rows, dim);
@@ -214,7 +196,7 @@ void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim)
   })->wait();
 }
 
-void checkRows(const at::Tensor& rows, const Worker::Entry& e, const std::string& name) {
+void checkRows(const at::Tensor& rows, const Entry& e, const std::string& name) {
   DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
                InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU tensor", name);
   auto r = rows.contiguous();
@@ -225,7 +207,7 @@ void checkRows(const at::Tensor& rows, const Worker::Entry& e, const std::string
   }
 }
 
-WorkHandle Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
+comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor& grad) {
   const auto& e = entry(name, false);
   auto g = floatCpu(grad, "gradient");
   DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
@@ -237,7 +219,7 @@ WorkHandle Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
   });
 }
 
-WorkHandle Worker::pullAsync(const std::string& name, at::Tensor out) {
+comm::WorkPtr Worker::Impl::pullAsync(const std::string& name, at::Tensor out) {
   const auto& e = entry(name, false);
   DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
                InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU tensor", name);
@@ -249,7 +231,7 @@ WorkHandle Worker::pullAsync(const std::string& name, at::Tensor out) {
   });
 }
 
-WorkHandle Worker::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {
+comm::WorkPtr Worker::Impl::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {
   const auto& e = entry(name, false);
   auto g = floatCpu(grad, "gradient");
   DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
@@ -265,7 +247,7 @@ WorkHandle Worker::pushPullAsync(const std::string& name, const at::Tensor& grad
   });
 }
 
-WorkHandle Worker::clockAsync() {
+comm::WorkPtr Worker::Impl::clockAsync() {
   DTRAIN_CHECK(!finished_, InvalidArgument, "ps: clock after finish()");
   const int c = ++clock_;
   return submit(fmt::format("clock {}", c), [this, c] {
@@ -273,7 +255,7 @@ WorkHandle Worker::clockAsync() {
   });
 }
 
-WorkHandle Worker::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+comm::WorkPtr Worker::Impl::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
   const auto& e = entry(name, true);
   checkRows(rows, e, name);
   auto g = floatCpu(grads, "row gradients");
@@ -289,14 +271,14 @@ WorkHandle Worker::pushRowsAsync(const std::string& name, const at::Tensor& rows
   });
 }
 
-at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) {
+at::Tensor Worker::Impl::pullRows(const std::string& name, const at::Tensor& rows) {
   const auto& e = entry(name, true);
   auto out = at::empty({rows.numel(), e.dim}, at::kFloat);
   pullRowsAsync(name, rows, out)->wait();
   return out;
 }
 
-WorkHandle Worker::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
+comm::WorkPtr Worker::Impl::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
   const auto& e = entry(name, true);
   checkRows(rows, e, name);
   DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
@@ -316,7 +298,7 @@ WorkHandle Worker::pullRowsAsync(const std::string& name, const at::Tensor& rows
   });
 }
 
-void Worker::finish() {
+void Worker::Impl::finish() {
   if (finished_) return;
   finished_ = true;
   if (!thread_) return;
@@ -324,5 +306,58 @@ void Worker::finish() {
     if (connected()) netFinish();
   })->wait();
 }
+
+// ------------------------------------------------------------------------------------------------
+// Worker: the public API, forwarded to its Impl
+// ------------------------------------------------------------------------------------------------
+
+Worker::Worker(std::shared_ptr<comm::Store> store, int rank, int num_workers, int num_servers, PSOptions opts)
+    : impl_(std::make_unique<Impl>(std::move(store), rank, num_workers, num_servers, opts)) {}
+Worker::Worker(std::shared_ptr<comm::Store> store, LocalAggregation agg, int num_servers, PSOptions opts)
+    : impl_(std::make_unique<Impl>(std::move(store), std::move(agg), num_servers, opts)) {}
+Worker::~Worker() = default;
+
+void Worker::declare(const std::string& name, const at::Tensor& init) { impl_->declare(name, init); }
+void Worker::declareRows(const std::string& name, int64_t num_rows, int64_t dim) {
+  impl_->declareRows(name, num_rows, dim);
+}
+void Worker::push(const std::string& name, const at::Tensor& grad) { impl_->pushAsync(name, grad)->wait(); }
+void Worker::pull(const std::string& name, at::Tensor& out) { impl_->pullAsync(name, out)->wait(); }
+void Worker::pushPull(const std::string& name, const at::Tensor& grad, at::Tensor& out) {
+  impl_->pushPullAsync(name, grad, out)->wait();
+}
+void Worker::clock() { impl_->clockAsync()->wait(); }
+int Worker::clockValue() const { return impl_->clock_; }
+void Worker::pushRows(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+  impl_->pushRowsAsync(name, rows, grads)->wait();
+}
+at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) { return impl_->pullRows(name, rows); }
+comm::WorkPtr Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
+  return impl_->pushAsync(name, grad);
+}
+comm::WorkPtr Worker::pullAsync(const std::string& name, at::Tensor out) { return impl_->pullAsync(name, out); }
+comm::WorkPtr Worker::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {
+  return impl_->pushPullAsync(name, grad, out);
+}
+comm::WorkPtr Worker::clockAsync() { return impl_->clockAsync(); }
+comm::WorkPtr Worker::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
+  return impl_->pushRowsAsync(name, rows, grads);
+}
+comm::WorkPtr Worker::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
+  return impl_->pullRowsAsync(name, rows, out);
+}
+std::map<std::string, at::Tensor> Worker::saveState() { return impl_->saveState(); }
+void Worker::loadState(const std::map<std::string, at::Tensor>& state) { impl_->loadState(state); }
+int64_t Worker::bytesSent() const { return impl_->sent_.load(); }
+int64_t Worker::bytesReceived() const { return impl_->received_.load(); }
+void Worker::finish() { impl_->finish(); }
+int Worker::rank() const { return impl_->rank_; }
+int Worker::numWorkers() const { return impl_->num_workers_; }
+int Worker::numProcesses() const {
+  return impl_->local_ ? impl_->num_workers_ * impl_->local_->size() : impl_->num_workers_;
+}
+int Worker::numServers() const { return impl_->num_servers_; }
+bool Worker::connected() const { return impl_->connected(); }
+const PSOptions& Worker::options() const { return impl_->opts_; }
 
 }  // namespace dtrain::ps

@@ -14,70 +14,49 @@ namespace dtrain::ps {
 // Worker: the network side (on the Worker's thread)
 // ------------------------------------------------------------------------------------------------
 
-void Worker::netDeclare(const Entry& e, const at::Tensor& t) {
+void Worker::Impl::netDeclare(const Entry& e, const at::Tensor& t) {
   Batch b(rank_, sent_, received_);
   const float* data = t.data_ptr<float>();
   for (const auto& p : e.parts) {
-    Header h;
-    h.op = kDeclare;
-    h.key = p.key;
-    h.count = p.count;
-    h.clock = clock_;  // a tensor declared at step c starts at version c (bsp)
-    h.flags = rank_ == 0 ? kFlagInit : 0;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-    b.sendHeader(p.server, pg, h);
+    auto& pg = pgOf(p.server);
+    // A tensor declared at step c starts at version c (bsp).
+    b.sendHeader(p.server, pg, makeHeader(kDeclare, p.key, clock_, p.count, 0, rank_ == 0 ? kFlagInit : 0));
     if (rank_ == 0) b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
-  for (const auto& p : e.parts) b.recvReply(p.server, *conns_[static_cast<size_t>(p.server)]->pg, kAck);
+  for (const auto& p : e.parts) b.recvReply(p.server, pgOf(p.server), kAck);
 }
 
-void Worker::netDeclareRows(const Entry& e) {
+void Worker::Impl::netDeclareRows(const Entry& e) {
   Batch b(rank_, sent_, received_);
   for (int s = 0; s < num_servers_; ++s) {
-    Header h;
-    h.op = kDeclareRows;
-    h.key = e.key;
-    h.count = e.num_rows;
-    h.row_dim = e.dim;
-    h.flags = rank_ == 0 ? kFlagInit : 0;
-    b.sendHeader(s, *conns_[static_cast<size_t>(s)]->pg, h);
+    b.sendHeader(s, pgOf(s), makeHeader(kDeclareRows, e.key, 0, e.num_rows, e.dim, rank_ == 0 ? kFlagInit : 0));
   }
   b.waitAll();
-  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
 }
 
-void Worker::netPush(const Entry& e, const at::Tensor& g, int clock) {
+void Worker::Impl::netPush(const Entry& e, const at::Tensor& g, int clock) {
   Batch b(rank_, sent_, received_);
   const float* data = g.data_ptr<float>();
   for (const auto& p : e.parts) {
-    Header h;
-    h.op = kPush;
-    h.key = p.key;
-    h.clock = clock;
-    h.count = p.count;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-    b.sendHeader(p.server, pg, h);
+    auto& pg = pgOf(p.server);
+    b.sendHeader(p.server, pg, makeHeader(kPush, p.key, clock, p.count));
     b.send(p.server, pg, data + p.offset, p.count, DType::f32);
   }
   b.waitAll();
 }
 
-void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock) {
+void Worker::Impl::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock) {
   float* dst = out.data_ptr<float>();
   // Sends a partition's request (and, for pushPull, its gradient) to its server.
   auto request = [&](Batch& b, const Part& p) {
-    Header h;
-    h.op = grad ? kPushPull : kPull;
-    h.key = p.key;
-    h.clock = clock;
-    h.count = p.count;
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
-    b.sendHeader(p.server, pg, h);
+    auto& pg = pgOf(p.server);
+    b.sendHeader(p.server, pg, makeHeader(grad ? kPushPull : kPull, p.key, clock, p.count));
     if (grad) b.send(p.server, pg, grad->data_ptr<float>() + p.offset, p.count, DType::f32);
   };
   auto reply = [&](Batch& b, const Part& p) {
-    auto& pg = *conns_[static_cast<size_t>(p.server)]->pg;
+    auto& pg = pgOf(p.server);
     Header h = b.recvReply(p.server, pg, kValues);
     if (h.key != p.key || h.count != p.count) {
       throw ProtocolError(fmt::format("[worker {}] server {}: reply for partition {} x {}, expected {} x {}",
@@ -103,7 +82,7 @@ void Worker::netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& o
   for (const auto& p : e.parts) reply(b, p);
 }
 
-void Worker::netClock(uint16_t flags, int clock) {
+void Worker::Impl::netClock(uint16_t flags, int clock) {
   Batch b(rank_, sent_, received_);
   sendToAllServers(b, conns_, kClock, clock, flags);
   b.waitAll();
@@ -145,33 +124,24 @@ at::Tensor rowsOf(const at::Tensor& t, const RowMessage& m) {
   return m.idx.defined() ? t.index_select(0, m.idx) : t.narrow(0, m.start, m.n);
 }
 
-Header rowsHeader(uint16_t op, uint32_t key, int clock, int64_t n, int64_t dim) {
-  Header h;
-  h.op = op;
-  h.key = key;
-  h.clock = clock;
-  h.count = n;
-  h.row_dim = dim;
-  return h;
-}
 }  // namespace
 
-void Worker::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
+void Worker::Impl::netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& g, int clock) {
   std::vector<at::Tensor> keep;  // the selected rows stay alive until every send completed
   Batch b(rank_, sent_, received_);
   for (const auto& m : rowMessages(ids, num_servers_, maxRowsPerMessage(opts_, e.dim))) {
     auto sid = rowsOf(ids, m), sg = rowsOf(g, m);
     keep.push_back(sid);
     keep.push_back(sg);
-    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
-    b.sendHeader(m.server, pg, rowsHeader(kPushRows, e.key, clock, m.n, e.dim));
+    auto& pg = pgOf(m.server);
+    b.sendHeader(m.server, pg, makeHeader(kPushRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, sid.data_ptr<int64_t>(), sid.numel(), DType::i64);
     b.send(m.server, pg, sg.data_ptr<float>(), sg.numel(), DType::f32);
   }
   b.waitAll();
 }
 
-void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
+void Worker::Impl::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor& out, int clock) {
   struct Req {
     RowMessage m;
     at::Tensor sid, values;  // values: a slice of out when the message's rows are contiguous in it
@@ -182,8 +152,8 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
     Req r;
     r.sid = rowsOf(ids, m);
     r.values = m.idx.defined() ? at::empty({m.n, e.dim}, at::kFloat) : rowsOf(out, m);
-    auto& pg = *conns_[static_cast<size_t>(m.server)]->pg;
-    b.sendHeader(m.server, pg, rowsHeader(kPullRows, e.key, clock, m.n, e.dim));
+    auto& pg = pgOf(m.server);
+    b.sendHeader(m.server, pg, makeHeader(kPullRows, e.key, clock, m.n, e.dim));
     b.send(m.server, pg, r.sid.data_ptr<int64_t>(), r.sid.numel(), DType::i64);
     r.m = std::move(m);
     reqs.push_back(std::move(r));
@@ -191,7 +161,7 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
   b.waitAll();
   for (auto& r : reqs) {
     const int s = r.m.server;
-    auto& pg = *conns_[static_cast<size_t>(s)]->pg;
+    auto& pg = pgOf(s);
     Header h = b.recvReply(s, pg, kValues);
     if (h.key != e.key || h.count != r.m.n || h.row_dim != e.dim) {
       throw ProtocolError(fmt::format("[worker {}] server {}: pullRows reply {} x {} for table {}, expected {} x {}",
@@ -202,11 +172,11 @@ void Worker::netPullRows(const Entry& e, const at::Tensor& ids, const at::Tensor
   }
 }
 
-void Worker::netFinish() {
+void Worker::Impl::netFinish() {
   Batch b(rank_, sent_, received_);
   sendToAllServers(b, conns_, kBye, clock_);
   b.waitAll();
-  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, *conns_[static_cast<size_t>(s)]->pg, kAck);
+  for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
 }
 
 }  // namespace dtrain::ps
