@@ -47,6 +47,7 @@ bool runServerIfRole(const Environment& env, const PSOptions& opts) {
     throw RendezvousError(fmt::format("ps: DTRAIN_ROLE=server needs DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS and {}",
                                       count_var));
   }
+  // The store's connection deadline is storeFromEnv()'s default (ps.h).
   Server server(storeFrom(env, std::chrono::seconds(60)), roles.server_index, roles.num_servers, workers, opts);
   server.run();
   return true;
