@@ -1,7 +1,7 @@
 # What dtrain builds. The libraries (dtrain_comm_base, dtrain_comm, dtrain) are always built. The rest
 # defaults ON when dtrain is the top-level project and OFF under add_subdirectory or FetchContent, so a
 # consumer builds only what it links (and needs neither GTest nor nlohmann-json).
-#   cmake -S . -B build -DDTRAIN_BUILD_APPS=OFF          # e.g. skip the MIL-NCE job
+#   cmake -S . -B build -DDTRAIN_BUILD_TESTS=OFF -DDTRAIN_BUILD_APPS=OFF   # the libraries without the MIL-NCE job
 option(DTRAIN_BUILD_TESTS "Build dtrain's tests (GTest); needs examples, benchmarks, apps and tools" ${PROJECT_IS_TOP_LEVEL})
 # The tests run the examples, dtrain-bench and milnce: turning the tests on turns them on by default.
 set(_dtrain_default ${PROJECT_IS_TOP_LEVEL})
