@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Installs the dependencies, builds everything and runs the whole test suite (CTest).
+# Installs the dependencies, builds everything and runs the whole test suite (CTest), then the
+# consumer-project tests (scripts/consumer_test.sh).
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
 # Env: BUILD_DIR (default build), JOBS (default 2), CTEST_ARGS (extra ctest arguments).
 set -euo pipefail
@@ -11,3 +12,5 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j"$jobs"
 # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}
+# Projects outside the tree using dtrain: installed prefix, add_subdirectory, FetchContent, the .deb.
+BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/consumer_test.sh"
