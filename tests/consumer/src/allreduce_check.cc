@@ -10,7 +10,7 @@
 int main(int argc, char** argv) try {
   using namespace dtrain::comm;
   const int expected = argc > 1 ? std::atoi(argv[1]) : 1;
-  auto world = init();
+  auto world = initWorld();
   const int rank = world->rank(), size = world->size();
   if (size != expected) {
     std::fprintf(stderr, "[rank %d] world size %d, expected %d (run it under dtrain-run)\n", rank, size, expected);
