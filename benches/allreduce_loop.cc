@@ -6,7 +6,7 @@
 #include "dtrain/comm/comm.h"
 int main(int argc, char** argv) {
   using namespace dtrain::comm;
-  auto world = init();
+  auto world = initWorld();
   int n = argc > 1 ? std::atoi(argv[1]) : 1000;
   std::vector<float> buf(1024, 1.0f);
   for (int i = 0; i < n; ++i) world->allreduce(buf.data(), buf.size(), DType::f32, ReduceOp::sum)->wait();

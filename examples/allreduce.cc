@@ -9,7 +9,7 @@
 
 int main() try {
   using namespace dtrain::comm;
-  auto world = init();  // RANK/WORLD_SIZE/MASTER_ADDR/... from dtrain-run, torchrun, mpirun or srun
+  auto world = initWorld();  // RANK/WORLD_SIZE/MASTER_ADDR/... from dtrain-run, torchrun, mpirun or srun
 
   std::vector<float> grad(1 << 20, static_cast<float>(world->rank()));
   auto work = world->allreduce(grad.data(), grad.size(), DType::f32, ReduceOp::sum);  // returns at once

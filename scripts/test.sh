@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# Installs the dependencies, builds everything, runs the whole test suite (CTest), then the structural
-# checks (scripts/check_structure.sh: file and function sizes, environment, include paths, transports).
+# Installs the dependencies, builds everything and runs the whole test suite (CTest), then the
+# consumer-project tests (scripts/consumer_test.sh) and the structural checks
+# (scripts/check_structure.sh: file and function sizes, environment, include paths, transports).
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
 # Env: BUILD_DIR (default build), JOBS (default 2), CTEST_ARGS (extra ctest arguments).
 set -euo pipefail
@@ -12,4 +13,6 @@ cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
 cmake --build "$build" -j"$jobs"
 # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}
-BUILD_DIR=$build JOBS=$jobs bash "$root/scripts/check_structure.sh"
+# Projects outside the tree using dtrain: installed prefix, add_subdirectory, FetchContent, the .deb.
+BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/consumer_test.sh"
+BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/check_structure.sh"

@@ -143,8 +143,9 @@ double percentile(std::vector<double> v, double p) {
 
 int run(Coll c, const Options& o) {
   comm::InitOptions io;
-  io.group.transport = o.transport;
-  auto pg = comm::init(io);
+  io.group = comm::GroupOptions::fromEnv();
+  io.group->transport = o.transport;
+  auto pg = comm::initWorld(io);
   const int n = pg->size(), r = pg->rank();
   DType t = comm::parseDType(o.dtype);
   size_t es = comm::dtypeSize(t);

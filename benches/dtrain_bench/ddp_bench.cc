@@ -58,7 +58,7 @@ int runDdp(const Options& o) {
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) {
     sgdStep(net, opt, x, y);
-    hidden += ddp.lastStats().hidden_fraction();
+    hidden += ddp.lastStats().hiddenFraction();
   }
   dist.world()->barrier()->wait();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;

@@ -41,6 +41,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -63,22 +64,74 @@ struct DDPOptions {
   bool rebuild_buckets = true;
 };
 
+namespace detail {
+struct HookLane;
+}
+class DistributedDataParallel;
+
 // One bucket of gradients, as a communication hook sees it.
 struct GradBucket {
   int index = 0;
   at::Tensor flat;                 // the gradients, contiguous (param.grad() are views into it)
   std::vector<size_t> params;      // indices into DistributedDataParallel::parameters()
   at::Tensor scratch;              // free for the hook's use (e.g. the compressed copy)
+
+  // A dependent step of this bucket's communication (see CommHook): `next` runs once `after` has
+  // completed (not if it failed) on DDP's hook thread, and returns the Work of the step after it, or
+  // nullptr. The result completes with the chain's last step and carries the first error of the chain.
+  // Call it from run() or from this bucket's own continuations, and return the chain's last Work.
+  comm::WorkPtr then(const comm::WorkPtr& after, std::function<comm::WorkPtr()> next);
+  // The group continuations issue their collectives on (a hook whose chainsCollectives() is true).
+  comm::ProcessGroup& chainGroup() const;
+
+ private:
+  friend class DistributedDataParallel;
+  std::shared_ptr<detail::HookLane> lane_;
 };
 
-// Decides how a bucket travels. run() starts the communication and returns its Work; finish() runs
-// after that Work completed and must leave the averaged gradient in bucket.flat.
+// Decides how a bucket travels. run() is called on autograd's thread as soon as the bucket is complete
+// (buckets in index order, while backward goes on); it starts the communication and returns a Work
+// that completes once bucket.flat holds the averaged gradient. One collective:
+//
+// \code
+//   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
+//     b.scratch = b.flat.to(at::kHalf);
+//     auto sum = pg.allreduce(b.scratch.data_ptr(), b.scratch.numel(), comm::DType::f16, comm::ReduceOp::avg);
+//     return b.then(sum, [&b] { b.flat.copy_(b.scratch); return comm::WorkPtr(); });   // decompress
+//   }
+// \endcode
+//
+// Several dependent collectives (PowerSGD: allreduce P, orthogonalise, allreduce Q; top-k: allgather
+// the sizes, then allgatherv) chain with bucket.then(), never by waiting in run() (that would stall
+// backward). A hook whose continuations issue collectives says so in chainsCollectives(); they issue
+// them on bucket.chainGroup():
+//
+// \code
+//   bool chainsCollectives() const override { return true; }
+//   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
+//     auto p = pg.allreduce(P(b), ...);                                // stage 1, on DDP's group
+//     return b.then(p, [&b] {                                          // on DDP's hook thread
+//       orthogonalise(P(b));
+//       auto q = b.chainGroup().allreduce(Q(b), ...);                  // stage 2
+//       return b.then(q, [&b] { b.flat.copy_(P(b).mm(Q(b).t())); return comm::WorkPtr(); });
+//     });
+//   }
+// \endcode
+//
+// Order, the same on every rank whatever the timing: every rank must issue the same collectives in the
+// same order on a group, and ranks finish their first stages in different orders. So first stages go on
+// DDP's group from autograd's thread in bucket order, and every continuation runs on one DDP thread,
+// bucket by bucket in launch order (within a bucket in the order then() was called): bucket k+1's
+// continuations wait until all of bucket k's have run, even if bucket k+1's first stage finished
+// earlier. Continuations issue on a second group of the same ranks (chainGroup(), created by
+// registerCommHook), so that they never race the first stages that autograd's thread issues meanwhile.
 class CommHook {
  public:
   virtual ~CommHook() = default;
   virtual std::string name() const = 0;
   virtual comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& bucket) = 0;
-  virtual void finish(GradBucket& bucket) {}
+  // true: continuations issue collectives (on bucket.chainGroup()).
+  virtual bool chainsCollectives() const { return false; }
 };
 // Averages in float16 / bfloat16: half the bytes on the wire, gradients rounded to 16 bits.
 std::shared_ptr<CommHook> fp16CompressHook();
@@ -117,6 +170,8 @@ class DistributedDataParallel {
   };
   [[nodiscard]] NoSync noSync() { return NoSync(this); }
 
+  // Every rank registers the same hook at the same point (a collective when hook->chainsCollectives():
+  // it creates the chain group). nullptr: back to the plain average.
   void registerCommHook(std::shared_ptr<CommHook> hook);
 
   const std::vector<at::Tensor>& parameters() const;
@@ -129,7 +184,7 @@ class DistributedDataParallel {
   struct Stats {
     double comm_ms = 0;     // first bucket launched -> last bucket done
     double exposed_ms = 0;  // end of backward -> last bucket done (what backward did not hide)
-    double hidden_fraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
+    double hiddenFraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
   };
   Stats lastStats() const;
 

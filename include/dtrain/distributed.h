@@ -41,8 +41,10 @@ class Distributed {
   comm::WorldInfo info_;
 };
 
-// Builds the world group and, on every rank, the group of its node (the ranks agree at rendezvous on
-// who is on which node: Slurm's node lists, torchrun's GROUP_RANK, or the host for mpirun).
+// The torch layer's entry point: comm::initWorld(opts) (the world group, from the environment read
+// once; see rendezvous.h) plus, on every rank, the group of its node (the ranks agree at rendezvous on
+// who is on which node: Slurm's node lists, torchrun's GROUP_RANK, or the host for mpirun). Call it
+// once per process, instead of initWorld(), not beside it.
 Distributed init(comm::InitOptions opts = {});
 
 // Runs fn on rank 0 first (of the node's group when local, of the world otherwise) while the others

@@ -118,7 +118,6 @@ inline constexpr int64_t kHeaderBytes = 40;
 // completed and rethrows its error; it gives up with a TimeoutError naming the operation 4 x
 // PSOptions::timeout after the operation was issued (an operation's own waits are bounded by the timeout,
 // so that deadline only fires when several long operations are queued ahead of it).
-using WorkHandle = comm::WorkPtr;  // the name ps_module.cc still uses; the same type as comm::WorkPtr
 
 // The workers of one host acting as one PS client (see the file comment).
 struct LocalAggregation {
@@ -284,8 +283,10 @@ class Job {
 // RendezvousError naming the variable when they are inconsistent (e.g. WORLD_SIZE=2 without servers).
 Job init(PSOptions opts = {});
 
-// The store a dtrain-run job's processes share: TcpStore at MASTER_ADDR:MASTER_PORT (the launcher hosts
-// it: DTRAIN_USE_AGENT_STORE=1), keys under "gen<DTRAIN_RESTART_COUNT>/ps".
+// The store a job's processes share, found as comm::initWorld() finds the world's (rendezvous.h): the
+// init method's FileStore ("file:///path" in DTRAIN_INIT_METHOD) or TcpStore, else the TcpStore at
+// MASTER_ADDR:MASTER_PORT (dtrain-run hosts it: DTRAIN_USE_AGENT_STORE=1); never hosted here. Keys
+// under "gen<DTRAIN_RESTART_COUNT, else TORCHELASTIC_RESTART_COUNT>/ps".
 std::shared_ptr<comm::Store> storeFromEnv(std::chrono::milliseconds timeout = std::chrono::seconds(60));
 
 // With DTRAIN_ROLE=server: builds a Server from DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS,

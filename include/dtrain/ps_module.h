@@ -15,8 +15,9 @@
 //   // param.grad(), then call your optimizer's step() as after DDP's backward.
 // \endcode
 //
-// Parameters are grouped into buckets of about bucket_bytes in reverse registration order (backward
-// produces the last layers' gradients first); each bucket is one PS tensor "<prefix>bucket<i>", cut into
+// Parameters are grouped into buckets by DistributedDataParallel's rule: reverse registration order
+// (backward produces the last layers' gradients first), about first_bucket_bytes for the first bucket
+// and bucket_bytes for the others. Each bucket is one PS tensor "<prefix>bucket<i>", cut into
 // partitions over the servers. A hook on every parameter copies its gradient into its bucket; when a
 // bucket is complete its push starts (asynchronously, on the Worker's thread) while backward goes on.
 // step() pushes the buckets that are still incomplete (parameters without a gradient in this pass
@@ -37,6 +38,8 @@ namespace dtrain::ps {
 
 struct ModuleOptions {
   size_t bucket_bytes = 4u << 20;
+  // The first bucket's size (a small one starts pushing earlier); 0: bucket_bytes.
+  size_t first_bucket_bytes = 0;
   std::string prefix = "";  // PS names: "<prefix>bucket<i>" (several modules on one Worker need distinct prefixes)
   // sum_only: gradients are divided by this; 0 means worker.numProcesses().
   int average_over = 0;
@@ -57,6 +60,8 @@ class DistributedModule {
   size_t numBuckets() const;
   // Parameter indices (into module->parameters()) of bucket b, in bucket order.
   const std::vector<size_t>& bucketParams(size_t b) const;
+  // Parameter indices per bucket (as DistributedDataParallel::bucketLayout(); same rule, same layout).
+  std::vector<std::vector<size_t>> bucketLayout() const;
 
   struct Impl;
 

@@ -1,5 +1,6 @@
-// DistributedDataParallel (see ddp.h for the design): bucket layout, the synced backward pass, the
-// buffer broadcast at its end, and the comm hooks. The join scope's shadow passes are in join.cc.
+// DistributedDataParallel (see ddp.h for the design): bucket layout, the synced backward pass and the
+// buffer broadcast at its end. The comm hooks' continuation thread and the fp16/bf16 hooks are in
+// ddp_hooks.cc, the join scope's shadow passes in join.cc.
 #include "dtrain/ddp.h"
 
 #include <torch/csrc/autograd/engine.h>
@@ -11,6 +12,7 @@
 #include <atomic>
 #include <map>
 
+#include "buckets.h"
 #include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
@@ -31,22 +33,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
   buckets.clear();
   bucket_of.assign(params.size(), 0);
   offset_of.assign(params.size(), 0);
-  std::vector<std::vector<size_t>> groups;
-  std::vector<c10::ScalarType> types;
-  size_t bytes = 0;
-  for (size_t i : order) {
-    const auto& p = params[i];
-    size_t b = p.numel() * p.element_size();
-    size_t cap = groups.size() <= 1 ? opts.first_bucket_bytes : opts.bucket_bytes;
-    bool fresh = groups.empty() || types.back() != p.scalar_type() || (bytes + b > cap && !groups.back().empty());
-    if (fresh) {
-      groups.emplace_back();
-      types.push_back(p.scalar_type());
-      bytes = 0;
-    }
-    groups.back().push_back(i);
-    bytes += b;
-  }
+  auto groups = detail::assignBuckets(params, order, {opts.bucket_bytes, opts.first_bucket_bytes});
   for (size_t k = 0; k < groups.size(); ++k) {
     Bucket bk;
     int64_t numel = 0;
@@ -58,7 +45,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
     bk.gb.index = static_cast<int>(k);
     bk.gb.params = groups[k];
     bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
-    bk.dtype = toCommDType(types[k], "DDP gradient bucket");
+    bk.dtype = toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");
     buckets.push_back(std::move(bk));
     for (size_t i : groups[k]) adoptGrad(i);
   }
@@ -121,11 +108,18 @@ void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
     first_launch = Clock::now();
     any_launched = true;
   }
-  if (hook) {
-    b.work = hook->run(*pg, b.gb);
-  } else {
+  if (!hook) {
     b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype, comm::ReduceOp::avg);
+    return;
   }
+  b.gb.lane_ = hook_runner->open(b.gb.index, pg->rank(), hook->name(), chain_pg.get());
+  struct Seal {  // also when run() throws: the hook thread must not wait for this bucket forever
+    detail::HookLane& lane;
+    ~Seal() { lane.seal(); }
+  } seal{*b.gb.lane_};
+  b.work = hook->run(*pg, b.gb);
+  DTRAIN_CHECK(b.work != nullptr, InvalidArgument, "[rank {}] DDP comm hook '{}' returned no Work for bucket {}",
+               pg->rank(), hook->name(), b.gb.index);
 }
 
 void DistributedDataParallel::Impl::finishPass() {
@@ -197,7 +191,6 @@ void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_po
   for (auto& b : buckets) {
     b.work->wait();
     if (last_done) *last_done = std::max(*last_done, b.work->finishedAt());
-    if (hook) hook->finish(b.gb);
     if (scale != 1.0) b.gb.flat.mul_(scale);
   }
 }
@@ -325,9 +318,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     m.broadcastFrom(0, m.params, "DDP parameter");
     m.broadcastFrom(0, m.buffers, "DDP buffer");
   }
-  std::vector<size_t> reverse(m.params.size());
-  for (size_t i = 0; i < reverse.size(); ++i) reverse[i] = reverse.size() - 1 - i;
-  m.buildBuckets(reverse);
+  m.buildBuckets(detail::reverseOrder(m.params.size()));
   owner_ = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < m.params.size(); ++i) {
     auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
@@ -351,7 +342,18 @@ void DistributedDataParallel::beforeForward() {
 }
 
 void DistributedDataParallel::setSync(bool on) { impl_->sync = on; }
-void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) { impl_->hook = std::move(hook); }
+void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) {
+  auto& m = *impl_;
+  DTRAIN_CHECK(!m.in_backward, InvalidArgument, "[rank {}] DistributedDataParallel::registerCommHook during backward",
+               m.pg->rank());
+  if (hook && hook->chainsCollectives() && !m.chain_pg) {
+    std::vector<int> all(static_cast<size_t>(m.pg->size()));
+    for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
+    m.chain_pg = m.pg->newGroup(all);
+  }
+  if (hook && !m.hook_runner) m.hook_runner = std::make_unique<detail::HookRunner>();
+  m.hook = std::move(hook);
+}
 const std::vector<at::Tensor>& DistributedDataParallel::parameters() const { return impl_->params; }
 const std::vector<std::string>& DistributedDataParallel::parameterNames() const { return impl_->names; }
 comm::ProcessGroup& DistributedDataParallel::processGroup() const { return *impl_->pg; }
@@ -361,32 +363,6 @@ std::vector<std::vector<size_t>> DistributedDataParallel::bucketLayout() const {
   std::vector<std::vector<size_t>> out;
   for (const auto& b : impl_->buckets) out.push_back(b.gb.params);
   return out;
-}
-
-namespace {
-// Averages a bucket in a 16-bit float type: half the bytes on the wire.
-class CastHook : public CommHook {
- public:
-  CastHook(c10::ScalarType t, comm::DType ct, const char* name) : t_(t), ct_(ct), name_(name) {}
-  std::string name() const override { return name_; }
-  comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
-    b.scratch = b.flat.to(t_).contiguous();
-    return pg.allreduce(b.scratch.data_ptr(), static_cast<size_t>(b.scratch.numel()), ct_, comm::ReduceOp::avg);
-  }
-  void finish(GradBucket& b) override { b.flat.copy_(b.scratch); }
-
- private:
-  c10::ScalarType t_;
-  comm::DType ct_;
-  const char* name_;
-};
-}  // namespace
-
-std::shared_ptr<CommHook> fp16CompressHook() {
-  return std::make_shared<CastHook>(at::kHalf, comm::DType::f16, "fp16_compress");
-}
-std::shared_ptr<CommHook> bf16CompressHook() {
-  return std::make_shared<CastHook>(at::kBFloat16, comm::DType::bf16, "bf16_compress");
 }
 
 }  // namespace dtrain

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "ddp_hooks.h"
 #include "dtrain/ddp.h"
 #include "dtrain/join.h"
 
@@ -21,7 +22,7 @@ struct Bucket {
   GradBucket gb;
   comm::DType dtype = comm::DType::f32;
   size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
-  comm::WorkPtr work;
+  comm::WorkPtr work;  // the allreduce, or the Work the comm hook returned (perhaps a chain)
 };
 
 // The model's buffers packed into one flat tensor per dtype, so a buffer broadcast is one collective
@@ -72,6 +73,10 @@ struct DistributedDataParallel::Impl {
   detail::Clock::time_point first_launch;
   bool any_launched = false;
   Stats stats;
+  // Comm hooks: the group their continuations issue collectives on (when the hook chainsCollectives())
+  // and the thread that runs the continuations. Last: destroyed first, while the buckets still exist.
+  std::shared_ptr<comm::ProcessGroup> chain_pg;
+  std::unique_ptr<detail::HookRunner> hook_runner;
 
   // Lays parameters out in buckets in the given order and points every .grad() into its bucket.
   void buildBuckets(const std::vector<size_t>& order);
@@ -86,7 +91,7 @@ struct DistributedDataParallel::Impl {
   void launchReady();
   void launchBucket(detail::Bucket& b);
   void finishPass();
-  // Waits for every launched bucket, runs the hook's finish(), multiplies by scale.
+  // Waits for every launched bucket (the hook's whole chain), multiplies by scale.
   void completeBuckets(double scale, detail::Clock::time_point* last_done);
   // After every synced pass (shadowed ones too): the bucket rebuild of the first pass.
   void afterSyncedPass();

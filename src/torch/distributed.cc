@@ -11,7 +11,7 @@ namespace dtrain {
 
 Distributed init(comm::InitOptions opts) {
   comm::WorldInfo info;
-  auto world = comm::init(opts, &info);
+  auto world = comm::initWorld(opts, &info);
   // The ranks agreed on who is on which node at rendezvous; every rank takes part in every node's group.
   auto local = comm::newNodeGroup(world, info);
   return Distributed(world, local, info);

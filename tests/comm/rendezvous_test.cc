@@ -1,5 +1,5 @@
 // Rendezvous: where rank and world size come from (explicit, torchrun, OpenMPI, Slurm, nothing), the
-// world of one that opens no socket, and init() in real processes through each kind of store.
+// world of one that opens no socket, and initWorld() in real processes through each kind of store.
 #include <dirent.h>
 #include <gtest/gtest.h>
 #include <stdlib.h>
@@ -36,7 +36,7 @@ TEST_F(Env, NothingSetIsAWorldOfOneThatOpensNoSocket) {
   EXPECT_EQ(w.source, "none");
   EXPECT_EQ(w.size, 1);
   int before = openFds();
-  auto pg = comm::init();
+  auto pg = comm::initWorld();
   EXPECT_EQ(openFds(), before) << "a world of one opened a file descriptor";
   EXPECT_EQ(pg->size(), 1);
   EXPECT_EQ(pg->rank(), 0);
@@ -112,7 +112,7 @@ TEST_F(Env, MalformedVariablesAreNamed) {
   expectError("OMPI_COMM_WORLD_SIZE='-4'");
 }
 
-// init() in real processes, with each way of finding the store: torchrun variables with rank 0
+// initWorld() in real processes, with each way of finding the store: torchrun variables with rank 0
 // hosting a TcpStore, OpenMPI variables with a FileStore, Slurm variables with a tcp:// init method
 // and the store hosted outside (as dtrain-run does).
 TEST_F(Env, InitInRealProcesses) {
@@ -154,8 +154,9 @@ TEST_F(Env, InitInRealProcesses) {
     auto results = runRanks(world, [&](int rank) {
       c.env(rank, world);
       InitOptions o;
-      o.group.timeout = std::chrono::seconds(20);
-      auto pg = comm::init(o);
+      o.group = comm::GroupOptions::fromEnv();
+      o.group->timeout = std::chrono::seconds(20);
+      auto pg = comm::initWorld(o);
       ASSERT_EQ(pg->size(), world);
       ASSERT_EQ(pg->rank(), rank);
       int64_t v = rank + 1;
@@ -172,9 +173,10 @@ TEST_F(Env, UnreachableStoreIsARendezvousErrorNamingIt) {
   setenv("MASTER_ADDR", "127.0.0.1", 1);
   setenv("MASTER_PORT", std::to_string(freePort()).c_str(), 1);
   InitOptions o;
-  o.group.timeout = std::chrono::milliseconds(500);
+  o.group = comm::GroupOptions::fromEnv();
+  o.group->timeout = std::chrono::milliseconds(500);
   try {
-    comm::init(o);
+    comm::initWorld(o);
     ADD_FAILURE() << "init succeeded without a store";
   } catch (const Error& e) {
     EXPECT_NE(std::string(e.what()).find("127.0.0.1"), std::string::npos) << e.what();
@@ -204,17 +206,17 @@ TEST_F(Env, GroupOptionsFromEnvironment) {
 TEST_F(Env, BadPortsAndAddressesAreRejectedAtOnce) {
   for (const char* port : {"99999", "0", "65536", "-1", "abc", "29500x", " 29500", "1e4"}) {
     setenv("MASTER_PORT", port, 1);
-    std::string m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+    std::string m = messageOf<InvalidArgument>([] { comm::GroupOptions::fromEnv(); });
     EXPECT_NE(m.find(fmt::format("MASTER_PORT='{}' is not a port number (1-65535)", port)), std::string::npos) << m;
-    // The same check guards InitOptions{}, so init() and dtrain::init() fail before anything else.
-    EXPECT_THROW(InitOptions{}, InvalidArgument) << port;
+    // The same check comes first in initWorld(), so it and dtrain::init() fail before anything else.
+    EXPECT_THROW(comm::initWorld(), InvalidArgument) << port;
   }
   setenv("MASTER_PORT", "65535", 1);
   EXPECT_EQ(comm::storeAddress().port, 65535);
   unsetenv("MASTER_PORT");
   for (const char* addr : {"no-such-host.invalid", "127.0.0.1:29500", "10.0.0.300", "bad host"}) {
     setenv("MASTER_ADDR", addr, 1);
-    std::string m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+    std::string m = messageOf<InvalidArgument>([] { comm::GroupOptions::fromEnv(); });
     EXPECT_NE(m.find(fmt::format("MASTER_ADDR='{}' is not a usable address", addr)), std::string::npos) << m;
   }
   unsetenv("MASTER_ADDR");
@@ -222,22 +224,22 @@ TEST_F(Env, BadPortsAndAddressesAreRejectedAtOnce) {
   o.master_port = 70000;
   std::string m = messageOf<InvalidArgument>([&] { comm::storeAddress(o); });
   EXPECT_NE(m.find("InitOptions::master_port='70000' is not a port number"), std::string::npos) << m;
-  // With a rank known, the message says whose it is; the tcp:// init method is checked in init()
+  // With a rank known, the message says whose it is; the tcp:// init method is checked in initWorld()
   // before any socket is opened.
   setenv("RANK", "1", 1);
   setenv("WORLD_SIZE", "2", 1);
   setenv("MASTER_PORT", "99999", 1);
-  m = messageOf<InvalidArgument>([] { comm::groupOptionsFromEnv(); });
+  m = messageOf<InvalidArgument>([] { comm::GroupOptions::fromEnv(); });
   EXPECT_EQ(m.rfind("[rank 1] MASTER_PORT='99999' is not a port number (1-65535)", 0), 0u) << m;
   unsetenv("MASTER_PORT");
   setenv("RANK", "0", 1);
   o = InitOptions{};
   o.init_method = "tcp://127.0.0.1:99999";
-  m = messageOf<InvalidArgument>([&] { comm::init(o); });
+  m = messageOf<InvalidArgument>([&] { comm::initWorld(o); });
   EXPECT_NE(m.find("the port of init_method 'tcp://127.0.0.1:99999'='99999' is not a port number"), std::string::npos)
       << m;
   o.init_method = "tcp://no-such-host.invalid:29500";
-  m = messageOf<InvalidArgument>([&] { comm::init(o); });
+  m = messageOf<InvalidArgument>([&] { comm::initWorld(o); });
   EXPECT_NE(m.find("the host of init_method 'tcp://no-such-host.invalid:29500'='no-such-host.invalid' is not a "
                    "usable address"),
             std::string::npos)
@@ -255,8 +257,9 @@ TEST_F(Env, RanksOnDifferentPortsAreNamedWithWhatToCheck) {
     setenv("MASTER_ADDR", "127.0.0.1", 1);
     setenv("MASTER_PORT", std::to_string(rank == 0 ? p0 : p1).c_str(), 1);
     InitOptions o;
-    o.group.timeout = std::chrono::seconds(2);
-    std::string m = messageOf<RendezvousError>([&] { comm::init(o); });
+    o.group = comm::GroupOptions::fromEnv();
+    o.group->timeout = std::chrono::seconds(2);
+    std::string m = messageOf<RendezvousError>([&] { comm::initWorld(o); });
     if (rank == 0) {
       EXPECT_NE(m.find(fmt::format("[rank 0] rendezvous: rank 1 of 2 has not joined the store at 127.0.0.1:{} "
                                    "(MASTER_ADDR:MASTER_PORT) after 2s. Check that every rank has the same store "
@@ -300,8 +303,9 @@ TEST_P(Disagree, EveryRankFailsAtStartUpNamingIt) {
     setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
     d.env(p);
     InitOptions o;
-    o.group.timeout = std::chrono::seconds(60);  // a disagreement must not wait for the deadline
-    std::string m = messageOf<RendezvousError>([&] { comm::init(o); });
+    o.group = comm::GroupOptions::fromEnv();
+    o.group->timeout = std::chrono::seconds(60);  // a disagreement must not wait for the deadline
+    std::string m = messageOf<RendezvousError>([&] { comm::initWorld(o); });
     EXPECT_NE(m.find(d.message), std::string::npos) << m;
     EXPECT_EQ(m.rfind("[rank ", 0), 0u) << m;
   });
@@ -381,9 +385,10 @@ TEST_F(Env, SlurmNodesAndStoreAddressWithoutMasterVariables) {
     EXPECT_TRUE(addr.derived);
     EXPECT_NE(addr.origin.find("the first node of SLURM_STEP_NODELIST"), std::string::npos) << addr.origin;
     InitOptions o;
-    o.group.timeout = std::chrono::seconds(30);
+    o.group = comm::GroupOptions::fromEnv();
+    o.group->timeout = std::chrono::seconds(30);
     comm::WorldInfo info;
-    auto world = comm::init(o, &info);
+    auto world = comm::initWorld(o, &info);
     ASSERT_EQ(info.nodes, (std::vector<std::vector<int>>{{0, 2, 3}, {1}}));
     auto local = comm::newNodeGroup(world, info);
     ASSERT_EQ(local->size(), info.local_size);

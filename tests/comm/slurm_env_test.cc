@@ -268,11 +268,11 @@ TEST_F(SlurmEnv, StoreAddressFromSlurmOrMasterVariables) {
 
 TEST_F(SlurmEnv, PeerNodeForTheTransportAddress) {
   srunTask(5, 6, 1, "2(x3)", "n[1-3]", "n3");
-  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), "n1");  // the next node, wrapping around
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(comm::rendezvous::Environment::read()), "n1");  // the next node, wrapping around
   setenv("SLURMD_NODENAME", "n1", 1);
-  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), "n2");
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(comm::rendezvous::Environment::read()), "n2");
   srunTask(1, 2, 1, "2", "n1", "n1");
-  EXPECT_EQ(comm::rendezvous::slurmPeerNode(), std::nullopt);  // one node: no peer
+  EXPECT_EQ(comm::rendezvous::slurmPeerNode(comm::rendezvous::Environment::read()), std::nullopt);  // one node: no peer
 }
 
 // The comparison of the views, without processes: each kind of disagreement, and agreement.

@@ -20,7 +20,7 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string dir = argv[1], mode = argv[2];
-  auto world = dtrain::comm::init();
+  auto world = dtrain::comm::initWorld();
   const int rank = world->rank();
   std::printf("line 1 of rank %d (printf)\n", rank);
   std::cout << "line 2 of rank " << rank << " (cout)\n";

@@ -238,6 +238,11 @@ void convergesOnLogistic(Consistency c, int staleness) {
       wk.push("wb", g);
       wk.clock();
     }
+    // A push returns once it is sent; a server answers this worker's pull only after the requests this
+    // worker sent before it. So once this pull returns, every push of this worker was applied, and
+    // after the barrier every push of both (without it, the other worker's last push could still be in
+    // flight when this worker's final pull is answered: a flake of the test, not of the server).
+    wk.pull("wb", wb);
     store.set(fmt::format("pushed/{}", rank), comm::toBytes(hexDoubles(pushed)));
     // The final values, once every push is in.
     barrier(store, "trained", W);

@@ -1,7 +1,7 @@
 // ProcessGroup: the ranks of a job (or a subset) and the collectives they run together.
 //
 // \code
-//   auto pg = dtrain::comm::init();                    // from RANK/WORLD_SIZE/... or a world of one
+//   auto pg = dtrain::comm::initWorld();               // from RANK/WORLD_SIZE/... or a world of one
 //   std::vector<float> grad(1 << 20, 1.0f);
 //   pg->allreduce(grad.data(), grad.size(), DType::f32, ReduceOp::avg)->wait();
 //   auto w = pg->broadcast(params.data(), params.size(), DType::f32, /*root=*/0);  // async
@@ -11,11 +11,11 @@
 //
 // Every call returns at once with a Work; ops on one group run in the order they were issued, on the
 // group's own thread. Buffers must stay valid until the Work completes. in == out means in place.
-// Every op has a deadline (GroupOptions::timeout, from DTRAIN_TIMEOUT): a dead or stuck peer makes
-// every rank fail with an error naming the op, its sequence number and the peer, never hang. Ranks
-// that call different collectives (or the same with another dtype, count, reduce op or root) all fail
-// with a ProtocolError naming both calls. After a failure the group is broken: later ops fail at once
-// with the original error.
+// Every op has a deadline (GroupOptions::timeout; initWorld() takes it from DTRAIN_TIMEOUT): a dead
+// or stuck peer makes every rank fail with an error naming the op, its sequence number and the peer,
+// never hang. Ranks that call different collectives (or the same with another dtype, count, reduce op
+// or root) all fail with a ProtocolError naming both calls. After a failure the group is broken: later
+// ops fail at once with the original error.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -29,13 +29,16 @@
 
 namespace dtrain::comm {
 
+// The options of a group: plain data with plain defaults. initWorld() fills them from the environment
+// (GroupOptions::fromEnv()) unless InitOptions::group is given.
 struct GroupOptions {
   // Deadline of every op, counted from when it is issued. DTRAIN_TIMEOUT (seconds), default 300.
   Duration timeout = std::chrono::seconds(300);
   // "auto" (shared memory when every rank is on this host, else TCP), "tcp" or "shm". DTRAIN_TRANSPORT.
   std::string transport = "auto";
-  // TCP: the address to listen on and advertise. Default: DTRAIN_IFNAME's address, else the address
-  // that routes to MASTER_ADDR, else 127.0.0.1.
+  // TCP: the address to listen on and advertise; empty: 127.0.0.1. initWorld() fills an empty one with
+  // DTRAIN_IFNAME's address, else the address that routes to MASTER_ADDR (under srun without
+  // MASTER_ADDR: to another node of the step).
   std::string listen_host;
   // Ring capacity of the shm transport per peer pair and staging size of tcp; 0 picks a default.
   // Tests set it small to reach multi-segment paths. DTRAIN_SEGMENT_BYTES.
@@ -46,7 +49,10 @@ struct GroupOptions {
   // exchanges every rank's call first, so the error lists all of them. DTRAIN_DEBUG=detail.
   bool check_fingerprints = false;
 
-  // Defaults overridden by the DTRAIN_* variables above; a malformed value is an InvalidArgument.
+  // What initWorld() uses when InitOptions::group is not given: the defaults overridden by the DTRAIN_*
+  // variables above, listen_host resolved as described there. Reads the environment on every call.
+  // InvalidArgument naming the variable and its value for a malformed one, a MASTER_PORT outside
+  // 1-65535 or a MASTER_ADDR that does not resolve.
   static GroupOptions fromEnv();
 };
 
@@ -63,9 +69,10 @@ struct P2POp {
 class ProcessGroup {
  public:
   // Collective: all `size` ranks call it with the same store (keys under the store are used for the
-  // rendezvous). size == 1 opens no socket and no shared memory.
+  // rendezvous). size == 1 opens no socket and no shared memory. The options are used as given (the
+  // environment is not read here: pass GroupOptions::fromEnv() for what initWorld() would use).
   static std::shared_ptr<ProcessGroup> create(std::shared_ptr<Store> store, int rank, int size,
-                                              GroupOptions opts = GroupOptions::fromEnv());
+                                              GroupOptions opts = {});
   ~ProcessGroup();
   ProcessGroup(const ProcessGroup&) = delete;
   ProcessGroup& operator=(const ProcessGroup&) = delete;

@@ -1,9 +1,16 @@
-// init(): how a process finds the others and builds the world ProcessGroup.
+// initWorld(): how a process finds the others and builds the world ProcessGroup.
 //
 // \code
-//   auto world = dtrain::comm::init();   // under dtrain-run, torchrun, mpirun or srun; or alone
+//   auto world = dtrain::comm::initWorld();   // under dtrain-run, torchrun, mpirun or srun; or alone
 //   if (world->rank() == 0) ...
 // \endcode
+//
+// This is the comm layer's entry point. A training program built on the torch layer calls
+// dtrain::init() (distributed.h) instead: it calls initWorld() and adds the node's group, in a
+// Distributed; dtrain::ps::init() (ps.h) builds on dtrain::init() for a parameter-server job.
+//
+// initWorld() reads the environment once, when it is called: the options structs below are plain
+// data, and an option given in them wins over its variable.
 //
 // Where the rank and world size come from, in order: explicit options; torchrun's variables (RANK,
 // WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, GROUP_RANK, MASTER_ADDR, MASTER_PORT); OpenMPI's
@@ -16,7 +23,8 @@
 // storeAddress() (MASTER_ADDR:MASTER_PORT; under srun the step's first node and a port derived from
 // the job and step ids; else 127.0.0.1:29500), hosted by rank 0, or by the launcher when
 // DTRAIN_USE_AGENT_STORE=1 (dtrain-run sets it). Keys are prefixed by the restart count
-// (DTRAIN_RESTART_COUNT), so a restarted job never reads a previous attempt's keys.
+// (DTRAIN_RESTART_COUNT, else torchrun's TORCHELASTIC_RESTART_COUNT), so a restarted job never reads a
+// previous attempt's keys. The parameter server's store (ps::storeFromEnv) is found the same way.
 //
 // At rendezvous every rank publishes what it believes about the world (size, its node and local
 // rank, the node's size, the job, its host) and compares everyone's: any disagreement fails every
@@ -25,16 +33,13 @@
 #pragma once
 #include <cstdint>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
 
 namespace dtrain::comm {
-
-// GroupOptions::fromEnv() after checking MASTER_ADDR (it must resolve) and MASTER_PORT (1-65535):
-// InvalidArgument naming the variable and its value.
-GroupOptions groupOptionsFromEnv();
 
 struct InitOptions {
   int rank = -1;        // -1: from the environment
@@ -44,7 +49,10 @@ struct InitOptions {
   std::string master_addr;  // empty: see storeAddress()
   int master_port = -1;     // -1: see storeAddress()
   std::string init_method;  // "", "env://", "tcp://host:port" or "file:///path"; default DTRAIN_INIT_METHOD
-  GroupOptions group = groupOptionsFromEnv();
+  // The world group's options. Unset: GroupOptions::fromEnv() (DTRAIN_TIMEOUT, DTRAIN_TRANSPORT, ...).
+  // Given: used as they are, except that an empty listen_host is filled as fromEnv() would. To change
+  // one option and keep the environment's others, start from GroupOptions::fromEnv().
+  std::optional<GroupOptions> group;
 };
 
 struct WorldInfo {
@@ -53,14 +61,14 @@ struct WorldInfo {
   int local_rank = 0;
   int local_size = 1;
   std::string source = "none";  // "explicit", "torchrun", "openmpi", "slurm" or "none"
-  int node = 0;                 // this rank's node, 0 .. num_nodes-1; -1: unknown (init() groups by host)
+  int node = 0;                 // this rank's node, 0 .. num_nodes-1; -1: unknown (initWorld() groups by host)
   int num_nodes = 1;            // -1: unknown
   std::string job;              // the job and step ranks must share, e.g. "slurm job 12 step 0"
-  // Filled by init(): every node's world ranks in local-rank order, the same on every rank.
+  // Filled by initWorld(): every node's world ranks in local-rank order, the same on every rank.
   std::vector<std::vector<int>> nodes;
 };
 
-// Reads the rank and sizes as init() would; RendezvousError naming a malformed or inconsistent
+// Reads the rank and sizes as initWorld() would; RendezvousError naming a malformed or inconsistent
 // variable (InvalidArgument for a malformed Slurm list).
 WorldInfo detectWorld(const InitOptions& opts = {});
 
@@ -75,7 +83,6 @@ struct StoreAddress {
 // SLURM_STEP_NODELIST or SLURM_JOB_NODELIST, else SLURM_LAUNCH_NODE_IPADDR; port slurmStorePort()),
 // else 127.0.0.1:29500. Host and port are chosen independently (MASTER_PORT alone keeps Slurm's host).
 // InvalidArgument naming the variable for a port outside 1-65535 or a host that does not resolve.
-// (dtrain::ps::storeFromEnv can use it too.)
 StoreAddress storeAddress(const InitOptions& opts = {});
 
 // A port for the store of Slurm job `job_id`, step `step_id`: deterministic (every task computes the
@@ -95,9 +102,9 @@ std::vector<int> expandSlurmTasksPerNode(const std::string& counts, const std::s
 
 // Builds the world group (collective over all ranks) after the ranks agreed on the world. `info`, if
 // given, receives the agreed WorldInfo with `nodes` filled.
-std::shared_ptr<ProcessGroup> init(InitOptions opts = {}, WorldInfo* info = nullptr);
+std::shared_ptr<ProcessGroup> initWorld(InitOptions opts = {}, WorldInfo* info = nullptr);
 
-// The group of this rank's node (info.nodes from init()). Collective: every rank of `world` calls it,
+// The group of this rank's node (info.nodes from initWorld()). Collective: every rank of `world` calls it,
 // and it creates every node's group in node order. For a world of one, the world itself.
 std::shared_ptr<ProcessGroup> newNodeGroup(const std::shared_ptr<ProcessGroup>& world, const WorldInfo& info);
 

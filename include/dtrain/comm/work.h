@@ -1,31 +1,36 @@
-// Work: the handle of one asynchronous operation of a ProcessGroup.
+// Work: the handle of one asynchronous operation of a ProcessGroup, and chains of dependent ones.
+//
+// \code
+//   auto w = pg->allreduce(buf, n, DType::f32);
+//   w->wait();                                   // rethrows the op's error, if any
+//
+//   // Two dependent steps without blocking this thread: scale once the sum of norms is known.
+//   auto chain = pg->allreduce(&norm, 1, DType::f32)->then([&] {
+//     scale(buf, n, 1 / norm);                   // runs on the thread that completed the allreduce
+//     return other_pg->allreduce(buf, n, DType::f32);   // the next step's Work (or nullptr: done)
+//   });
+//   chain->wait();                               // both steps done; an error names the op that failed
+// \endcode
 #pragma once
 #include <chrono>
 #include <condition_variable>
 #include <exception>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <vector>
 
 namespace dtrain::comm {
 
 class Work;
-
-// Whoever runs a Work's op may let a thread that waits for it run queued ops itself (saving two
-// thread hand-offs per op, which dominate small-message latency). Internal to dtrain::comm.
-class WorkExecutor {
- public:
-  virtual ~WorkExecutor() = default;
-  // Runs queued ops on the calling thread, in order, while `w` is incomplete and nobody else is
-  // running one. Returns when w is complete or another thread is busy.
-  virtual void help(const Work& w) = 0;
-};
+using WorkPtr = std::shared_ptr<Work>;
+class WorkExecutor;  // internal (src/comm/group/work_executor.h): lets a waiting thread run queued ops
 
 class Work {
  public:
   Work(std::string what, std::chrono::steady_clock::time_point deadline, int rank,
-       std::weak_ptr<WorkExecutor> executor = {})
-      : what_(std::move(what)), deadline_(deadline), rank_(rank), executor_(std::move(executor)) {}
+       std::weak_ptr<WorkExecutor> executor = {});
 
   // Blocks until the op completes and rethrows its error, if any. Bounded: the op has its own deadline;
   // should it still be running shortly after that, this throws TimeoutError naming the op.
@@ -38,11 +43,37 @@ class Work {
   // "allreduce seq=41 f32 x 6291456"
   const std::string& describe() const { return what_; }
 
+  // A dependent step. Once this op has completed, `next` runs (unless this op failed); it may issue
+  // ops and returns the Work of the next step, or nullptr when there is none. The returned Work
+  // completes when that step does, with the first error of the chain: this op's, the exception `next`
+  // threw (a dtrain::Error as it is, anything else as an Error naming this op), or the next step's.
+  // Chains nest: `next` may return a Work made by then().
+  //
+  // Where `next` runs: by default on the thread that completes this op, which is the group's own
+  // thread (or a thread inside wait() running queued ops). It must then be short and must never wait
+  // for an op of that group (the group's thread is busy running `next`: the wait would time out).
+  // Issuing ops is fine, but ProcessGroup calls from several threads need the caller's ordering (every
+  // rank must issue the same collectives in the same order), so pass `post` to run `next` elsewhere:
+  // post(task) is called instead, on the completing thread, and must run task exactly once, on any
+  // thread. DistributedDataParallel's hooks (GradBucket::then) post to a thread that keeps the order.
+  using Post = std::function<void(std::function<void()> task)>;
+  WorkPtr then(std::function<WorkPtr()> next, Post post = {});
+
+  // Calls fn once the op completed: at once (on this thread) if it has, else on the thread that
+  // completes it, with the same rules as then()'s `next` without `post`: short, never waiting, and
+  // never throwing.
+  void onComplete(std::function<void()> fn);
+
   // Used by the group that runs the op.
   void finish(std::exception_ptr error = nullptr);
 
  private:
-  void waitUntil(std::chrono::steady_clock::time_point until, const std::string& why);
+  void waitUntil(const std::function<std::chrono::steady_clock::time_point()>& until, const std::string& why);
+  // A chain's deadline moves with its steps (see then()).
+  void extendDeadline(std::chrono::steady_clock::time_point to);
+  std::chrono::steady_clock::time_point currentDeadline() const;
+  static void runStep(const WorkPtr& chain, const std::string& after, std::exception_ptr error,
+                      const std::function<WorkPtr()>& next);
   std::string what_;
   std::chrono::steady_clock::time_point deadline_;
   int rank_;
@@ -52,8 +83,7 @@ class Work {
   bool done_ = false;
   std::chrono::steady_clock::time_point finished_at_;
   std::exception_ptr error_;
+  std::vector<std::function<void()>> on_complete_;
 };
-
-using WorkPtr = std::shared_ptr<Work>;
 
 }  // namespace dtrain::comm

@@ -15,7 +15,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/collectives/collectives.h"
-#include "comm/net/socket.h"
+#include "comm/group/work_executor.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
 
@@ -25,11 +25,6 @@ using transport::Clock;
 using transport::OpCode;
 
 namespace {
-
-const char* envOr(const char* name, const char* dflt) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : dflt;
-}
 
 // The ops in which some rank does not receive, directly or through ranks that checked, from every other
 // rank (a broadcast root, a gather's senders, the branches of a tree): over a transport that compares
@@ -45,33 +40,6 @@ struct Called {
 };
 
 }  // namespace
-
-GroupOptions GroupOptions::fromEnv() {
-  GroupOptions o;
-  if (const char* t = std::getenv("DTRAIN_TIMEOUT"); t && *t) {
-    char* end = nullptr;
-    double secs = std::strtod(t, &end);
-    DTRAIN_CHECK(end && *end == 0 && secs > 0, InvalidArgument,
-                 "DTRAIN_TIMEOUT='{}' is not a positive number of seconds", t);
-    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
-  }
-  o.transport = envOr("DTRAIN_TRANSPORT", "auto");
-  DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm", InvalidArgument,
-               "DTRAIN_TRANSPORT='{}' (expected auto, tcp or shm)", o.transport);
-  if (const char* s = std::getenv("DTRAIN_SEGMENT_BYTES"); s && *s) {
-    char* end = nullptr;
-    long long v = std::strtoll(s, &end, 10);
-    DTRAIN_CHECK(end && *end == 0 && v > 0, InvalidArgument, "DTRAIN_SEGMENT_BYTES='{}' is not a positive integer", s);
-    o.segment_bytes = static_cast<size_t>(v);
-  }
-  o.check_fingerprints = std::string(envOr("DTRAIN_DEBUG", "")) == "detail";
-  if (const char* ifn = std::getenv("DTRAIN_IFNAME"); ifn && *ifn) {
-    o.listen_host = net::interfaceAddress(ifn);
-  } else if (const char* ma = std::getenv("MASTER_ADDR"); ma && *ma) {
-    o.listen_host = net::localAddressFor(ma);
-  }
-  return o;
-}
 
 // An op waiting to run: what it is, its deadline, and the algorithm call.
 struct Task {

@@ -1,5 +1,6 @@
-// Rendezvous: environment detection, the store's address, the store, the ranks' agreement on the
-// world and the world group (see rendezvous.h). Slurm's lists are in slurm.cc, the agreement in agree.cc.
+// Rendezvous: the world's detection, the group options from the environment, and initWorld() (see
+// rendezvous.h). The job's store is set up in job_store.cc, Slurm's lists are in slurm.cc, the
+// agreement in agree.cc; every one of them reads the environment through an Environment.
 #include <unistd.h>
 
 #include <cstdio>
@@ -15,92 +16,60 @@ namespace dtrain::comm {
 
 namespace rendezvous {
 
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
-int envInt(const char* name, int dflt, int min_value) {
-  const char* v = env(name);
-  if (!v) return dflt;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (!end || *end != 0 || x < min_value || x > 1 << 24) {
-    throw RendezvousError(fmt::format("environment variable {}='{}' is not an integer >= {}", name, v, min_value));
-  }
-  return static_cast<int>(x);
-}
-
-std::string rankPrefix() {
-  for (const char* v : {"RANK", "OMPI_COMM_WORLD_RANK", "SLURM_PROCID"}) {
-    const char* r = env(v);
-    if (!r) continue;
-    bool digits = std::strlen(r) <= 9;
-    for (const char* c = r; *c; ++c) digits = digits && *c >= '0' && *c <= '9';
-    return digits ? fmt::format("[rank {}] ", r) : "";
-  }
-  return "";
-}
-
-int parsePort(const std::string& text, const std::string& what) {
+int parsePort(const Environment& env, const std::string& text, const std::string& what) {
   bool digits = !text.empty() && text.size() <= 5;
   for (char c : text) digits = digits && c >= '0' && c <= '9';
   int port = digits ? std::atoi(text.c_str()) : -1;
   if (port < 1 || port > 65535) {
-    throw InvalidArgument(fmt::format("{}{}='{}' is not a port number (1-65535)", rankPrefix(), what, text));
+    throw InvalidArgument(fmt::format("{}{}='{}' is not a port number (1-65535)", env.rankPrefix(), what, text));
   }
   return port;
 }
 
-}  // namespace rendezvous
-
-using namespace rendezvous;
-
-namespace {
-
-// InvalidArgument naming `what` unless host resolves to an address.
-void checkResolves(const std::string& host, const std::string& what) {
+void checkResolves(const Environment& env, const std::string& host, const std::string& what) {
   try {
     net::resolve(host, 1);
   } catch (const Error& e) {
-    throw InvalidArgument(fmt::format("{}{}='{}' is not a usable address: {}", rankPrefix(), what, host, e.what()));
+    throw InvalidArgument(
+        fmt::format("{}{}='{}' is not a usable address: {}", env.rankPrefix(), what, host, e.what()));
   }
 }
 
-// dtrain-run reads stdout through a pipe, which makes it block-buffered: what a worker printed last
-// would be lost when the launcher stops it. With DTRAIN_LINE_BUFFERED=1 (set by dtrain-run) stdout is
-// line-buffered before main() runs, for printf and std::cout (which writes through stdout unless
-// sync_with_stdio(false)) alike. Every program that forms a group links this file.
-[[maybe_unused]] const bool kLineBuffered = [] {
-  const char* v = std::getenv("DTRAIN_LINE_BUFFERED");
-  return v && std::strcmp(v, "1") == 0 && std::setvbuf(stdout, nullptr, _IOLBF, 0) == 0;
-}();
-
-// A store that keeps the TcpStore server it talks to alive (rank 0 hosts it for the job's lifetime).
-class HostedStore : public PrefixStore {
- public:
-  HostedStore(std::string prefix, std::shared_ptr<Store> base, std::shared_ptr<TcpStoreServer> server)
-      : PrefixStore(std::move(prefix), std::move(base)), server_(std::move(server)) {}
-
- private:
-  std::shared_ptr<TcpStoreServer> server_;
-};
-
-std::string hostname() {
-  char h[256] = {0};
-  gethostname(h, sizeof h - 1);
-  return h;
+GroupOptions groupOptions(const Environment& env) {
+  GroupOptions o;
+  if (const char* t = env.get("DTRAIN_TIMEOUT")) {
+    char* end = nullptr;
+    double secs = std::strtod(t, &end);
+    DTRAIN_CHECK(end && *end == 0 && secs > 0, InvalidArgument,
+                 "DTRAIN_TIMEOUT='{}' is not a positive number of seconds", t);
+    o.timeout = std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
+  }
+  if (const char* t = env.get("DTRAIN_TRANSPORT")) o.transport = t;
+  DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm", InvalidArgument,
+               "DTRAIN_TRANSPORT='{}' (expected auto, tcp or shm)", o.transport);
+  if (const char* s = env.get("DTRAIN_SEGMENT_BYTES")) {
+    char* end = nullptr;
+    long long v = std::strtoll(s, &end, 10);
+    DTRAIN_CHECK(end && *end == 0 && v > 0, InvalidArgument, "DTRAIN_SEGMENT_BYTES='{}' is not a positive integer", s);
+    o.segment_bytes = static_cast<size_t>(v);
+  }
+  const char* debug = env.get("DTRAIN_DEBUG");
+  o.check_fingerprints = debug && std::strcmp(debug, "detail") == 0;
+  return o;
 }
 
-}  // namespace
-
-GroupOptions groupOptionsFromEnv() {
-  if (const char* p = env("MASTER_PORT")) parsePort(p, "MASTER_PORT");
-  if (const char* a = env("MASTER_ADDR")) checkResolves(a, "MASTER_ADDR");
-  return GroupOptions::fromEnv();
+void checkStoreVariables(const Environment& env) {
+  if (const char* p = env.get("MASTER_PORT")) parsePort(env, p, "MASTER_PORT");
+  if (const char* a = env.get("MASTER_ADDR")) checkResolves(env, a, "MASTER_ADDR");
 }
 
-WorldInfo detectWorld(const InitOptions& o) {
+std::string listenHost(const Environment& env) {
+  if (const char* ifname = env.get("DTRAIN_IFNAME")) return net::interfaceAddress(ifname);
+  if (const char* master = env.get("MASTER_ADDR")) return net::localAddressFor(master);
+  return "";
+}
+
+WorldInfo detectWorld(const Environment& env, const InitOptions& o) {
   WorldInfo w;
   auto finish = [&](const char* what) {
     if (w.size < 1 || w.rank < 0 || w.rank >= w.size) {
@@ -128,33 +97,33 @@ WorldInfo detectWorld(const InitOptions& o) {
     w.node = blockNode();
     return w;
   }
-  if (env("RANK") || env("WORLD_SIZE")) {
-    if (!env("RANK") || !env("WORLD_SIZE")) {
+  if (env.get("RANK") || env.get("WORLD_SIZE")) {
+    if (!env.get("RANK") || !env.get("WORLD_SIZE")) {
       throw RendezvousError("RANK and WORLD_SIZE must be set together (torchrun convention)");
     }
-    w.rank = envInt("RANK", 0, 0);
-    w.size = envInt("WORLD_SIZE", 1, 1);
-    w.local_rank = envInt("LOCAL_RANK", w.rank, 0);
-    w.local_size = envInt("LOCAL_WORLD_SIZE", w.size, 1);
-    w.num_nodes = envInt("GROUP_WORLD_SIZE", -1, 1);
-    if (const char* id = env("TORCHELASTIC_RUN_ID")) w.job = fmt::format("torchrun run {}", id);
+    w.rank = env.integer("RANK", 0, 0);
+    w.size = env.integer("WORLD_SIZE", 1, 1);
+    w.local_rank = env.integer("LOCAL_RANK", w.rank, 0);
+    w.local_size = env.integer("LOCAL_WORLD_SIZE", w.size, 1);
+    w.num_nodes = env.integer("GROUP_WORLD_SIZE", -1, 1);
+    if (const char* id = env.get("TORCHELASTIC_RUN_ID")) w.job = fmt::format("torchrun run {}", id);
     w.source = "torchrun";
     finish("RANK/WORLD_SIZE");
-    w.node = env("GROUP_RANK") ? envInt("GROUP_RANK", 0, 0) : blockNode();
+    w.node = env.get("GROUP_RANK") ? env.integer("GROUP_RANK", 0, 0) : blockNode();
     return w;
   }
-  if (env("OMPI_COMM_WORLD_RANK") && env("OMPI_COMM_WORLD_SIZE")) {
-    w.rank = envInt("OMPI_COMM_WORLD_RANK", 0, 0);
-    w.size = envInt("OMPI_COMM_WORLD_SIZE", 1, 1);
-    w.local_rank = envInt("OMPI_COMM_WORLD_LOCAL_RANK", w.rank, 0);
-    w.local_size = envInt("OMPI_COMM_WORLD_LOCAL_SIZE", w.size, 1);
-    if (const char* id = env("OMPI_MCA_ess_base_jobid")) w.job = fmt::format("openmpi job {}", id);
+  if (env.get("OMPI_COMM_WORLD_RANK") && env.get("OMPI_COMM_WORLD_SIZE")) {
+    w.rank = env.integer("OMPI_COMM_WORLD_RANK", 0, 0);
+    w.size = env.integer("OMPI_COMM_WORLD_SIZE", 1, 1);
+    w.local_rank = env.integer("OMPI_COMM_WORLD_LOCAL_RANK", w.rank, 0);
+    w.local_size = env.integer("OMPI_COMM_WORLD_LOCAL_SIZE", w.size, 1);
+    if (const char* id = env.get("OMPI_MCA_ess_base_jobid")) w.job = fmt::format("openmpi job {}", id);
     w.source = "openmpi";
     finish("OMPI_COMM_WORLD_*");
     w.node = w.num_nodes = -1;  // mpirun maps ranks to hosts in many ways: group them by host at rendezvous
     return w;
   }
-  if (auto slurm = detectSlurm()) {
+  if (auto slurm = detectSlurm(env)) {
     w = *slurm;
     finish("SLURM_*");
     return w;
@@ -162,52 +131,37 @@ WorldInfo detectWorld(const InitOptions& o) {
   return w;
 }
 
-StoreAddress storeAddress(const InitOptions& o) {
-  StoreAddress a;
-  std::string host_origin, port_origin;
-  std::optional<SlurmStore> slurm;
-  bool slurm_tried = false;
-  auto fromSlurm = [&]() -> const SlurmStore* {
-    if (!slurm_tried) slurm = slurmStore();
-    slurm_tried = true;
-    return slurm ? &*slurm : nullptr;
-  };
-  if (!o.master_addr.empty()) {
-    a.host = o.master_addr;
-    host_origin = "InitOptions::master_addr";
-  } else if (env("MASTER_ADDR")) {
-    a.host = env("MASTER_ADDR");
-    host_origin = "MASTER_ADDR";
-  } else if (const SlurmStore* s = fromSlurm()) {
-    a.host = s->host;
-    host_origin = s->host_origin;
-    a.derived = true;
-  } else {
-    a.host = "127.0.0.1";
-    host_origin = "the default host";
-  }
-  if (o.master_port >= 0) {
-    a.port = parsePort(std::to_string(o.master_port), "InitOptions::master_port");
-    port_origin = "InitOptions::master_port";
-  } else if (env("MASTER_PORT")) {
-    a.port = parsePort(env("MASTER_PORT"), "MASTER_PORT");
-    port_origin = "MASTER_PORT";
-  } else if (const SlurmStore* s = fromSlurm()) {
-    a.port = s->port;
-    port_origin = s->port_origin;
-  } else {
-    a.port = 29500;
-    port_origin = "the default port";
-  }
-  checkResolves(a.host, host_origin);
-  a.origin = host_origin == "MASTER_ADDR" && port_origin == "MASTER_PORT"
-                 ? "MASTER_ADDR:MASTER_PORT"
-                 : fmt::format("{} and {}", host_origin, port_origin);
-  return a;
+}  // namespace rendezvous
+
+using namespace rendezvous;
+
+namespace {
+
+std::string hostname() {
+  char h[256] = {0};
+  gethostname(h, sizeof h - 1);
+  return h;
 }
 
-std::shared_ptr<ProcessGroup> init(InitOptions o, WorldInfo* info) {
-  WorldInfo w = detectWorld(o);
+}  // namespace
+
+GroupOptions GroupOptions::fromEnv() {
+  const Environment env = Environment::read();
+  checkStoreVariables(env);
+  GroupOptions o = groupOptions(env);
+  o.listen_host = listenHost(env);
+  return o;
+}
+
+WorldInfo detectWorld(const InitOptions& o) { return detectWorld(Environment::read(), o); }
+
+std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
+  // The environment is read here, once; configuration errors fail before anything else happens.
+  const Environment env = Environment::read();
+  checkStoreVariables(env);
+  GroupOptions group = o.group ? *o.group : groupOptions(env);
+  if (group.listen_host.empty()) group.listen_host = listenHost(env);
+  WorldInfo w = detectWorld(env, o);
   if (w.size == 1) {
     if (w.source == "none") {
       std::fprintf(stderr,
@@ -216,81 +170,29 @@ std::shared_ptr<ProcessGroup> init(InitOptions o, WorldInfo* info) {
     }
     w.nodes = {{0}};
     if (info) *info = w;
-    return ProcessGroup::create(nullptr, 0, 1, o.group);
+    return ProcessGroup::create(nullptr, 0, 1, group);
   }
-  std::string method = o.init_method;
-  if (method.empty() && env("DTRAIN_INIT_METHOD")) method = env("DTRAIN_INIT_METHOD");
-  int restart = envInt("DTRAIN_RESTART_COUNT", envInt("TORCHELASTIC_RESTART_COUNT", 0, 0), 0);
-  std::string prefix = fmt::format("gen{}/world", restart);
-  std::shared_ptr<Store> store;
-  std::string where;  // the store and where its address came from, for messages
-  bool hosts_store = false;
-  if (method.rfind("file://", 0) == 0) {
-    store = std::make_shared<PrefixStore>(prefix, std::make_shared<FileStore>(method.substr(7), o.group.timeout));
-    where = method;
-  } else if (!method.empty() && method != "env://" && method.rfind("tcp://", 0) != 0) {
-    throw InvalidArgument(fmt::format("init_method '{}': expected env://, tcp://host:port or file:///path", method));
-  } else {
-    StoreAddress addr;
-    if (method.rfind("tcp://", 0) == 0) {
-      std::string hp = method.substr(6);
-      auto colon = hp.rfind(':');
-      if (colon == std::string::npos) {
-        throw InvalidArgument(fmt::format("init_method '{}': expected tcp://host:port", method));
-      }
-      addr.host = hp.substr(0, colon);
-      addr.port = parsePort(hp.substr(colon + 1), fmt::format("the port of init_method '{}'", method));
-      addr.origin = o.init_method.empty() ? "DTRAIN_INIT_METHOD" : "InitOptions::init_method";
-      checkResolves(addr.host, fmt::format("the host of init_method '{}'", method));
-    } else {
-      addr = storeAddress(o);
-    }
-    // Peers on other nodes must reach this rank's TCP transport: listen where the route to another node
-    // of the step leaves (on one node, where the store's host is reached).
-    if (addr.derived && o.group.listen_host.empty()) {
-      std::optional<std::string> peer = slurmPeerNode();
-      o.group.listen_host = net::localAddressFor(peer ? *peer : addr.host);
-    }
-    where = fmt::format("{}:{} ({})", addr.host, addr.port, addr.origin);
-    std::shared_ptr<TcpStoreServer> server;
-    bool agent = env("DTRAIN_USE_AGENT_STORE") && std::string(env("DTRAIN_USE_AGENT_STORE")) == "1";
-    if (w.rank == 0 && !agent) {
-      try {
-        // A derived address is a node name: listen on every interface, not wherever the name resolves here.
-        server = std::make_shared<TcpStoreServer>(addr.derived ? "0.0.0.0" : addr.host,
-                                                  static_cast<uint16_t>(addr.port));
-      } catch (const Error& e) {
-        throw RendezvousError(fmt::format(
-            "[rank 0] cannot host the store on {}: {}; is another job or program using the port? Set MASTER_PORT to "
-            "another port on every rank",
-            where, e.what()));
-      }
-    }
-    std::shared_ptr<Store> client;
-    try {
-      client = std::make_shared<TcpStore>(addr.host, static_cast<uint16_t>(addr.port), o.group.timeout);
-    } catch (const Error& e) {
-      throw RendezvousError(fmt::format(
-          "[rank {}] cannot reach the store at {}: {}. Check that rank 0 is running with the same store address "
-          "(MASTER_ADDR:MASTER_PORT) and that no firewall blocks the port",
-          w.rank, where, e.what()));
-    }
-    hosts_store = server != nullptr;
-    store = std::make_shared<HostedStore>(prefix, client, server);
+  JobStore js = openJobStore(env, o, {"world", w.rank, "", /*may_host=*/true, group.timeout});
+  // Peers on other nodes must reach this rank's TCP transport: listen where the route to another node
+  // of the step leaves (on one node, where the store's host is reached).
+  if (js.address && js.address->derived && group.listen_host.empty()) {
+    std::optional<std::string> peer = slurmPeerNode(env);
+    group.listen_host = net::localAddressFor(peer ? *peer : js.address->host);
   }
   View mine;
   mine.world = w;
   mine.host_id = transport::hostId();
   mine.hostname = hostname();
-  w.nodes = agreeOnWorld(*store, mine, where, o.group.timeout, hosts_store);
+  w.nodes = agreeOnWorld(*js.store, mine, js.where, group.timeout, js.hosted);
   if (info) *info = w;
-  return ProcessGroup::create(store, w.rank, w.size, o.group);
+  return ProcessGroup::create(js.store, w.rank, w.size, group);
 }
 
 std::shared_ptr<ProcessGroup> newNodeGroup(const std::shared_ptr<ProcessGroup>& world, const WorldInfo& info) {
   if (world->size() == 1) return world;
   DTRAIN_CHECK(!info.nodes.empty(), InvalidArgument,
-               "[rank {}] newNodeGroup: the WorldInfo has no nodes (take it from init(opts, &info))", world->rank());
+               "[rank {}] newNodeGroup: the WorldInfo has no nodes (take it from initWorld(opts, &info))",
+               world->rank());
   std::shared_ptr<ProcessGroup> mine;
   for (const auto& ranks : info.nodes) {
     auto g = world->newGroup(ranks);

@@ -1,37 +1,76 @@
-// Pieces of the rendezvous shared by init.cc, slurm.cc and agree.cc (not part of the public API).
+// Pieces of the rendezvous shared by its files (not part of the public API). Every function that
+// depends on the environment takes an Environment (environment.h), read once by its caller.
 #pragma once
+#include <memory>
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "comm/rendezvous/environment.h"
 #include "dtrain/comm/rendezvous.h"
 #include "dtrain/comm/store.h"
 
 namespace dtrain::comm::rendezvous {
 
-// The variable's value, or nullptr when it is unset or empty.
-const char* env(const char* name);
-// An integer variable in [min_value, 2^24]; `dflt` when unset; RendezvousError naming it otherwise.
-int envInt(const char* name, int dflt, int min_value);
-// "[rank r] " from the first of RANK, OMPI_COMM_WORLD_RANK, SLURM_PROCID that is set, for messages
-// written before the world is known; "" when none is.
-std::string rankPrefix();
-// A port: digits only, 1-65535; InvalidArgument naming `what` and the text otherwise.
-int parsePort(const std::string& text, const std::string& what);
+// A port: digits only, 1-65535; InvalidArgument naming `what` and the text (after env.rankPrefix())
+// otherwise.
+int parsePort(const Environment& env, const std::string& text, const std::string& what);
+// InvalidArgument naming `what` unless host resolves to an address.
+void checkResolves(const Environment& env, const std::string& host, const std::string& what);
+
+// ---- What the public functions of rendezvous.h compute, from a given environment ----
+
+// The group options from DTRAIN_TIMEOUT, DTRAIN_TRANSPORT, DTRAIN_SEGMENT_BYTES and DTRAIN_DEBUG over
+// GroupOptions' defaults (listen_host is left empty); InvalidArgument naming a malformed value.
+GroupOptions groupOptions(const Environment& env);
+// MASTER_PORT (1-65535) and MASTER_ADDR (it must resolve), when set: InvalidArgument naming the variable.
+void checkStoreVariables(const Environment& env);
+// Where the TCP transport listens when GroupOptions::listen_host is empty: DTRAIN_IFNAME's address,
+// else the address that routes to MASTER_ADDR, else "" (the transport's 127.0.0.1).
+std::string listenHost(const Environment& env);
+// DTRAIN_RESTART_COUNT, else TORCHELASTIC_RESTART_COUNT, else 0.
+int restartCount(const Environment& env);
+WorldInfo detectWorld(const Environment& env, const InitOptions& o);
+StoreAddress storeAddress(const Environment& env, const InitOptions& o);
+
+// ---- The store a job's processes share ----
+
+struct JobStore {
+  std::shared_ptr<Store> store;          // keys under "gen<restartCount()>/<scope>/"
+  std::string where;                     // the store and where its address came from, for messages
+  bool hosted = false;                   // this process serves the TcpStore (rank 0 of initWorld())
+  std::optional<StoreAddress> address;   // a TcpStore's address; nullopt for a FileStore
+};
+struct JobStoreRequest {
+  std::string scope;     // "world" for initWorld(), "ps" for the parameter server
+  int rank = -1;         // this process's rank; -1: unknown (messages then take it from the environment)
+  std::string user;      // who asks, after the rank in messages: "" for initWorld(), "ps: " for the parameter server
+  bool may_host = false; // rank 0 hosts the TcpStore unless DTRAIN_USE_AGENT_STORE=1 (the launcher does)
+  Duration timeout = std::chrono::seconds(60);
+};
+// The one store set-up: the init method (o.init_method, else DTRAIN_INIT_METHOD) "file:///path" gives
+// a FileStore there; "tcp://host:port" a TcpStore at that address; "", "env://" a TcpStore at
+// storeAddress(env, o). InvalidArgument for another method or a malformed address; RendezvousError
+// when the store cannot be reached or hosted, naming it and where its address came from.
+JobStore openJobStore(const Environment& env, const InitOptions& o, const JobStoreRequest& r);
+
+// ---- Slurm (slurm.cc) ----
 
 // Slurm's world when SLURM_PROCID and a task count are set (the task of an srun step), else nullopt.
-std::optional<WorldInfo> detectSlurm();
+std::optional<WorldInfo> detectSlurm(const Environment& env);
 // Slurm's store host and port when this is a Slurm task, else nullopt (see storeAddress()).
 struct SlurmStore {
   std::string host, host_origin;
   int port = 0;
   std::string port_origin;
 };
-std::optional<SlurmStore> slurmStore();
+std::optional<SlurmStore> slurmStore(const Environment& env);
 // Another node of this Slurm step (the next in its node list), or nullopt on one node: the route to it
 // picks the interface peers on other nodes reach this one through (a node's own name may resolve to
 // 127.0.1.1 on it, as Debian's /etc/hosts does).
-std::optional<std::string> slurmPeerNode();
+std::optional<std::string> slurmPeerNode(const Environment& env);
+
+// ---- The agreement on the world (agree.cc) ----
 
 // What one rank believes about the world, as published at rendezvous.
 struct View {

@@ -159,105 +159,105 @@ const char* stepOrJob(bool in_step, const char* step_var, const char* job_var) {
   return in_step ? step_var : job_var;
 }
 
-uint64_t slurmId(const char* name) {
-  const char* v = env(name);
+uint64_t slurmId(const Environment& env, const char* name) {
+  const char* v = env.get(name);
   std::string s = v ? v : "";
   if (!allDigits(s) || s.size() > 18) throw InvalidArgument(fmt::format("{}='{}' is not a Slurm id", name, s));
   return std::strtoull(s.c_str(), nullptr, 10);
 }
 
-bool inStep() { return env("SLURM_STEP_ID") != nullptr || env("SLURM_STEPID") != nullptr; }
-const char* stepIdVar() { return env("SLURM_STEP_ID") ? "SLURM_STEP_ID" : "SLURM_STEPID"; }
+bool inStep(const Environment& env) { return env.get("SLURM_STEP_ID") != nullptr || env.get("SLURM_STEPID") != nullptr; }
+const char* stepIdVar(const Environment& env) { return env.get("SLURM_STEP_ID") ? "SLURM_STEP_ID" : "SLURM_STEPID"; }
 
 }  // namespace
 
-std::optional<WorldInfo> detectSlurm() {
-  const bool step = inStep();
-  const char* ntasks_var = step && env("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
-  if (!env("SLURM_PROCID") || !env(ntasks_var)) return std::nullopt;
+std::optional<WorldInfo> detectSlurm(const Environment& env) {
+  const bool step = inStep(env);
+  const char* ntasks_var = step && env.get("SLURM_STEP_NUM_TASKS") ? "SLURM_STEP_NUM_TASKS" : "SLURM_NTASKS";
+  if (!env.get("SLURM_PROCID") || !env.get(ntasks_var)) return std::nullopt;
   WorldInfo w;
   w.source = "slurm";
-  w.rank = envInt("SLURM_PROCID", 0, 0);
-  w.size = envInt(ntasks_var, 1, 1);
+  w.rank = env.integer("SLURM_PROCID", 0, 0);
+  w.size = env.integer(ntasks_var, 1, 1);
   if (w.size == 1) return w;
-  if (!step && env("SLURM_JOB_ID")) {
+  if (!step && env.get("SLURM_JOB_ID")) {
     throw RendezvousError(fmt::format(
         "[rank {}] SLURM_PROCID={} and SLURM_NTASKS={} belong to the batch script of Slurm job {}, not to a task "
         "that srun started: start the program with srun (or dtrain-run) inside the script, or run it with "
         "SLURM_NTASKS unset to train alone",
-        w.rank, w.rank, w.size, env("SLURM_JOB_ID")));
+        w.rank, w.rank, w.size, env.get("SLURM_JOB_ID")));
   }
-  w.local_rank = envInt("SLURM_LOCALID", 0, 0);
-  const char* counts_var = stepOrJob(step && env("SLURM_STEP_TASKS_PER_NODE"), "SLURM_STEP_TASKS_PER_NODE",
+  w.local_rank = env.integer("SLURM_LOCALID", 0, 0);
+  const char* counts_var = stepOrJob(step && env.get("SLURM_STEP_TASKS_PER_NODE"), "SLURM_STEP_TASKS_PER_NODE",
                                      "SLURM_TASKS_PER_NODE");
-  const char* list_var = stepOrJob(step && env("SLURM_STEP_NODELIST"), "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST");
-  if (!env(counts_var)) {
+  const char* list_var = stepOrJob(step && env.get("SLURM_STEP_NODELIST"), "SLURM_STEP_NODELIST", "SLURM_JOB_NODELIST");
+  if (!env.get(counts_var)) {
     throw RendezvousError(fmt::format("[rank {}] Slurm task without {}: cannot tell how many tasks share its node",
                                       w.rank, counts_var));
   }
-  std::vector<int> counts = expandSlurmTasksPerNode(env(counts_var), counts_var);
+  std::vector<int> counts = expandSlurmTasksPerNode(env.get(counts_var), counts_var);
   w.num_nodes = static_cast<int>(counts.size());
   int total = 0;
   for (int c : counts) total += c;
   if (total != w.size) {
     throw RendezvousError(fmt::format("[rank {}] {}='{}' adds up to {} tasks but {}={}", w.rank, counts_var,
-                                      env(counts_var), total, ntasks_var, w.size));
+                                      env.get(counts_var), total, ntasks_var, w.size));
   }
   // The node: this host's place in the node list when both are known, else SLURM_NODEID.
   w.node = -1;
   std::vector<std::string> hosts;
-  if (env(list_var)) {
-    hosts = expandSlurmNodeList(env(list_var), list_var);
+  if (env.get(list_var)) {
+    hosts = expandSlurmNodeList(env.get(list_var), list_var);
     if (hosts.size() != counts.size()) {
       throw RendezvousError(fmt::format("[rank {}] {}='{}' names {} nodes but {}='{}' gives counts for {}", w.rank,
-                                        list_var, env(list_var), hosts.size(), counts_var, env(counts_var),
+                                        list_var, env.get(list_var), hosts.size(), counts_var, env.get(counts_var),
                                         counts.size()));
     }
-    if (const char* me = env("SLURMD_NODENAME")) {
+    if (const char* me = env.get("SLURMD_NODENAME")) {
       for (size_t i = 0; i < hosts.size(); ++i)
         if (hosts[i] == me) w.node = static_cast<int>(i);
     }
   }
-  if (w.node < 0) w.node = envInt("SLURM_NODEID", 0, 0);
+  if (w.node < 0) w.node = env.integer("SLURM_NODEID", 0, 0);
   if (w.node >= w.num_nodes) {
     throw RendezvousError(fmt::format("[rank {}] SLURM_NODEID={} but {}='{}' has counts for {} nodes", w.rank, w.node,
-                                      counts_var, env(counts_var), w.num_nodes));
+                                      counts_var, env.get(counts_var), w.num_nodes));
   }
   w.local_size = counts[static_cast<size_t>(w.node)];
-  std::string job = env("SLURM_JOB_ID") ? env("SLURM_JOB_ID") : "?";
-  w.job = fmt::format("slurm job {} step {}", job, step ? env(stepIdVar()) : "none");
+  std::string job = env.get("SLURM_JOB_ID") ? env.get("SLURM_JOB_ID") : "?";
+  w.job = fmt::format("slurm job {} step {}", job, step ? env.get(stepIdVar(env)) : "none");
   return w;
 }
 
-std::optional<SlurmStore> slurmStore() {
-  if (!env("SLURM_PROCID") || !env("SLURM_JOB_ID")) return std::nullopt;
+std::optional<SlurmStore> slurmStore(const Environment& env) {
+  if (!env.get("SLURM_PROCID") || !env.get("SLURM_JOB_ID")) return std::nullopt;
   SlurmStore s;
-  const bool step = inStep();
-  const char* list_var = step && env("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
-  if (env(list_var)) {
-    s.host = expandSlurmNodeList(env(list_var), list_var).front();
+  const bool step = inStep(env);
+  const char* list_var = step && env.get("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  if (env.get(list_var)) {
+    s.host = expandSlurmNodeList(env.get(list_var), list_var).front();
     s.host_origin = fmt::format("the first node of {}", list_var);
-  } else if (env("SLURM_LAUNCH_NODE_IPADDR")) {
-    s.host = env("SLURM_LAUNCH_NODE_IPADDR");
+  } else if (env.get("SLURM_LAUNCH_NODE_IPADDR")) {
+    s.host = env.get("SLURM_LAUNCH_NODE_IPADDR");
     s.host_origin = "SLURM_LAUNCH_NODE_IPADDR";
   } else {
     return std::nullopt;
   }
-  uint64_t job = slurmId("SLURM_JOB_ID");
-  uint64_t st = step ? slurmId(stepIdVar()) : 0;
+  uint64_t job = slurmId(env, "SLURM_JOB_ID");
+  uint64_t st = step ? slurmId(env, stepIdVar(env)) : 0;
   s.port = slurmStorePort(job, st);
-  s.port_origin = step ? fmt::format("a port from SLURM_JOB_ID={} and {}={}", job, stepIdVar(), st)
+  s.port_origin = step ? fmt::format("a port from SLURM_JOB_ID={} and {}={}", job, stepIdVar(env), st)
                        : fmt::format("a port from SLURM_JOB_ID={}", job);
   return s;
 }
 
-std::optional<std::string> slurmPeerNode() {
-  const char* list_var = inStep() && env("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
-  if (!env(list_var)) return std::nullopt;
-  std::vector<std::string> hosts = expandSlurmNodeList(env(list_var), list_var);
+std::optional<std::string> slurmPeerNode(const Environment& env) {
+  const char* list_var = inStep(env) && env.get("SLURM_STEP_NODELIST") ? "SLURM_STEP_NODELIST" : "SLURM_JOB_NODELIST";
+  if (!env.get(list_var)) return std::nullopt;
+  std::vector<std::string> hosts = expandSlurmNodeList(env.get(list_var), list_var);
   if (hosts.size() < 2) return std::nullopt;
-  size_t me = static_cast<size_t>(envInt("SLURM_NODEID", 0, 0));
-  if (const char* name = env("SLURMD_NODENAME")) {
+  size_t me = static_cast<size_t>(env.integer("SLURM_NODEID", 0, 0));
+  if (const char* name = env.get("SLURMD_NODENAME")) {
     for (size_t i = 0; i < hosts.size(); ++i)
       if (hosts[i] == name) me = i;
   }

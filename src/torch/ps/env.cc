@@ -1,58 +1,58 @@
-// The parameter server's environment: the job's store and a server process's role (see ps.h).
+// The parameter server's environment: the job's store and a server process's role (see ps.h, env.h).
+#include "env.h"
+
 #include <fmt/format.h>
 
-#include <climits>
-#include <cstdlib>
+#include <cstring>
 #include <string>
 
+#include "comm/rendezvous/internal.h"
 #include "dtrain/comm/error.h"
-#include "dtrain/comm/rendezvous.h"
-#include "dtrain/ps.h"
 
 namespace dtrain::ps {
 
-namespace {
-int envInt(const char* name, int def) {
-  const char* v = std::getenv(name);
-  if (!v || !*v) return def;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0 || x > INT_MAX) throw RendezvousError(fmt::format("{}='{}' is not a valid count", name, v));
-  return static_cast<int>(x);
+using comm::rendezvous::Environment;
+
+LaunchRoles launchRoles(const Environment& env) {
+  LaunchRoles r;
+  const char* role = env.get("DTRAIN_ROLE");
+  r.server = role && std::strcmp(role, "server") == 0;
+  r.server_index = env.integer("DTRAIN_SERVER_INDEX", -1, 0);
+  r.num_servers = env.integer("DTRAIN_NUM_SERVERS", -1, 1);
+  r.num_workers = env.integer("DTRAIN_NUM_WORKERS", -1, 1);
+  r.num_nodes = env.integer("DTRAIN_NUM_NODES", -1, 1);
+  return r;
 }
-}  // namespace
+
+std::shared_ptr<comm::Store> storeFrom(const Environment& env, std::chrono::milliseconds timeout) {
+  comm::rendezvous::JobStoreRequest r;
+  r.scope = "ps";
+  r.user = "ps: ";
+  r.may_host = false;  // dtrain-run hosts it (DTRAIN_USE_AGENT_STORE=1)
+  r.timeout = timeout;
+  return comm::rendezvous::openJobStore(env, comm::InitOptions{}, r).store;
+}
 
 std::shared_ptr<comm::Store> storeFromEnv(std::chrono::milliseconds timeout) {
-  // The same address as dtrain::init() (MASTER_ADDR/MASTER_PORT checked at once, Slurm's first node).
-  comm::StoreAddress where = comm::storeAddress(comm::InitOptions{});
-  const std::string& host = where.host;
-  const int port = where.port;
-  int restart = envInt("DTRAIN_RESTART_COUNT", envInt("TORCHELASTIC_RESTART_COUNT", 0));
-  std::shared_ptr<comm::Store> base;
-  try {
-    base = std::make_shared<comm::TcpStore>(host, static_cast<uint16_t>(port), timeout);
-  } catch (const Error& e) {
-    throw RendezvousError(fmt::format("ps: cannot reach the store at {}:{}: {}", host, port, e.what()));
-  }
-  return std::make_shared<comm::PrefixStore>(fmt::format("gen{}/ps", restart), base);
+  return storeFrom(Environment::read(), timeout);
 }
 
-bool runServerIfRole(PSOptions opts) {
-  const char* role = std::getenv("DTRAIN_ROLE");
-  if (!role || std::string(role) != "server") return false;
-  int index = envInt("DTRAIN_SERVER_INDEX", -1);
-  int servers = envInt("DTRAIN_NUM_SERVERS", -1);
+bool runServerIfRole(const Environment& env, const PSOptions& opts) {
+  const LaunchRoles roles = launchRoles(env);
+  if (!roles.server) return false;
   // With local aggregation the servers' workers are the hosts.
   const char* count_var = opts.local_aggregation ? "DTRAIN_NUM_NODES" : "DTRAIN_NUM_WORKERS";
-  int workers = envInt(count_var, -1);
-  if (index < 0 || servers < 1 || workers < 1) {
+  const int workers = opts.local_aggregation ? roles.num_nodes : roles.num_workers;
+  if (roles.server_index < 0 || roles.num_servers < 1 || workers < 1) {
     throw RendezvousError(fmt::format("ps: DTRAIN_ROLE=server needs DTRAIN_SERVER_INDEX, DTRAIN_NUM_SERVERS and {}",
                                       count_var));
   }
-  Server server(storeFromEnv(), index, servers, workers, opts);
+  // The store's connection deadline is storeFromEnv()'s default (ps.h).
+  Server server(storeFrom(env, std::chrono::seconds(60)), roles.server_index, roles.num_servers, workers, opts);
   server.run();
   return true;
 }
 
+bool runServerIfRole(PSOptions opts) { return runServerIfRole(Environment::read(), opts); }
 
 }  // namespace dtrain::ps

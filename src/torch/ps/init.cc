@@ -1,35 +1,16 @@
 // ps::init (see ps.h): a parameter-server job's roles and sizes from the environment, with a world
 // of one (a colocated server) when no launcher variables are set, like dtrain::init().
 #include <algorithm>
-#include <climits>
-#include <cstdlib>
 #include <string>
 
+#include "comm/rendezvous/internal.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/rendezvous.h"
 #include "dtrain/distributed.h"
 #include "dtrain/ps.h"
+#include "env.h"
 
 namespace dtrain::ps {
-
-namespace {
-
-const char* env(const char* name) {
-  const char* v = std::getenv(name);
-  return v && *v ? v : nullptr;
-}
-
-int envCount(const char* name) {
-  const char* v = env(name);
-  if (!v) return -1;
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 1 || x > INT_MAX)
-    throw RendezvousError(fmt::format("ps::init: {}='{}' is not a positive count", name, v));
-  return static_cast<int>(x);
-}
-
-}  // namespace
 
 Job::~Job() = default;
 
@@ -58,15 +39,18 @@ Worker::Worker(const Job& job, PSOptions opts)
     : Worker(workerStore(job, opts), job.rank(), job.numWorkers(), job.numServers(), opts) {}
 
 Job init(PSOptions opts) {
+  // The environment is read here, once, for the roles, the world's size and the store (dtrain::init()
+  // reads it again for the workers' groups).
+  const comm::rendezvous::Environment env = comm::rendezvous::Environment::read();
   Job job;
-  if (runServerIfRole(opts)) {
+  if (runServerIfRole(env, opts)) {
     job.server_ = true;
     return job;
   }
-  const int servers = envCount("DTRAIN_NUM_SERVERS");
-  if (servers < 0) {
+  const LaunchRoles roles = launchRoles(env);
+  if (roles.num_servers < 0) {
     // No servers were started for us: alone, we host one; in a world of several, that is a mistake.
-    const comm::WorldInfo info = comm::detectWorld();
+    const comm::WorldInfo info = comm::rendezvous::detectWorld(env, comm::InitOptions{});
     if (info.size > 1)
       throw RendezvousError(fmt::format(
           "[rank {}] ps::init: a world of {} processes but no parameter servers (DTRAIN_NUM_SERVERS is not set): "
@@ -76,25 +60,24 @@ Job init(PSOptions opts) {
     job.store_ = std::make_shared<comm::PrefixStore>(
         "ps", std::make_shared<comm::TcpStore>("127.0.0.1", job.store_server_->port(), opts.timeout));
     job.num_servers_ = 1;
-    job.workers_ = job.local_ = comm::ProcessGroup::create(nullptr, 0, 1);
+    job.workers_ = job.local_ = comm::ProcessGroup::create(nullptr, 0, 1, comm::rendezvous::groupOptions(env));
     job.colocated_ = std::make_unique<ColocatedServer>(job.store_, 0, 1, 1, opts);
     return job;
   }
   Distributed dist = dtrain::init();
-  const int workers = envCount("DTRAIN_NUM_WORKERS");
-  if (workers >= 0 && workers != dist.size())
+  if (roles.num_workers >= 0 && roles.num_workers != dist.size())
     throw RendezvousError(fmt::format("[rank {}] ps::init: DTRAIN_NUM_WORKERS={} but the world has {} workers "
                                       "(WORLD_SIZE)",
-                                      dist.rank(), workers, dist.size()));
+                                      dist.rank(), roles.num_workers, dist.size()));
   job.rank_ = dist.rank();
   job.num_workers_ = dist.size();
-  job.num_servers_ = servers;
+  job.num_servers_ = roles.num_servers;
   job.local_rank_ = dist.localRank();
   job.local_size_ = std::max(1, dist.localSize());
-  job.num_nodes_ = std::max(1, envCount("DTRAIN_NUM_NODES"));
+  job.num_nodes_ = std::max(1, roles.num_nodes);
   job.workers_ = dist.world();
   job.local_ = dist.local();
-  job.store_ = storeFromEnv(opts.timeout);
+  job.store_ = storeFrom(env, opts.timeout);
   return job;
 }
 

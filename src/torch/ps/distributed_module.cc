@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 #include <torch/torch.h>
 
+#include "../buckets.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::ps {
@@ -17,7 +18,7 @@ struct DistributedModule::Impl {
     int64_t numel = 0;
     at::Tensor grads, values;      // flat float32
     size_t ready = 0;
-    WorkHandle push, pull;
+    comm::WorkPtr push, pull;
   };
   std::shared_ptr<torch::nn::Module> module;
   Worker* worker = nullptr;
@@ -80,20 +81,18 @@ DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, 
   m.bucket_of.resize(n);
   m.slot_of.resize(n);
   m.seen.assign(n, false);
-  // Reverse registration order, about bucket_bytes each.
-  for (size_t k = n; k-- > 0;) {
-    const int64_t bytes = m.params[k].numel() * 4;
-    if (m.buckets.empty() ||
-        (m.buckets.back().numel > 0 && static_cast<size_t>((m.buckets.back().numel * 4) + bytes) > options.bucket_bytes)) {
-      m.buckets.emplace_back();
-      m.buckets.back().name = fmt::format("{}bucket{}", options.prefix, m.buckets.size() - 1);
+  // DDP's buckets: reverse registration order, a first bucket of first_bucket_bytes, then bucket_bytes.
+  const size_t first = options.first_bucket_bytes ? options.first_bucket_bytes : options.bucket_bytes;
+  for (auto& group : detail::assignBuckets(m.params, detail::reverseOrder(n), {options.bucket_bytes, first})) {
+    auto& b = m.buckets.emplace_back();
+    b.name = fmt::format("{}bucket{}", options.prefix, m.buckets.size() - 1);
+    for (size_t k : group) {
+      m.bucket_of[k] = m.buckets.size() - 1;
+      m.slot_of[k] = b.params.size();
+      b.params.push_back(k);
+      b.offsets.push_back(b.numel);
+      b.numel += m.params[k].numel();
     }
-    auto& b = m.buckets.back();
-    m.bucket_of[k] = m.buckets.size() - 1;
-    m.slot_of[k] = b.params.size();
-    b.params.push_back(k);
-    b.offsets.push_back(b.numel);
-    b.numel += m.params[k].numel();
   }
   for (auto& b : m.buckets) {
     b.grads = at::zeros({b.numel}, at::kFloat);
@@ -197,5 +196,11 @@ void DistributedModule::refresh() {
 
 size_t DistributedModule::numBuckets() const { return impl_->buckets.size(); }
 const std::vector<size_t>& DistributedModule::bucketParams(size_t b) const { return impl_->buckets.at(b).params; }
+
+std::vector<std::vector<size_t>> DistributedModule::bucketLayout() const {
+  std::vector<std::vector<size_t>> out;
+  for (const auto& b : impl_->buckets) out.push_back(b.params);
+  return out;
+}
 
 }  // namespace dtrain::ps
