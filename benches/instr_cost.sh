@@ -36,7 +36,9 @@ for v in base head; do
   launcher=(); command -v ccache >/dev/null && launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache)
   cmake -S "$work/$v" -B "$work/$v/build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DBUILD_TESTING=OFF "${launcher[@]}" >/dev/null
   cmake --build "$work/$v/build" --target dtrain_comm >/dev/null
-  g++ -O2 -std=c++17 -I"$work/$v/include" "$root/benches/allreduce_loop.cc" "$work/$v/build/libdtrain_comm.a" \
+  # The world's entry point is initWorld() since issue 10, init() before.
+  init_fn=init; grep -rqs 'initWorld(' "$work/$v/include/dtrain/comm/" && init_fn=initWorld
+  g++ -O2 -std=c++17 -DDTRAIN_LOOP_INIT="$init_fn" -I"$work/$v/include" "$root/benches/allreduce_loop.cc" "$work/$v/build/libdtrain_comm.a" \
     "$work/$v/build/libdtrain_comm_base.a" -lfmt -lpthread -lrt -o "$work/loop_$v"
 done
 # total Ir of each rank's process for a run of n iterations
