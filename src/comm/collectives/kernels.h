@@ -4,6 +4,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "dtrain/comm/element.h"
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm {
@@ -15,10 +16,7 @@ void reduceTo(void* out, const void* a, const void* b, size_t count, DType dtype
 // buf[i] /= n: the last step of avg (integer division for integer types).
 void divideBy(void* buf, size_t count, DType dtype, int n);
 
-// Element i of a buffer of type t, as a double, and back (tests and benchmarks fill and check buffers
-// of every dtype with these).
-double loadElement(const void* buf, DType t, size_t i);
-void storeElement(void* buf, DType t, size_t i, double v);
+// loadElement / storeElement (one element as a double) are public: dtrain/comm/element.h.
 
 // IEEE binary16 and bfloat16 <-> float, round to nearest even.
 float halfToFloat(uint16_t h);
