@@ -6,6 +6,9 @@
 #   benches/run.sh milnce [WORLD...]                MIL-NCE training, dtrain against PyTorch DDP (milnce.sh)
 #   benches/run.sh instr-cost [BASE [HEAD [ITERS]]] instructions per 4 KiB allreduce, two revisions,
 #                                                   under callgrind (instr_cost.sh)
+#   benches/run.sh compare BASE_DIR HEAD_DIR [REPS] two builds' allreduce (shm, tcp) and DDP benchmarks,
+#                                                   interleaved, median ratio per size (compare.sh);
+#                                                   each DIR holds a copy of dtrain-run and dtrain-bench
 #   benches/run.sh peer NAME [ARGS...]              one PyTorch peer driver: NAME = torch_ddp,
 #                                                   gloo_collectives or milnce_torch (peers/NAME.py)
 #   benches/run.sh [-n N] [--servers S] FAMILY [ARGS...]
@@ -40,6 +43,7 @@ case $1 in
   comm) shift; exec bash "$here/comm.sh" "$@" ;;
   milnce) shift; exec bash "$here/milnce.sh" "$@" ;;
   instr-cost) shift; exec bash "$here/instr_cost.sh" "$@" ;;
+  compare) shift; exec bash "$here/compare.sh" "$@" ;;
   peer)
     shift
     name=${1:-}
