@@ -5,6 +5,8 @@
 # (>= 1: head at least as fast). One compute thread per rank, BLAS included.
 # Usage: benches/run.sh compare BASE_BIN_DIR HEAD_BIN_DIR [REPS=5]   (or benches/compare.sh ...)
 #   each BIN_DIR holds dtrain-run and dtrain-bench (copy them: a rebuild must not replace them mid-run)
+# Env: SECONDS_PER_SIZE: timed work per allreduce size (dtrain-bench --seconds; default: the bench's own,
+#   a short run); 1 or more steadies the large sizes on a noisy machine.
 set -euo pipefail
 base=$1 head=$2 reps=${3:-5}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -15,7 +17,7 @@ for rep in $(seq "$reps"); do
     dir=${!v}
     for tr in shm tcp; do
       "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" allreduce --transport "$tr" \
-        --min-bytes 4K --max-bytes 64M --factor 4 >"$out/ar_${tr}_${v}_$rep.txt" 2>&1
+        --min-bytes 4K --max-bytes 64M --factor 4 ${SECONDS_PER_SIZE:+--seconds $SECONDS_PER_SIZE} >"$out/ar_${tr}_${v}_$rep.txt" 2>&1
     done
     "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" ddp --steps 20 >"$out/ddp_${v}_$rep.txt" 2>&1
   done
