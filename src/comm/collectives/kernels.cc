@@ -143,8 +143,6 @@ void storeElement(void* buf, DType t, size_t i, double v) {
   }
 }
 
-void reduceInto(void* dst, const void* src, size_t n, DType t, ReduceOp op) { reduceTo(dst, dst, src, n, t, op); }
-
 void divideBy(void* buf, size_t n, DType t, int d) {
   switch (t) {
     case DType::f32: {

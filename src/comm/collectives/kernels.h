@@ -9,9 +9,7 @@
 
 namespace dtrain::comm {
 
-// dst[i] = dst[i] op src[i], i < count. avg reduces like sum (the caller divides once at the end).
-void reduceInto(void* dst, const void* src, size_t count, DType dtype, ReduceOp op);
-// out[i] = a[i] op b[i] (out may alias a or b).
+// out[i] = a[i] op b[i] (out may alias a or b). avg reduces like sum (the caller divides once at the end).
 void reduceTo(void* out, const void* a, const void* b, size_t count, DType dtype, ReduceOp op);
 // buf[i] /= n: the last step of avg (integer division for integer types).
 void divideBy(void* buf, size_t count, DType dtype, int n);
