@@ -47,6 +47,7 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/trace.h"
 
 namespace dtrain {
 
@@ -151,8 +152,11 @@ class DistributedDataParallel {
   // shadow it).
   void beforeForward();
   // forward with beforeForward() first: ddp.forward(model, x) == model->forward(x) after a buffer sync.
+  // The timeline shows it as "forward" (a loop that calls model->forward itself marks it with
+  // DTRAIN_SPAN("forward", "compute")).
   template <typename M, typename... Args>
   auto forward(M& model, Args&&... args) {
+    DTRAIN_SPAN("forward", "compute");
     beforeForward();
     return model->forward(std::forward<Args>(args)...);
   }

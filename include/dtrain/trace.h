@@ -60,6 +60,11 @@ std::vector<OpenSpans> openSpans();
 // Names the calling thread in traces and dumps ("main", "ddp hooks", "group world").
 void setThreadName(std::string name);
 
+// Writes the timeline's events so far to this rank's file, which is complete JSON afterwards (the
+// timeline also writes every quarter second, when an op fails and at exit; call it before a process
+// ends without exit(), e.g. through _exit or a signal). A no-op when the timeline is off.
+void flush();
+
 }  // namespace dtrain::trace
 
 #define DTRAIN_TRACE_JOIN2(a, b) a##b

@@ -11,6 +11,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
+#include "dtrain/trace.h"
 #include "checkpoint_io.h"
 #include "errors.h"
 
@@ -129,6 +130,7 @@ std::string Checkpointer::fileName(int64_t epoch, int64_t step) {
 }
 
 std::string Checkpointer::save(const CheckpointState& s) const {
+  DTRAIN_SPAN("checkpoint save", "checkpoint");
   if (group_) return savePerRank(s);
   if (!writer_) return "";
   DTRAIN_CHECK_GE(s.epoch, 0, "Checkpointer::save: epoch");

@@ -13,6 +13,7 @@
 #include <map>
 
 #include "buckets.h"
+#include "comm/trace/trace_internal.h"
 #include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
@@ -23,9 +24,18 @@ namespace dtrain {
 using detail::Bucket;
 using detail::Clock;
 
+namespace timeline = comm::trace::timeline;
+
 namespace {
 double msBetween(Clock::time_point a, Clock::time_point b) {
   return std::chrono::duration<double, std::milli>(b - a).count();
+}
+
+// The sequence number in a Work's description ("allreduce seq=41 f32 x 1024 avg"), or -1.
+int64_t seqOf(const comm::Work& w) {
+  const std::string& d = w.describe();
+  auto at = d.find(" seq=");
+  return at == std::string::npos ? -1 : std::atoll(d.c_str() + at + 5);
 }
 }  // namespace
 
@@ -75,10 +85,12 @@ void DistributedDataParallel::Impl::adoptGrad(size_t i) {
 
 void DistributedDataParallel::Impl::startPass() {
   in_backward = true;
+  pass_start_us = timeline::on() ? comm::trace::nowUs() : 0;
   ready.assign(params.size(), 0);
   for (auto& b : buckets) {
     b.pending = b.gb.params.size();
     b.work.reset();
+    b.ready_us = b.launched_us = 0;
   }
   next_launch = 0;
   any_launched = false;
@@ -94,8 +106,12 @@ void DistributedDataParallel::Impl::onGradReady(size_t i) {
   adoptGrad(i);
   ready[i] = 1;
   if (synced_passes == 0) arrival.push_back(i);
-  --buckets[bucket_of[i]].pending;
+  if (--buckets[bucket_of[i]].pending == 0) bucketReady(buckets[bucket_of[i]]);
   launchReady();
+}
+
+void DistributedDataParallel::Impl::bucketReady(Bucket& b) {
+  if (timeline::on()) b.ready_us = comm::trace::nowUs();
 }
 
 // Launches complete buckets strictly in index order, so every rank issues the same sequence.
@@ -104,6 +120,7 @@ void DistributedDataParallel::Impl::launchReady() {
 }
 
 void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
+  if (b.ready_us) b.launched_us = comm::trace::nowUs();
   if (!any_launched) {
     first_launch = Clock::now();
     any_launched = true;
@@ -151,7 +168,7 @@ void DistributedDataParallel::Impl::finishPass() {
   for (size_t i : unused) {
     adoptGrad(i);
     ready[i] = 1;
-    --buckets[bucket_of[i]].pending;
+    if (--buckets[bucket_of[i]].pending == 0) bucketReady(buckets[bucket_of[i]]);
   }
   // Buckets not launched yet (those of unused parameters) go now. During backward only hooks launch.
   launchReady();
@@ -183,6 +200,7 @@ void DistributedDataParallel::Impl::finishPass() {
   stats.comm_ms = msBetween(first_launch, last);
   stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));
   afterSyncedPass();
+  if (pass_start_us && timeline::on()) timeline::span("backward", "compute", pass_start_us, comm::trace::nowUs());
   if (join && join->opts.throw_on_early_termination && h.running < pg->size())
     throw Error(earlyTerminationMessage(h));
 }
@@ -192,6 +210,13 @@ void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_po
     b.work->wait();
     if (last_done) *last_done = std::max(*last_done, b.work->finishedAt());
     if (scale != 1.0) b.gb.flat.mul_(scale);
+    // From its last gradient to its allreduce's (or hook chain's) end, on its own track.
+    if (b.ready_us && timeline::on()) {
+      timeline::asyncSpan("bucket ", b.gb.index, "ddp", b.ready_us, comm::trace::usOf(b.work->finishedAt()),
+                          {"bytes", b.gb.flat.numel() * b.gb.flat.element_size()},
+                          {"params", static_cast<int64_t>(b.gb.params.size())},
+                          {"launch_wait_us", b.launched_us - b.ready_us}, {"seq", seqOf(*b.work)});
+    }
   }
 }
 

@@ -7,6 +7,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/ddp.h"
+#include "dtrain/trace.h"
 #include "errors.h"
 
 namespace dtrain {
@@ -71,6 +72,7 @@ std::shared_ptr<HookLane> HookRunner::open(int bucket, int rank, std::string hoo
 }
 
 void HookRunner::loop() {
+  trace::setThreadName("ddp hooks");
   auto& q = *q_;
   std::unique_lock<std::mutex> lk(q.mu);
   // The front lane can move on: its next slot is filled, or it is sealed with nothing left.

@@ -23,6 +23,9 @@ struct Bucket {
   comm::DType dtype = comm::DType::f32;
   size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
   comm::WorkPtr work;  // the allreduce, or the Work the comm hook returned (perhaps a chain)
+  // The timeline's (DTRAIN_TIMELINE): when the bucket's last gradient arrived and when it was launched
+  // in this pass (trace clock; 0: not recorded).
+  int64_t ready_us = 0, launched_us = 0;
 };
 
 // The model's buffers packed into one flat tensor per dtype, so a buffer broadcast is one collective
@@ -71,6 +74,7 @@ struct DistributedDataParallel::Impl {
   std::vector<size_t> arrival;  // order gradients arrived in the first synced pass
   int synced_passes = 0;
   detail::Clock::time_point first_launch;
+  int64_t pass_start_us = 0;  // the timeline's "backward": the first gradient of the pass
   bool any_launched = false;
   Stats stats;
   // Comm hooks: the group their continuations issue collectives on (when the hook chainsCollectives())
@@ -90,6 +94,8 @@ struct DistributedDataParallel::Impl {
   void onGradReady(size_t i);
   void launchReady();
   void launchBucket(detail::Bucket& b);
+  // A bucket's last gradient arrived.
+  void bucketReady(detail::Bucket& b);
   void finishPass();
   // Waits for every launched bucket (the hook's whole chain), multiplies by scale.
   void completeBuckets(double scale, detail::Clock::time_point* last_done);

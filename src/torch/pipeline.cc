@@ -19,6 +19,7 @@
 #include <limits>
 #include <numeric>
 
+#include "comm/trace/trace_internal.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/tensor.h"
@@ -158,6 +159,14 @@ struct Pipeline::Impl {
   // buffers alive until the batch completes.
   std::vector<comm::P2POp> pending;
   std::vector<at::Tensor> pending_keep;
+
+  // The timeline's event for micro-batch m's forward or backward on this stage, from t0 to now.
+  void traceMicro(const char* what, int m, Clock::time_point t0) const {
+    namespace timeline = comm::trace::timeline;
+    if (timeline::on())
+      timeline::span(what, m, "pipeline", comm::trace::usOf(t0), comm::trace::nowUs(), {"stage", stage},
+                     {"step", step_no});
+  }
 
   bool first() const { return stage == 0; }
   bool last() const { return stage == stages - 1; }
@@ -354,6 +363,7 @@ struct Pipeline::Impl {
             queueActivation(out, 0, m);
           }
           noteStored(1, mb.bytes);
+          traceMicro("pipeline fwd mb=", m, t0);
           stats.forward_ms += msSince(t0);
           spans.push_back({'F', m, std::chrono::duration<double, std::milli>(t0 - t_step).count(), msSince(t_step)});
         } else {
@@ -386,6 +396,7 @@ struct Pipeline::Impl {
           }
           noteStored(-1, -mb.bytes);
           mb = Micro{};
+          traceMicro("pipeline bwd mb=", m, t0);
           stats.backward_ms += msSince(t0);
           spans.push_back({'B', m, std::chrono::duration<double, std::milli>(t0 - t_step).count(), msSince(t_step)});
         }
@@ -432,6 +443,7 @@ struct Pipeline::Impl {
         const auto t0 = Clock::now();
         int64_t bytes = 0;
         at::Tensor out = runModules(x, bytes);
+        traceMicro("pipeline fwd mb=", m, t0);
         stats.forward_ms += msSince(t0);
         if (last()) outputs.push_back(out);
         else queueActivation(out, 1, m);

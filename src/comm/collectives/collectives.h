@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "comm/collectives/kernels.h"
+#include "comm/trace/trace_internal.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/types.h"
 
@@ -30,7 +31,12 @@ struct Context {
   // The algorithm the entry point chose (select.cc), for traces and the flight recorder.
   const char* algorithm = "";
 
-  void run(std::vector<transport::Op>& ops) { tx->run(ops, deadline, label); }
+  void run(std::vector<transport::Op>& ops) {
+    const bool traced = trace::timeline::on();  // flow events: this rank's sends meet the peers' receives
+    if (traced) trace::timeline::sending(ops);
+    tx->run(ops, deadline, label);
+    if (traced) trace::timeline::received(ops);
+  }
   // Before writing the output from data received into scratch: every rank's call is this one.
   void compareCalls() { tx->compareCalls(label, deadline); }
   void* scratch(size_t bytes) {

@@ -45,17 +45,25 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
     return;
   }
   switch (chooseAllreduce(c, count, t, algo)) {
-    case AllreduceAlgorithm::direct: return allreduceDirect(c, *c.tx->staging(), in, out, count, t, op);
-    case AllreduceAlgorithm::ring: return allreduceRing(c, in, out, count, t, op);
-    default: return allreduceRecursiveDoubling(c, in, out, count, t, op);
+    case AllreduceAlgorithm::direct:
+      c.algorithm = "direct";
+      return allreduceDirect(c, *c.tx->staging(), in, out, count, t, op);
+    case AllreduceAlgorithm::ring:
+      c.algorithm = "ring";
+      return allreduceRing(c, in, out, count, t, op);
+    default:
+      c.algorithm = "recursive_doubling";
+      return allreduceRecursiveDoubling(c, in, out, count, t, op);
   }
 }
 
 void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
   if (c.size == 1) return;
   if (smallForTree(c, count, t)) {
+    c.algorithm = "tree";
     broadcastTree(c, buf, count, t, root);
   } else {
+    c.algorithm = "scatter_allgather";
     broadcastScatterAllgather(c, buf, count, t, root);
   }
 }
@@ -66,8 +74,10 @@ void reduce(Context& c, const void* in, void* out, size_t count, DType t, Reduce
     return;
   }
   if (smallForTree(c, count, t)) {
+    c.algorithm = "tree";
     reduceTree(c, in, out, count, t, op, root);
   } else {
+    c.algorithm = "ring";
     reduceRing(c, in, out, count, t, op, root);
   }
 }

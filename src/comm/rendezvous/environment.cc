@@ -27,6 +27,9 @@ constexpr const char* kVariables[] = {
     // the store and the process group
     "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_USE_AGENT_STORE", "DTRAIN_TIMEOUT", "DTRAIN_TRANSPORT",
     "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME",
+    // the timeline (docs/OBSERVABILITY.md); DTRAIN_TIMELINE_SKEW_US is a test hook (a fixed offset added to
+    // this rank's timestamps, which dtrain-trace merge must recover)
+    "DTRAIN_TIMELINE", "DTRAIN_TIMELINE_SKEW_US",
     // output through dtrain-run's pipes
     "DTRAIN_LINE_BUFFERED",
     // the parameter server's roles (dtrain-run --servers S)

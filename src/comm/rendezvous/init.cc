@@ -9,6 +9,8 @@
 
 #include "comm/net/socket.h"
 #include "comm/rendezvous/internal.h"
+#include "comm/trace/timeline_start.h"
+#include "comm/trace/trace_internal.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
 
@@ -162,7 +164,9 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
   GroupOptions group = o.group ? *o.group : groupOptions(env);
   if (group.listen_host.empty()) group.listen_host = listenHost(env);
   if (group.name.empty()) group.name = "world";
+  const trace::timeline::Config timeline = trace::timeline::configFrom(env);
   WorldInfo w = detectWorld(env, o);
+  if (!trace::threadHasName()) dtrain::trace::setThreadName("main");
   if (w.size == 1) {
     if (w.source == "none") {
       std::fprintf(stderr,
@@ -171,7 +175,9 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
     }
     w.nodes = {{0}};
     if (info) *info = w;
-    return ProcessGroup::create(nullptr, 0, 1, group);
+    auto world = ProcessGroup::create(nullptr, 0, 1, group);
+    trace::timeline::startWorld(timeline, *world, nullptr, hostname());
+    return world;
   }
   JobStore js = openJobStore(env, o, {"world", w.rank, "", /*may_host=*/true, group.timeout});
   // Peers on other nodes must reach this rank's TCP transport: listen where the route to another node
@@ -186,7 +192,9 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
   mine.hostname = hostname();
   w.nodes = agreeOnWorld(*js.store, mine, js.where, group.timeout, js.hosted);
   if (info) *info = w;
-  return ProcessGroup::create(js.store, w.rank, w.size, group);
+  auto world = ProcessGroup::create(js.store, w.rank, w.size, group);
+  trace::timeline::startWorld(timeline, *world, js.store.get(), mine.hostname);
+  return world;
 }
 
 std::shared_ptr<ProcessGroup> newNodeGroup(const std::shared_ptr<ProcessGroup>& world, const WorldInfo& info) {

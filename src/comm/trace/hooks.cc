@@ -3,6 +3,12 @@
 
 namespace dtrain::comm::trace {
 
+namespace {
+// A thread that runs a group's ops and has no name takes the group's: the group's worker thread
+// ("group world"); a thread named before (initWorld names its caller "main") keeps its name.
+thread_local bool t_named = false;
+}  // namespace
+
 void opIssued(OpRecord& r) {
   r.issued_us = nowUs();
   flight::issued(r);
@@ -10,13 +16,21 @@ void opIssued(OpRecord& r) {
 
 void opStarted(OpRecord& r) {
   r.started_us = nowUs();
+  if (!t_named) {
+    t_named = true;
+    if (r.group && !threadHasName()) ::dtrain::trace::setThreadName("group " + r.group->name);
+  }
   flight::started(r);
+  if (timeline::on()) timeline::opStarted(r);
 }
 
 void opFinished(OpRecord& r, const std::exception_ptr& error) {
   r.finished_us = nowUs();
   flight::finished(r, error);
-  if (timeline::on()) timeline::op(r, error);
+  if (timeline::on()) {
+    timeline::op(r, error);
+    timeline::opEnded(r);
+  }
 }
 
 }  // namespace dtrain::comm::trace

@@ -85,7 +85,8 @@ Span::~Span() {
     e = t.stack.back();
     t.stack.pop_back();
   }
-  if (comm::trace::timeline::on()) comm::trace::timeline::span(e.name, e.category, e.start_us, nowUs());
+  if (comm::trace::timeline::on())
+    comm::trace::timeline::span(e.name, e.category, e.start_us, nowUs(), /*copy=*/e.name == owned_.c_str());
 }
 
 std::vector<OpenSpans> openSpans() {
@@ -109,8 +110,38 @@ std::vector<OpenSpans> openSpans() {
 
 void setThreadName(std::string name) {
   auto& t = mine();
-  std::lock_guard<std::mutex> g(t.mu);
-  t.name = std::move(name);
+  {
+    std::lock_guard<std::mutex> g(t.mu);
+    t.name = name;
+  }
+  if (comm::trace::timeline::on()) comm::trace::timeline::threadNamed(t.id, name);
+}
+
+void flush() {
+  if (comm::trace::timeline::on()) comm::trace::timeline::flush();
 }
 
 }  // namespace dtrain::trace
+
+namespace dtrain::comm::trace {
+
+uint64_t threadNumber() { return ::dtrain::trace::mine().id; }
+
+bool threadHasName() {
+  auto& t = ::dtrain::trace::mine();
+  std::lock_guard<std::mutex> g(t.mu);
+  return !t.name.empty();
+}
+
+std::vector<std::pair<uint64_t, std::string>> namedThreads() {
+  auto& r = ::dtrain::trace::registry();
+  std::vector<std::pair<uint64_t, std::string>> out;
+  std::lock_guard<std::mutex> g(r.mu);
+  for (auto* t : r.threads) {
+    std::lock_guard<std::mutex> tg(t->mu);
+    if (!t->name.empty()) out.emplace_back(t->id, t->name);
+  }
+  return out;
+}
+
+}  // namespace dtrain::comm::trace

@@ -2,18 +2,35 @@
 // group (process_group.cc) and read by the flight recorder (flight_recorder.cc) and the timeline
 // (timeline.cc). hooks.cc stamps the times and passes each record on.
 #pragma once
+#include <atomic>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
 #include <exception>
 #include <memory>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "dtrain/trace.h"
 
+namespace dtrain::comm::transport {
+struct Op;
+}
+
 namespace dtrain::comm::trace {
 
 using ::dtrain::trace::nowUs;
+
+// A steady-clock time point on the trace clock (nowUs()).
+inline int64_t usOf(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::microseconds>(t.time_since_epoch()).count();
+}
+
+// span.cc: the calling thread's number (OpenSpans::thread) and the names threads gave themselves.
+uint64_t threadNumber();
+bool threadHasName();
+std::vector<std::pair<uint64_t, std::string>> namedThreads();
 
 // A group as traces and dumps name it.
 struct GroupInfo {
@@ -21,6 +38,9 @@ struct GroupInfo {
   int rank = 0;                   // this process's rank in the group
   int size = 1;
   std::vector<int> global_ranks;  // member i's rank in the world; identity when not known
+  // The timeline's count of point-to-point messages sent to (first size) and received from (next size)
+  // each member, which names them in flow events. The group's ops run one at a time.
+  mutable std::vector<uint64_t> p2p_messages;
 };
 
 // One op of a process group.
@@ -54,11 +74,40 @@ void started(OpRecord& r);
 void finished(OpRecord& r, const std::exception_ptr& error);
 }  // namespace flight
 
-namespace timeline {  // timeline.cc
-bool on();
+namespace timeline {  // timeline.cc; the file written by timeline_writer.cc, started by timeline_start.cc
+// True once initWorld() opened this rank's timeline (DTRAIN_TIMELINE); every call below is made only then.
+extern std::atomic<bool> g_on;
+inline bool on() { return g_on.load(std::memory_order_relaxed); }
+// A finished op (X event on the thread that ran it, with the record's fields as args).
 void op(const OpRecord& r, const std::exception_ptr& error);
-// A closed span (Span's destructor).
-void span(const char* name, const char* category, int64_t start_us, int64_t end_us);
+// A closed span (Span's destructor). `copy`: the name does not outlive the call (Span's owned name).
+void span(const char* name, const char* category, int64_t start_us, int64_t end_us, bool copy = false);
+
+// Integer args of library events; key null: none.
+struct Arg {
+  const char* key = nullptr;
+  int64_t value = 0;
+};
+// A span named `prefix` followed by `index` ("bucket " and 3: "bucket 3"), with up to four args; the
+// library's events whose times are not one scope (DDP backward, pipeline micro-batches).
+void span(const char* prefix, int64_t index, const char* category, int64_t start_us, int64_t end_us,
+          Arg a = {}, Arg b = {}, Arg c = {}, Arg d = {});
+// An async slice (b/e events, its own track in the viewer): events that overlap on one thread (DDP
+// buckets from ready to done).
+void asyncSpan(const char* prefix, int64_t index, const char* category, int64_t start_us, int64_t end_us,
+               Arg a = {}, Arg b = {}, Arg c = {}, Arg d = {});
+
+// Flow events between ranks (algo::Context::run): hooks.cc tells which op this thread runs, so that
+// sender and receiver name each message alike (group, seq, source, destination, k-th between them).
+void opStarted(const OpRecord& r);
+void opEnded(const OpRecord& r);
+void sending(const std::vector<transport::Op>& ops);   // a flow start (s) per send, now
+void received(const std::vector<transport::Op>& ops);  // a flow end (f) per receive, now
+
+// span.cc: a thread named itself while the timeline is on.
+void threadNamed(uint64_t thread, const std::string& name);
+// Writes what was recorded so far; the file is complete JSON afterwards (dtrain::trace::flush()).
+void flush();
 }  // namespace timeline
 
 }  // namespace dtrain::comm::trace

@@ -12,6 +12,7 @@
 #include <mutex>
 #include <thread>
 
+#include "dtrain/trace.h"
 #include "worker_impl.h"
 
 namespace dtrain::ps {
@@ -113,7 +114,10 @@ Worker::Impl::Impl(std::shared_ptr<comm::Store> store, LocalAggregation agg, int
 
 void Worker::Impl::startThread() {
   thread_ = std::make_unique<Thread>();
-  thread_->thread = std::thread([t = thread_.get()] { t->loop(); });
+  thread_->thread = std::thread([t = thread_.get()] {
+    trace::setThreadName("ps worker");
+    t->loop();
+  });
 }
 
 void Worker::Impl::connect(const std::shared_ptr<comm::Store>& store) {
@@ -213,6 +217,7 @@ comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor&
   DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
   const int c = clock_;
   return submit(fmt::format("push '{}'", name), [this, &e, g, c] {
+    DTRAIN_SPAN("ps push", "ps");
     if (!local_) return netPush(e, g, c);
     auto sum = localSum(*local_, g, opts_);
     if (connected()) netPush(e, sum, c);
@@ -226,6 +231,7 @@ comm::WorkPtr Worker::Impl::pullAsync(const std::string& name, at::Tensor out) {
   DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pull '{}': numel", name));
   const int c = clock_;
   return submit(fmt::format("pull '{}'", name), [this, &e, out, c] {
+    DTRAIN_SPAN("ps pull", "ps");
     if (connected()) netPull(e, nullptr, out, c);
     if (local_) local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
   });
@@ -240,6 +246,7 @@ comm::WorkPtr Worker::Impl::pushPullAsync(const std::string& name, const at::Ten
   DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
   const int c = clock_;
   return submit(fmt::format("pushPull '{}'", name), [this, &e, g, out, c] {
+    DTRAIN_SPAN("ps pushpull", "ps");
     if (!local_) return netPull(e, &g, out, c);
     auto sum = localSum(*local_, g, opts_);
     if (connected()) netPull(e, &sum, out, c);
@@ -264,6 +271,7 @@ comm::WorkPtr Worker::Impl::pushRowsAsync(const std::string& name, const at::Ten
   auto ids = rows.contiguous();
   const int c = clock_;
   return submit(fmt::format("pushRows '{}'", name), [this, &e, ids, g, c] {
+    DTRAIN_SPAN("ps push", "ps");
     if (!local_) return netPushRows(e, ids, g, c);
     at::Tensor all_ids, all_g;
     localRows(*local_, ids, &g, e.dim, all_ids, &all_g);
@@ -288,6 +296,7 @@ comm::WorkPtr Worker::Impl::pullRowsAsync(const std::string& name, const at::Ten
   auto ids = rows.contiguous();
   const int c = clock_;
   return submit(fmt::format("pullRows '{}'", name), [this, &e, ids, out, c] {
+    DTRAIN_SPAN("ps pull", "ps");
     if (!local_) return netPullRows(e, ids, out, c);
     at::Tensor all_ids;
     int64_t offset = localRows(*local_, ids, nullptr, e.dim, all_ids, nullptr);

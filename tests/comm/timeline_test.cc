@@ -1,0 +1,179 @@
+// The timeline (DTRAIN_TIMELINE=DIR) on real ranks started by initWorld(), merged by dtrain-trace:
+// the clock offsets measured at start-up recover a skew injected through DTRAIN_TIMELINE_SKEW_US and
+// every message is received after it was sent; collectives carry their fields; nothing is written
+// when the timeline is off; merge keeps a cut file's whole events and names a corrupt one.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <set>
+
+#include "dtrain/comm/comm.h"
+#include "dtrain/trace.h"
+#include "rendezvous_env.h"
+#include "timeline_util.h"
+
+namespace dtrain::test {
+namespace {
+
+namespace fs = std::filesystem;
+
+class Timeline : public Env {};
+
+// Each rank: allreduces (recursive doubling and ring over tcp: messages between the ranks), a user
+// span, point-to-point messages both ways, then flush().
+void someTraffic(comm::ProcessGroup& world) {
+  const int peer = 1 - world.rank();
+  std::vector<float> small(1024, 1.0f), big(64 * 1024, 1.0f);
+  for (int i = 0; i < 10; ++i) {
+    DTRAIN_SPAN("step", "user");
+    world.allreduce(small.data(), small.size(), comm::DType::f32)->wait();
+  }
+  world.allreduce(big.data(), big.size(), comm::DType::f32)->wait();
+  for (int i = 0; i < 3; ++i) {
+    int32_t x = i;
+    if (world.rank() == 0) world.send(&x, 1, comm::DType::i32, peer, 7)->wait();
+    else world.recv(&x, 1, comm::DType::i32, peer, 7)->wait();
+  }
+  world.barrier()->wait();
+  EXPECT_EQ(small[0], 1024.0f) << "10 rounds of sums over 2 ranks";
+  dtrain::trace::flush();
+}
+
+TEST_F(Timeline, ClockSkewIsRecoveredAndMessagesArriveAfterTheyLeave) {
+  TempDir dir;
+  StoreServer server;
+  const int64_t skew[2] = {50000, -50000};
+  auto results = runRanks(2, [&](int rank) {
+    setRankEnv(server, rank, 2);
+    setenv("DTRAIN_TRANSPORT", "tcp", 1);
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    setenv("DTRAIN_TIMELINE_SKEW_US", std::to_string(skew[rank]).c_str(), 1);
+    auto world = comm::initWorld();
+    EXPECT_TRUE(dtrain::trace::timelineOn());
+    someTraffic(*world);
+  });
+  expectAllOk(results);
+  Merged m = mergeTimeline(dir.path());
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_NE(m.output.find("rank 0  trace-rank0.json"), std::string::npos) << m.output;
+  EXPECT_NE(m.output.find("rank 1  trace-rank1.json"), std::string::npos) << m.output;
+  // Offsets onto rank 0's clock: rank r's clock reads skew[r] - skew[0] more than rank 0's.
+  const auto& ranks = m.trace.at("otherData").at("ranks");
+  ASSERT_EQ(ranks.size(), 2u);
+  for (const auto& r : ranks) {
+    const int rank = r.at("rank").get<int>();
+    const int64_t want = skew[0] - skew[rank], got = r.at("clock_offset_us").get<int64_t>();
+    EXPECT_NEAR(static_cast<double>(got), static_cast<double>(want), 200.0) << "rank " << rank << ": " << m.output;
+  }
+  EXPECT_EQ(m.output.find("warning"), std::string::npos) << m.output;
+  EXPECT_GT(checkFlows(m.trace), 20u);
+  // The merged events are sorted by time.
+  int64_t last = INT64_MIN;
+  for (const auto& e : m.trace.at("traceEvents")) {
+    if (!e.contains("ts")) continue;
+    EXPECT_GE(e["ts"].get<int64_t>(), last);
+    last = e["ts"].get<int64_t>();
+  }
+  // Both ranks ran the same collectives, with the same sequence numbers, algorithms and sizes.
+  std::vector<std::set<std::tuple<uint64_t, std::string, std::string, int64_t>>> calls(2);
+  for (int pid = 0; pid < 2; ++pid) {
+    for (const auto& e : eventsOf(m.trace, "X", pid)) {
+      checkComplete(e);
+      if (e.at("cat") != "comm" || !e.at("args").contains("seq")) continue;
+      const auto& a = e.at("args");
+      EXPECT_EQ(a.at("group"), "world");
+      EXPECT_EQ(a.at("peers"), json::array({1 - pid}));
+      EXPECT_EQ(a.at("op"), e.at("name"));
+      calls[pid].insert({a.at("seq").get<uint64_t>(), a.at("op").get<std::string>(), a.value("algorithm", ""),
+                         a.at("bytes").get<int64_t>()});
+    }
+    EXPECT_EQ(eventsOf(m.trace, "X", pid, "step").size(), 10u);
+    EXPECT_EQ(eventsOf(m.trace, "X", pid, "send").size() + eventsOf(m.trace, "X", pid, "recv").size(), 3u);
+  }
+  EXPECT_EQ(calls[0], calls[1]);
+  ASSERT_EQ(calls[0].size(), 12u);  // 11 allreduces and the barrier
+  auto first = *calls[0].begin(), big = *std::next(calls[0].begin(), 10);
+  EXPECT_EQ(first, std::make_tuple(uint64_t{0}, std::string("allreduce"), std::string("recursive_doubling"), int64_t{4096}));
+  EXPECT_EQ(big, std::make_tuple(uint64_t{10}, std::string("allreduce"), std::string("ring"), int64_t{256 * 1024}));
+  // Metadata: each rank's process name and its threads' names.
+  for (int pid = 0; pid < 2; ++pid) {
+    auto procs = eventsOf(m.trace, "M", pid, "process_name");
+    ASSERT_EQ(procs.size(), 1u);
+    EXPECT_EQ(procs[0].at("args").at("name"), "rank " + std::to_string(pid));
+    std::map<int64_t, std::string> threads;
+    for (const auto& t : eventsOf(m.trace, "M", pid, "thread_name")) threads[t.at("tid")] = t.at("args").at("name");
+    for (const auto& e : eventsOf(m.trace, "X", pid)) EXPECT_TRUE(threads.count(e.at("tid"))) << "unnamed thread: " << e;
+    auto main = eventsOf(m.trace, "X", pid, "step");
+    ASSERT_FALSE(main.empty());
+    EXPECT_EQ(threads[main[0].at("tid")], "main");
+  }
+}
+
+TEST_F(Timeline, OffWritesNothing) {
+  TempDir dir;
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    setRankEnv(server, rank, 2);
+    ASSERT_EQ(chdir(dir.path().c_str()), 0);
+    auto world = comm::initWorld();
+    EXPECT_FALSE(dtrain::trace::timelineOn());
+    someTraffic(*world);
+  });
+  expectAllOk(results);
+  EXPECT_TRUE(fs::is_empty(dir.path())) << "a file was written with DTRAIN_TIMELINE unset";
+}
+
+// One rank alone (a world of one, no store): its file, then the same file cut inside its last line,
+// then a file with a broken line in the middle.
+TEST_F(Timeline, MergeKeepsACutFileAndNamesACorruptOne) {
+  TempDir dir;
+  auto results = runRanks(1, [&](int) {
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    auto world = comm::initWorld();
+    std::vector<double> x(100, 1.0);
+    for (int i = 0; i < 50; ++i) {
+      DTRAIN_SPAN(std::string("epoch ") + std::to_string(i));  // run-time names are copied
+      world->allreduce(x.data(), x.size(), comm::DType::f64)->wait();
+    }
+    dtrain::trace::flush();
+  });
+  expectAllOk(results);
+  const std::string file = dir.path() + "/trace-rank0.json";
+  Merged whole = mergeTimeline(dir.path());
+  ASSERT_EQ(whole.exit_code, 0) << whole.output;
+  EXPECT_EQ(eventsOf(whole.trace, "X", 0, "allreduce").size(), 50u);
+  EXPECT_EQ(eventsOf(whole.trace, "X", 0, "epoch 49").size(), 1u);
+  EXPECT_EQ(eventsOf(whole.trace, "X", 0, "allreduce")[0].at("args").at("peers"), json::array());
+
+  std::string text;
+  {
+    std::ifstream f(file);
+    text.assign(std::istreambuf_iterator<char>(f), {});
+  }
+  const size_t cut = text.rfind("\"epoch 49\"");  // inside the last span's line
+  ASSERT_NE(cut, std::string::npos);
+  std::ofstream(file, std::ios::trunc) << text.substr(0, cut);
+  Merged part = mergeTimeline(dir.path());
+  ASSERT_EQ(part.exit_code, 0) << part.output;
+  EXPECT_NE(part.output.find("cut short"), std::string::npos) << part.output;
+  EXPECT_EQ(eventsOf(part.trace, "X", 0, "epoch 48").size(), 1u);
+  EXPECT_EQ(eventsOf(part.trace, "X", 0, "epoch 49").size(), 0u);
+
+  const size_t middle = text.find("\"epoch 10\"");
+  ASSERT_NE(middle, std::string::npos);
+  std::ofstream(file, std::ios::trunc) << text.substr(0, middle) << "{{{" << text.substr(middle);
+  Merged bad = mergeTimeline(dir.path());
+  EXPECT_EQ(bad.exit_code, 1) << bad.output;
+  EXPECT_NE(bad.output.find("trace-rank0.json: line"), std::string::npos) << bad.output;
+
+  std::ofstream(file, std::ios::trunc) << "not json at all";
+  Merged junk = mergeTimeline(dir.path());
+  EXPECT_EQ(junk.exit_code, 1);
+  EXPECT_NE(junk.output.find("trace-rank0.json is not a dtrain timeline"), std::string::npos) << junk.output;
+}
+
+}  // namespace
+}  // namespace dtrain::test
