@@ -1,17 +1,21 @@
 // The timeline of a 2-rank DistributedDataParallel run (DTRAIN_TIMELINE set, ranks started by
 // initWorld()), merged by dtrain-trace: every bucket's allreduce appears on both ranks with the same
 // sequence number, the library's forward/backward/bucket events are there, the file has the fields
-// of Chrome's format (X, M, s/f).
+// of Chrome's format (X, M, s/f). And a 2-stage pipeline's micro-batches and a checkpoint's save.
 #include <gtest/gtest.h>
 #include <stdlib.h>
 #include <torch/torch.h>
+
+#include <fmt/format.h>
 
 #include <map>
 #include <set>
 
 #include "ddp_test_util.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm/rendezvous.h"
 #include "dtrain/ddp.h"
+#include "dtrain/pipeline.h"
 #include "dtrain/trace.h"
 #include "harness.h"
 #include "timeline_util.h"
@@ -97,6 +101,52 @@ TEST(DDPTimeline, EveryBucketsAllreduceOnBothRanks) {
   EXPECT_EQ(allreduce_seqs[0], allreduce_seqs[1]);
   // Messages between the ranks (the tree broadcasts of DDP's start-up at least), each received after sent.
   EXPECT_GT(checkFlows(trace), 0u);
+}
+
+// Stage s's micro-batch events: a forward and a backward per micro-batch per step, the sends between
+// the stages as flows; rank 0 saves a checkpoint.
+TEST(DDPTimeline, PipelineMicroBatchesAndCheckpointSave) {
+  TempDir dir, ckpt;
+  StoreServer server;
+  constexpr int kMicro = 3;
+  auto results = runRanks(2, [&](int rank) {
+    for (const char* v : {"DTRAIN_TRANSPORT", "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_TIMELINE_SKEW_US"})
+      unsetenv(v);
+    setRankEnv(server, rank, 2);
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    auto world = comm::initWorld();
+    torch::manual_seed(3);
+    torch::nn::Sequential stage = rank == 0 ? torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh())
+                                            : torch::nn::Sequential(torch::nn::Linear(8, 3));
+    stage->to(torch::kDouble);
+    PipelineOptions po;
+    po.micro_batches = kMicro;
+    Pipeline pipe(stage, world, po);
+    auto [x, y] = batch(0, 3);
+    for (int step = 0; step < 2; ++step)
+      pipe.step(x, y, [](const at::Tensor& o, const at::Tensor& t) { return torch::nn::functional::cross_entropy(o, t); });
+    Checkpointer ck(ckpt.path(), 1, rank == 0);
+    CheckpointState st;
+    st.captureModel(*stage);
+    ck.save(st);
+    dtrain::trace::flush();
+  });
+  expectAllOk(results);
+  Merged m = mergeTimeline(dir.path());
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  for (int pid = 0; pid < 2; ++pid) {
+    for (int mb = 0; mb < kMicro; ++mb) {
+      for (const char* kind : {"fwd", "bwd"}) {
+        auto ev = eventsOf(m.trace, "X", pid, fmt::format("pipeline {} mb={}", kind, mb));
+        ASSERT_EQ(ev.size(), 2u) << "rank " << pid << " " << kind << " mb=" << mb;
+        EXPECT_EQ(ev[0].at("cat"), "pipeline");
+        EXPECT_EQ(ev[0].at("args").at("stage"), pid);
+      }
+    }
+    EXPECT_EQ(eventsOf(m.trace, "X", pid, "checkpoint save").size(), 1u)
+        << "every rank calls save (rank 0 writes)";
+  }
+  EXPECT_GT(checkFlows(m.trace), static_cast<size_t>(2 * kMicro)) << "activations and gradients between the stages";
 }
 
 }  // namespace

@@ -8,6 +8,7 @@
 // whose events appear has a thread_name event (its name, or "thread N").
 #include <fcntl.h>
 #include <fmt/format.h>
+#include <pthread.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -46,6 +47,14 @@ struct WriterState {
   bool failed = false;
   std::set<uint64_t> named;  // threads with a thread_name event
 };
+
+// A child forked after the timeline started has no writer thread (and perhaps a lock the writer held):
+// it records nothing and leaves the parent's file alone.
+std::atomic<bool> g_forked{false};
+void afterFork() {
+  g_forked.store(true);
+  g_on.store(false);
+}
 
 // Never destroyed: the exit handler and late recorders may still use it.
 WriterState& ws() {
@@ -150,6 +159,7 @@ void loop() {
 
 // At exit: the last round, then the file is closed.
 void finish() {
+  if (g_forked.load()) return;
   WriterState& w = ws();
   {
     std::lock_guard<std::mutex> g(w.mu);
@@ -193,9 +203,11 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
   g_on.store(true);
   w.thread = std::thread(loop);
   std::atexit(finish);
+  pthread_atfork(nullptr, nullptr, afterFork);
 }
 
 void flush() {
+  if (g_forked.load()) return;
   WriterState& w = ws();
   std::unique_lock<std::mutex> lk(w.mu);
   if (!w.open || w.stop) return;
