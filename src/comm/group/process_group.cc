@@ -56,14 +56,23 @@ std::shared_ptr<const trace::GroupInfo> groupInfo(const std::string& name, int r
 
 }  // namespace
 
+// An op's record (what the flight recorder and the timeline see) and its Work, in one allocation that
+// lives as long as the Work: the queued Task carries pointers, so moving it through the queue copies
+// no record (a Task that holds the record outgrows the queue's nodes and costs an allocation per op).
+struct OpState {
+  trace::OpRecord rec;
+  std::optional<Work> work;  // made by submit(), once the label and deadline are known
+};
+
 // An op waiting to run: what it is, its deadline, and the algorithm call.
 struct Task {
-  WorkPtr work;
+  WorkPtr work;  // points into `state`
+  std::shared_ptr<OpState> state = std::make_shared<OpState>();
+  trace::OpRecord* rec = &state->rec;
   transport::Label label;
   transport::Deadline deadline;
   bool collective = true;
   std::function<void(algo::Context&)> fn;
-  trace::OpRecord rec;  // what the flight recorder and the timeline see
 };
 
 // The ops of one group, run one at a time in issue order: by the group's worker thread, or by a thread
@@ -152,7 +161,7 @@ struct ProcessGroup::Impl {
   }
 
   void execute(Task& t) {
-    trace::opStarted(t.rec);
+    trace::opStarted(*t.rec);
     if (broken) {
       std::string why;
       try {
@@ -174,7 +183,7 @@ struct ProcessGroup::Impl {
         if (!every_rank && !opts.check_fingerprints && needsExchange(t.label.op)) exchangeFingerprints(c);
       }
       t.fn(c);
-      t.rec.algorithm = c.algorithm;
+      t.rec->algorithm = c.algorithm;
       if (check) tx->compareCalls(t.label, t.deadline);
       finish(t, nullptr);
     } catch (const std::exception& e) {
@@ -186,7 +195,7 @@ struct ProcessGroup::Impl {
 
   // The recorders see the op complete before its waiters do.
   static void finish(Task& t, const std::exception_ptr& error) {
-    trace::opFinished(t.rec, error);
+    trace::opFinished(*t.rec, error);
     t.work->finish(error);
   }
 
@@ -238,11 +247,12 @@ struct ProcessGroup::Impl {
   }
 
   WorkPtr submit(Task t) {
-    t.work = std::make_shared<Work>(t.label.what, t.deadline, rank, ops);
+    t.state->work.emplace(t.label.what, t.deadline, rank, ops);
+    t.work = WorkPtr(t.state, &*t.state->work);
     WorkPtr w = t.work;
-    t.rec.group = info;
-    t.rec.what = &w->describe();
-    trace::opIssued(t.rec);
+    t.rec->group = info;
+    t.rec->what = &w->describe();
+    trace::opIssued(*t.rec);
     if (!ops) {  // a world of one: run inline, no thread
       execute(t);
       return w;
@@ -271,12 +281,12 @@ struct ProcessGroup::Impl {
     fp.count = count;
     fp.counts_hash = counts_hash;
     t.fn = std::move(fn);
-    t.rec.seq = s;
-    t.rec.op = transport::opName(op);
-    t.rec.dtype = dtypeName(dt);
-    t.rec.count = count;
-    t.rec.bytes = count * dtypeSize(dt);
-    t.rec.root = root;
+    t.rec->seq = s;
+    t.rec->op = transport::opName(op);
+    t.rec->dtype = dtypeName(dt);
+    t.rec->count = count;
+    t.rec->bytes = count * dtypeSize(dt);
+    t.rec->root = root;
     return t;
   }
 
@@ -462,12 +472,12 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
   bool sends = false, recvs = false;
   for (const auto& o : ops) {
     (o.kind == P2POp::kSend ? sends : recvs) = true;
-    t.rec.count += o.count;
-    t.rec.bytes += o.count * dtypeSize(o.dtype);
-    t.rec.peers.push_back(o.peer);
+    t.rec->count += o.count;
+    t.rec->bytes += o.count * dtypeSize(o.dtype);
+    t.rec->peers.push_back(o.peer);
   }
-  t.rec.op = sends && recvs ? "sendrecv" : sends ? "send" : "recv";
-  t.rec.dtype = ops.empty() ? "" : dtypeName(ops[0].dtype);
+  t.rec->op = sends && recvs ? "sendrecv" : sends ? "send" : "recv";
+  t.rec->dtype = ops.empty() ? "" : dtypeName(ops[0].dtype);
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
   t.fn = [ops](algo::Context& c) {
@@ -488,7 +498,7 @@ WorkPtr ProcessGroup::abort(const std::string& reason) {
   t.collective = false;
   t.label.op = OpCode::none;
   t.label.what = "abort";
-  t.rec.op = "abort";
+  t.rec->op = "abort";
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
   std::string msg = fmt::format("[rank {}] {}", m.rank, reason);
