@@ -1,0 +1,140 @@
+// The flight recorder in real ranks: SIGUSR1 writes a dump without disturbing the run, a timed-out
+// collective writes one (naming the error), DTRAIN_TRACE_BUFFER bounds the ring, and the dump holds
+// the open spans. Each child sets the recorder's variables before its first op (when it reads them).
+#include <gtest/gtest.h>
+#include <signal.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <thread>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/trace.h"
+#include "harness.h"
+
+namespace {
+
+using namespace dtrain;
+using namespace dtrain::test;
+using comm::DType;
+using comm::ProcessGroup;
+using Clock = std::chrono::steady_clock;
+
+std::shared_ptr<ProcessGroup> makeGroup(const StoreServer& server, int rank, int world, std::chrono::milliseconds timeout,
+                                        const std::string& dir) {
+  ::setenv("DTRAIN_FLIGHT_DIR", dir.c_str(), 1);
+  comm::GroupOptions o;
+  o.name = "world";
+  o.timeout = timeout;
+  return ProcessGroup::create(server.client(), rank, world, o);
+}
+
+nlohmann::json readDump(const std::string& path) {
+  std::ifstream in(path);
+  EXPECT_TRUE(in.good()) << "no dump at " << path;
+  return in ? nlohmann::json::parse(in) : nlohmann::json();
+}
+
+// Raises SIGUSR1 and waits (at most 10 s) for the watcher's dump to replace whatever was at `path`.
+void signalAndWaitForDump(const std::string& path) {
+  std::remove(path.c_str());
+  ::kill(::getpid(), SIGUSR1);
+  auto deadline = Clock::now() + std::chrono::seconds(10);
+  while (!std::ifstream(path) && Clock::now() < deadline) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  ASSERT_TRUE(std::ifstream(path).good()) << "no dump at " << path << " 10 s after SIGUSR1";
+}
+
+void allreduceAndCheck(ProcessGroup& pg, int world) {
+  std::vector<float> x(1024, 1.0f);
+  pg.allreduce(x.data(), x.size(), DType::f32)->wait();
+  ASSERT_EQ(x[0], static_cast<float>(world));
+  ASSERT_EQ(x[1023], static_cast<float>(world));
+}
+
+TEST(FlightRecorder, SignalDumpsWithoutDisturbingTheRun) {
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
+    for (int i = 0; i < 5; ++i) allreduceAndCheck(*pg, 2);
+    if (rank == 0) {
+      DTRAIN_SPAN("checking the dump");
+      signalAndWaitForDump(dir.path() + "/rank0.json");
+    }
+    for (int i = 0; i < 5; ++i) allreduceAndCheck(*pg, 2);  // the run goes on, results unchanged
+  });
+  expectAllOk(results);
+  auto d = readDump(dir.path() + "/rank0.json");
+  ASSERT_FALSE(d.is_null());
+  EXPECT_EQ(d["rank"], 0);
+  EXPECT_EQ(d["world_size"], 2);
+  EXPECT_EQ(d["reason"], "SIGUSR1");
+  EXPECT_EQ(d["groups"]["world"]["ranks"], nlohmann::json({0, 1}));
+  ASSERT_EQ(d["entries"].size(), 5u);  // the dump was written between the 5th and the 6th op
+  for (int i = 0; i < 5; ++i) {
+    const auto& e = d["entries"][static_cast<size_t>(i)];
+    EXPECT_EQ(e["seq"], i);
+    EXPECT_EQ(e["op"], "allreduce");
+    EXPECT_EQ(e["dtype"], "f32");
+    EXPECT_EQ(e["count"], 1024);
+    EXPECT_EQ(e["bytes"], 4096);
+    EXPECT_EQ(e["state"], "completed");
+    EXPECT_LE(e["issued_us"].get<int64_t>(), e["started_us"].get<int64_t>());
+    EXPECT_LE(e["started_us"].get<int64_t>(), e["finished_us"].get<int64_t>());
+  }
+  bool span_seen = false;
+  for (const auto& t : d["threads"])
+    for (const auto& s : t["spans"]) span_seen = span_seen || s["name"] == "checking the dump";
+  EXPECT_TRUE(span_seen) << d["threads"].dump();
+}
+
+TEST(FlightRecorder, TimeoutWritesADump) {
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = makeGroup(server, rank, 2, std::chrono::milliseconds(1000), dir.path());
+    allreduceAndCheck(*pg, 2);
+    if (rank == 1) {  // stays connected but never joins the second allreduce
+      std::this_thread::sleep_for(std::chrono::seconds(3));
+      return;
+    }
+    std::vector<float> x(16, 1.0f);
+    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), TimeoutError);
+  });
+  expectAllOk(results);
+  auto d = readDump(dir.path() + "/rank0.json");
+  ASSERT_FALSE(d.is_null());
+  EXPECT_NE(d["reason"].get<std::string>().find("timed out"), std::string::npos) << d["reason"];
+  ASSERT_EQ(d["entries"].size(), 2u);
+  const auto& e = d["entries"][1];
+  EXPECT_EQ(e["seq"], 1);
+  EXPECT_EQ(e["state"], "failed");
+  EXPECT_NE(e["error"].get<std::string>().find("allreduce seq=1"), std::string::npos) << e["error"];
+  EXPECT_FALSE(std::ifstream(dir.path() + "/rank1.json").good()) << "rank 1 failed nothing";
+}
+
+TEST(FlightRecorder, BufferSizeBoundsTheRing) {
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(2, [&](int rank) {
+    ::setenv("DTRAIN_TRACE_BUFFER", "8", 1);
+    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
+    for (int i = 0; i < 20; ++i) allreduceAndCheck(*pg, 2);
+    if (rank == 1) signalAndWaitForDump(dir.path() + "/rank1.json");
+    pg->barrier()->wait();
+  });
+  expectAllOk(results);
+  auto d = readDump(dir.path() + "/rank1.json");
+  ASSERT_FALSE(d.is_null());
+  EXPECT_EQ(d["capacity"], 8);
+  EXPECT_EQ(d["recorded"], 20);
+  EXPECT_EQ(d["dropped"], 12);
+  ASSERT_EQ(d["entries"].size(), 8u);
+  for (size_t i = 0; i < 8; ++i) EXPECT_EQ(d["entries"][i]["seq"], 12 + i);  // the newest 8, oldest first
+}
+
+}  // namespace
