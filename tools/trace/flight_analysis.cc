@@ -220,8 +220,13 @@ class Analysis {
     std::string out;
     for (const auto& o : d.ops) {
       if (!o.waiting()) continue;
-      out = fmt::format("is waiting in {} instead (issued {} before its dump)", describe(o),
-                        duration(d.steady_us - o.issued));
+      std::vector<int> absent;  // who that op waits for in turn
+      if (o.seq >= 0)
+        for (int r : members(o.group))
+          if (part(r, {o.group, o.seq}) == Part::never) absent.push_back(r);
+      out = fmt::format("is waiting in {} instead (issued {} before its dump{})", describe(o),
+                        duration(d.steady_us - o.issued),
+                        absent.empty() ? "" : fmt::format("; {} never issued that one", rankList(absent)));
       break;
     }
     std::vector<std::string> spans;
@@ -266,8 +271,12 @@ class Analysis {
     for (int r : by[Part::failed]) {
       out += fmt::format(" Rank {} issued it and it failed: {}", r, find(*by_rank_.at(r), *k)->error);
     }
-    if (!by[Part::never].empty()) out += fmt::format(" {} never issued it.", capital(rankList(by[Part::never])));
-    for (int r : by[Part::never]) out += fmt::format(" Rank {} {}.", r, instead(r));
+    if (by[Part::never].size() == 1) {
+      out += fmt::format(" Rank {} never issued it: it {}.", by[Part::never][0], instead(by[Part::never][0]));
+    } else if (!by[Part::never].empty()) {
+      out += fmt::format(" {} never issued it.", capital(rankList(by[Part::never])));
+      for (int r : by[Part::never]) out += fmt::format(" Rank {} {}.", r, instead(r));
+    }
     if (!by[Part::unknown].empty()) {
       out += fmt::format(" The recorded window of {} does not reach back to it.", rankList(by[Part::unknown]));
     }
