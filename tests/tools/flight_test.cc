@@ -2,12 +2,14 @@
 // collective (or hangs in a span), and both the launcher's diagnosis and `dtrain-trace analyze` on the
 // dumps name rank 2, the collective and its sequence number, and what rank 2 did instead. Also the
 // analysis of hand-written dumps: stragglers across two hosts, a missing rank, a file that does not parse.
+#include <fmt/format.h>
 #include <gtest/gtest.h>
 
 #include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <string>
+#include <vector>
 
 #include "harness.h"
 
@@ -25,45 +27,41 @@ void expectContains(const std::string& text, const std::string& what) {
 }
 
 // Runs the 4-rank flight_worker job in `mode` under --hang-timeout 3 (collectives time out after 60 s,
-// so only the launcher can stop it in time) and returns the launcher's output.
-std::string runHungJob(const std::string& mode, const std::string& dir) {
-  auto [code, out] = runCommand("env DTRAIN_TIMEOUT=60 DTRAIN_FLIGHT_DIR=" + dir + " " + kLauncher +
+// so only the launcher can stop it in time), checks that the launcher's diagnosis and dtrain-trace
+// analyze's on the dumps it collected both contain every line of `diagnosis`, and returns the latter.
+std::string checkHungJob(const std::string& mode, const std::vector<std::string>& diagnosis) {
+  TempDir dir;
+  auto [code, out] = runCommand("env DTRAIN_TIMEOUT=60 DTRAIN_FLIGHT_DIR=" + dir.path() + " " + kLauncher +
                                     " --standalone --nproc-per-node 4 --hang-timeout 3 --grace-period 2 " + kWorker +
                                     " " + mode + " 2>&1",
                                 50);
   EXPECT_EQ(code, 124) << out;  // the launcher's hang exit code, well within the command's 50 s
-  return out;
+  expectContains(out, "the job is hung: no rank on this node completed an op for 3s");
+  for (int r = 0; r < 4; ++r) expectContains(out, fmt::format("attempt_0/rank{}.json", r));
+  auto [analyze_code, analysis] = runCommand(kTrace + " analyze " + dir.path() + "/attempt_0 2>&1", 30);
+  EXPECT_EQ(analyze_code, 0) << analysis;
+  for (const auto& d : diagnosis) {
+    expectContains(out, d);
+    expectContains(analysis, d);
+  }
+  return analysis;
 }
 
 TEST(HangDiagnosis, RankSkipsCollective) {
-  TempDir dir;
-  std::string out = runHungJob("skip", dir.path());
-  expectContains(out, "the job is hung: no rank on this node completed an op for 3s");
-  const std::string diagnosis[] = {
+  std::string analysis = checkHungJob("skip", {
       "The job is stuck in allreduce seq=2 of group world (ranks 0, 1, 2 and 3",
       "Ranks 0, 1 and 3 issued it and never finished it",
       "Rank 2 never issued it: it is waiting in barrier seq=0 of group world/sub0 instead",
       "rank 1 never issued that one",
-  };
-  for (const auto& d : diagnosis) expectContains(out, d);
-  // The same diagnosis from the dumps the launcher collected.
-  auto [code, analysis] = runCommand(kTrace + " analyze " + dir.path() + "/attempt_0 2>&1", 30);
-  EXPECT_EQ(code, 0) << analysis;
-  for (const auto& d : diagnosis) expectContains(analysis, d);
+  });
   expectContains(analysis, "Stragglers over the recorded window (2 collectives every member with a dump recorded");
 }
 
 TEST(HangDiagnosis, RankHangsInSpan) {
-  TempDir dir;
-  std::string out = runHungJob("span", dir.path());
-  const std::string diagnosis[] = {
+  checkHungJob("span", {
       "The job is stuck in allreduce seq=2 of group world",
       "Rank 2 never issued it: it is inside span 'load shard' (open for",
-  };
-  for (const auto& d : diagnosis) expectContains(out, d);
-  auto [code, analysis] = runCommand(kTrace + " analyze " + dir.path() + "/attempt_0 2>&1", 30);
-  EXPECT_EQ(code, 0) << analysis;
-  for (const auto& d : diagnosis) expectContains(analysis, d);
+  });
 }
 
 // A dump as the recorder writes it, with the fields the analysis reads.
