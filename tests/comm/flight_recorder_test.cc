@@ -117,6 +117,38 @@ TEST(FlightRecorder, TimeoutWritesADump) {
   EXPECT_FALSE(std::ifstream(dir.path() + "/rank1.json").good()) << "rank 1 failed nothing";
 }
 
+// Rank 0 aborts the group while rank 1 waits in an allreduce: both fail, and both dump once (rank 1's
+// later op, failing with the same error, writes no second dump).
+TEST(FlightRecorder, AbortWritesADumpOnEveryRank) {
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
+    allreduceAndCheck(*pg, 2);
+    std::vector<float> x(16, 1.0f);
+    if (rank == 0) {
+      EXPECT_THROW(pg->abort("rank 0 cannot go on")->wait(), Error);
+      return;
+    }
+    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+    const std::string mine = dir.path() + "/rank1.json";
+    auto d = readDump(mine);  // written before the error reached this thread
+    ASSERT_FALSE(d.is_null());
+    EXPECT_NE(d["reason"].get<std::string>().find("rank 0 cannot go on"), std::string::npos) << d["reason"];
+    EXPECT_EQ(d["entries"].back()["op"], "allreduce");
+    EXPECT_EQ(d["entries"].back()["state"], "failed");
+    std::remove(mine.c_str());
+    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+    EXPECT_FALSE(std::ifstream(mine).good()) << "a second failure dumped again";
+  });
+  expectAllOk(results);
+  auto d = readDump(dir.path() + "/rank0.json");
+  ASSERT_FALSE(d.is_null());
+  EXPECT_NE(d["reason"].get<std::string>().find("rank 0 cannot go on"), std::string::npos) << d["reason"];
+  EXPECT_EQ(d["entries"].back()["op"], "abort");
+  EXPECT_EQ(d["entries"].back()["state"], "failed");
+}
+
 TEST(FlightRecorder, BufferSizeBoundsTheRing) {
   StoreServer server;
   TempDir dir;
