@@ -121,6 +121,25 @@ TEST(FlightAnalysis, StragglersAcrossHostsAndMissingRank) {
   expectContains(out, "through their wall clocks: approximate");
 }
 
+// Only a point-to-point op waits (a pipeline stage waiting for its neighbour): no collective is stuck,
+// and the op in flight is named with its peer.
+TEST(FlightAnalysis, PointToPointInFlight) {
+  TempDir dir;
+  auto r0 = dump(0, "a", 0), r1 = dump(1, "a", 0);
+  addOp(r0, 0, "completed", 0, 0);
+  addOp(r1, 0, "completed", 0, 0);
+  r0["entries"].push_back({{"id", 2}, {"group", "world"}, {"seq", nullptr}, {"op", "recv"}, {"dtype", "f32"},
+                           {"count", 8}, {"peers", {1}}, {"state", "started"}, {"issued_us", 1'500'000},
+                           {"started_us", 1'500'000}, {"finished_us", nullptr}});
+  std::ofstream(dir.path() + "/rank0.json") << r0.dump();
+  std::ofstream(dir.path() + "/rank1.json") << r1.dump();
+  auto [code, out] = runCommand(kTrace + " analyze " + dir.path() + " 2>&1", 30);
+  EXPECT_EQ(code, 0) << out;
+  expectContains(out, "No dump from ranks 2 and 3 (of a world of 4).");
+  expectContains(out, "No collective is stuck");
+  expectContains(out, "Ops in flight: rank 0 waits in recv of group world with rank 1 (issued 500.0 ms before its dump).");
+}
+
 TEST(FlightAnalysis, NamesAFileThatDoesNotParseAndAnEmptyDirectory) {
   TempDir dir;
   auto [empty_code, empty] = runCommand(kTrace + " analyze " + dir.path() + " 2>&1", 30);

@@ -28,6 +28,7 @@ struct Op {
   std::string group;
   int64_t seq = -1;  // -1: point to point
   std::string op, dtype, state, error;
+  std::vector<int> peers;  // point to point: world ranks
   int64_t count = 0, bytes = 0;
   int64_t issued = 0, started = 0, finished = 0;  // steady-clock us of the dumping process, 0: not yet
   bool done() const { return state == "completed"; }
@@ -78,6 +79,7 @@ Dump parseDump(const std::string& path) {
       o.dtype = e.value("dtype", "");
       o.state = e.at("state").get<std::string>();
       o.error = e.value("error", "");
+      if (e.contains("peers")) o.peers = e.at("peers").get<std::vector<int>>();
       o.count = numberOr(e, "count", 0);
       o.bytes = numberOr(e, "bytes", 0);
       o.issued = numberOr(e, "issued_us", 0);
@@ -122,8 +124,10 @@ std::string capital(std::string s) {
 }
 
 std::string describe(const Op& o) {
-  return o.seq >= 0 ? fmt::format("{} seq={} of group {}", o.op, o.seq, o.group)
-                    : fmt::format("{} of group {}", o.op, o.group);
+  if (o.seq >= 0) return fmt::format("{} seq={} of group {}", o.op, o.seq, o.group);
+  if (o.peers.empty()) return fmt::format("{} of group {}", o.op, o.group);
+  return fmt::format("{} of group {} with rank{} {}", o.op, o.group, o.peers.size() == 1 ? "" : "s",
+                     fmt::join(o.peers, ", "));
 }
 
 // What one member did about one collective.
@@ -250,8 +254,7 @@ class Analysis {
 
   std::string stuck() const {
     std::optional<Key> k = stuckKey();
-    if (!k) return "No collective is stuck: every collective some rank issued was completed by every member "
-                   "that recorded it.\n";
+    if (!k) return notStuck();
     const std::vector<int>& group = members(k->group);
     std::map<Part, std::vector<int>> by;
     for (int r : group) by[part(r, *k)].push_back(r);
@@ -287,6 +290,23 @@ class Analysis {
       std::sort(done.begin(), done.end());
       out += fmt::format(" {} completed it.", capital(rankList(done)));
     }
+    return out + "\n";
+  }
+
+  // No collective is stuck; point-to-point ops may be (a pipeline waiting for a stage).
+  std::string notStuck() const {
+    std::vector<std::string> waiting;
+    for (const auto& [rank, d] : by_rank_) {
+      for (const auto& o : d->ops) {
+        if (!o.waiting()) continue;
+        waiting.push_back(fmt::format("rank {} waits in {} (issued {} before its dump)", rank, describe(o),
+                                      duration(d->steady_us - o.issued)));
+        break;
+      }
+    }
+    std::string out = "No collective is stuck: every collective some rank issued was completed by every member that "
+                      "recorded it.";
+    if (!waiting.empty()) out += fmt::format(" Ops in flight: {}.", fmt::join(waiting, "; "));
     return out + "\n";
   }
 
