@@ -53,7 +53,7 @@ int globalRank(const GroupInfo& g, int group_rank) {
 }
 
 std::string formatEntry(const Entry& e) {
-  const GroupInfo* g = e.group.get();
+  const GroupInfo* g = e.group;
   std::string peers;
   const size_t kept = std::min<size_t>(e.npeers, Entry::kInlinePeers);
   for (size_t i = 0; i < kept; ++i) {
@@ -74,7 +74,7 @@ std::string formatEntry(const Entry& e) {
 std::string formatGroups(const std::vector<Entry>& entries) {
   std::map<std::string, const GroupInfo*> groups;
   for (const auto& e : entries)
-    if (e.group) groups.emplace(e.group->name, e.group.get());
+    if (e.group) groups.emplace(e.group->name, e.group);
   std::string out;
   for (const auto& [name, g] : groups) {
     out += fmt::format("{}\n    {}: {{\"rank\": {}, \"size\": {}, \"ranks\": [{}]}}", out.empty() ? "" : ",",

@@ -2,17 +2,23 @@
 // and writes them, with every thread's open spans, to DTRAIN_FLIGHT_DIR/rank<R>.json when an op fails
 // (once per process), on SIGUSR1 and when dtrain-run --hang-timeout asks (docs/OBSERVABILITY.md).
 //
-// It is always on, so the hooks are cheap: a slot is claimed with one atomic increment and written under
-// that slot's own spin flag (held for a few stores; the dumper takes it to copy the slot), nothing is
-// allocated or formatted per op, and names are the OpRecord's static strings. A failed op's error text
-// is the only string stored, on the failure path. The recorder starts at this process's first op
-// (reading the environment then) and is never destroyed: threads may still finish ops at exit.
+// It is always on, so the hooks are cheap (counted in the "1% more instructions per 4 KiB allreduce"
+// budget): issuing claims a slot with one atomic increment and fills it under that slot's own spin flag
+// (the dumper takes it to copy the slot); starting and finishing move the slot's state with one
+// compare-and-swap on its tag (id and state in one word, so an op older than the ring never touches
+// the newer op in its slot) and store a time. Nothing is allocated or formatted per op: names are the
+// OpRecord's static strings, groups are kept alive by the recorder for good (known ones are found among
+// a few pointers), and a failed op's error text is the only string stored, on the failure path. The
+// recorder starts at this process's first op (reading the environment then) and is never destroyed:
+// threads may still finish ops at exit.
 #include "comm/trace/flight_recorder.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <atomic>
 #include <cstdio>
 #include <cstring>
@@ -29,11 +35,18 @@ namespace {
 
 constexpr int kDefaultCapacity = 4096;
 
-// A ring slot: the entry and the flag that guards it.
+// A ring slot. `busy` guards `e` (written when the op is issued, read by the dumper); the rest is
+// written by the op's group thread without it.
 struct Slot {
   std::atomic<bool> busy{false};
+  std::atomic<uint64_t> tag{0};  // id << 2 | State
+  std::atomic<int64_t> started_us{0};
+  std::atomic<int64_t> finished_us{0};
+  std::atomic<const char*> algorithm{""};
   Entry e;
 };
+
+constexpr uint64_t tagOf(uint64_t id, State st) { return id << 2 | static_cast<uint64_t>(st); }
 
 class SlotGuard {
  public:
@@ -100,43 +113,54 @@ class Recorder {
   void issued(OpRecord& r) {
     const uint64_t id = next_.fetch_add(1, std::memory_order_relaxed) + 1;
     r.slot = id;
+    const GroupInfo* group = retain(r.group);
     Slot& s = slots_[(id - 1) % capacity_];
     SlotGuard g(s);
     Entry& e = s.e;
-    e.id = id;
-    e.group = r.group;
+    e.group = group;
     e.seq = r.seq;
     e.op = r.op;
     e.dtype = r.dtype;
-    e.algorithm = r.algorithm;
     e.count = r.count;
     e.bytes = r.bytes;
     e.root = r.root;
     e.npeers = static_cast<uint32_t>(r.peers.size());
     const size_t n = std::min(r.peers.size(), Entry::kInlinePeers);
     for (size_t i = 0; i < n; ++i) e.peers[i] = r.peers[i];
-    e.state = State::issued;
     e.issued_us = r.issued_us;
-    e.started_us = e.finished_us = 0;
     if (!e.error.empty()) e.error.clear();
+    s.started_us.store(0, std::memory_order_relaxed);
+    s.finished_us.store(0, std::memory_order_relaxed);
+    s.algorithm.store(r.algorithm, std::memory_order_relaxed);
+    s.tag.store(tagOf(id, State::issued), std::memory_order_release);
   }
 
+  // An op older than the ring (its slot holds a newer op) is not recorded: the swap fails.
   void started(const OpRecord& r) {
     Slot& s = slots_[(r.slot - 1) % capacity_];
-    SlotGuard g(s);
-    if (s.e.id != r.slot) return;  // overwritten: the op is older than the ring
-    s.e.state = State::started;
-    s.e.started_us = r.started_us;
+    uint64_t expect = tagOf(r.slot, State::issued);
+    if (s.tag.compare_exchange_strong(expect, tagOf(r.slot, State::started), std::memory_order_relaxed))
+      s.started_us.store(r.started_us, std::memory_order_relaxed);
   }
 
-  void finished(const OpRecord& r, const std::string* error) {
+  void completed(const OpRecord& r) {
     Slot& s = slots_[(r.slot - 1) % capacity_];
-    SlotGuard g(s);
-    if (s.e.id != r.slot) return;
-    s.e.state = error ? State::failed : State::completed;
-    s.e.finished_us = r.finished_us;
-    s.e.algorithm = r.algorithm;
-    if (error) s.e.error = *error;
+    uint64_t expect = s.tag.load(std::memory_order_relaxed);
+    if (expect >> 2 == r.slot &&
+        s.tag.compare_exchange_strong(expect, tagOf(r.slot, State::completed), std::memory_order_relaxed)) {
+      s.finished_us.store(r.finished_us, std::memory_order_relaxed);
+      s.algorithm.store(r.algorithm, std::memory_order_relaxed);
+    }
+  }
+
+  void failed(const OpRecord& r, const std::string& error) {
+    Slot& s = slots_[(r.slot - 1) % capacity_];
+    SlotGuard g(s);  // the error string is the dumper's to read under the flag
+    uint64_t expect = s.tag.load(std::memory_order_relaxed);
+    if (expect >> 2 != r.slot) return;
+    s.finished_us.store(r.finished_us, std::memory_order_relaxed);
+    s.e.error = error;
+    s.tag.store(tagOf(r.slot, State::failed), std::memory_order_relaxed);
   }
 
   // Counts a completed op in the launcher's progress file.
@@ -157,7 +181,15 @@ class Recorder {
     for (uint64_t id = first; id <= last; ++id) {
       Slot& s = slots_[(id - 1) % capacity_];
       SlotGuard g(s);
-      if (s.e.id == id) out.entries.push_back(s.e);  // else: claimed but not written yet, or overwritten
+      const uint64_t tag = s.tag.load(std::memory_order_acquire);
+      if (tag >> 2 != id) continue;  // claimed but not written yet, or overwritten since
+      out.entries.push_back(s.e);
+      Entry& e = out.entries.back();
+      e.id = id;
+      e.state = static_cast<State>(tag & 3);
+      e.started_us = s.started_us.load(std::memory_order_relaxed);
+      e.finished_us = s.finished_us.load(std::memory_order_relaxed);
+      e.algorithm = s.algorithm.load(std::memory_order_relaxed);
     }
     return out;
   }
@@ -196,8 +228,32 @@ class Recorder {
     __atomic_store_n(&progress_->magic, ::dtrain::trace::FlightProgress::kMagic, __ATOMIC_RELEASE);
   }
 
+  // The group as a pointer the recorder keeps valid: the first groups seen are found among a few
+  // pointers without a lock; others (and the first sight of any) take the mutex.
+  const GroupInfo* retain(const std::shared_ptr<const GroupInfo>& g) {
+    const GroupInfo* p = g.get();
+    for (const auto& k : known_) {
+      const GroupInfo* v = k.load(std::memory_order_acquire);
+      if (v == p) return p;
+      if (!v) break;
+    }
+    std::lock_guard<std::mutex> lock(groups_mu_);
+    if (std::find(groups_.begin(), groups_.end(), g) != groups_.end()) return p;
+    groups_.push_back(g);
+    for (auto& k : known_) {
+      const GroupInfo* v = k.load(std::memory_order_relaxed);
+      if (v) continue;
+      k.store(p, std::memory_order_release);
+      break;
+    }
+    return p;
+  }
+
   size_t capacity_ = 0;
   std::unique_ptr<Slot[]> slots_;
+  std::array<std::atomic<const GroupInfo*>, 8> known_{};
+  std::mutex groups_mu_;
+  std::vector<std::shared_ptr<const GroupInfo>> groups_;
   std::atomic<uint64_t> next_{0};
   std::string dir_, job_, stem_;
   int rank_ = -1;
@@ -260,11 +316,11 @@ void finished(OpRecord& r, const std::exception_ptr& error) {
   if (!rec) return;
   if (!error) {
     rec->progressed();
-    if (r.slot != 0) rec->finished(r, nullptr);
+    if (r.slot != 0) rec->completed(r);
     return;
   }
   const std::string why = errorText(error);
-  if (r.slot != 0) rec->finished(r, &why);
+  if (r.slot != 0) rec->failed(r, why);
   dumpOnFailure(why);
 }
 

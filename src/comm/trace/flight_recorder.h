@@ -17,11 +17,12 @@ enum class State : uint8_t { issued, started, completed, failed };
 const char* stateName(State s);
 
 // One op as the ring keeps it. Written on the hot path without allocating: names are the static
-// strings of the OpRecord, peers are kept inline (the first kInlinePeers; npeers counts them all).
+// strings of the OpRecord, peers are kept inline (the first kInlinePeers; npeers counts them all), the
+// group is one the recorder keeps alive for good (a process has few).
 struct Entry {
   static constexpr size_t kInlinePeers = 8;
   uint64_t id = 0;  // 1, 2, ... in issue order in this process; 0: an empty slot
-  std::shared_ptr<const GroupInfo> group;
+  const GroupInfo* group = nullptr;
   uint64_t seq = OpRecord::kNoSeq;
   const char* op = "";
   const char* dtype = "";
