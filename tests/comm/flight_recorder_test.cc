@@ -169,4 +169,25 @@ TEST(FlightRecorder, BufferSizeBoundsTheRing) {
   for (size_t i = 0; i < 8; ++i) EXPECT_EQ(d["entries"][i]["seq"], 12 + i);  // the newest 8, oldest first
 }
 
+// DTRAIN_TRACE_BUFFER=0 turns the recorder off: a failure writes no dump.
+TEST(FlightRecorder, BufferZeroTurnsItOff) {
+  StoreServer server;
+  TempDir dir;
+  auto results = runRanks(2, [&](int rank) {
+    ::setenv("DTRAIN_TRACE_BUFFER", "0", 1);
+    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
+    allreduceAndCheck(*pg, 2);
+    std::vector<float> x(16, 1.0f);
+    if (rank == 0) {
+      EXPECT_THROW(pg->abort("rank 0 cannot go on")->wait(), Error);
+    } else {
+      EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+    }
+  });
+  expectAllOk(results);
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_FALSE(std::ifstream(dir.path() + "/rank" + std::to_string(r) + ".json").good()) << "rank " << r;
+  }
+}
+
 }  // namespace
