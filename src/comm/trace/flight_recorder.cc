@@ -50,8 +50,10 @@ constexpr uint64_t tagOf(uint64_t id, State st) { return id << 2 | static_cast<u
 
 class SlotGuard {
  public:
+  // Held for a few stores (or the dumper's copy of one slot): spinning is cheaper than anything else.
   explicit SlotGuard(Slot& s) : s_(s) {
-    while (s_.busy.exchange(true, std::memory_order_acquire)) std::this_thread::yield();
+    while (s_.busy.exchange(true, std::memory_order_acquire)) {
+    }
   }
   ~SlotGuard() { s_.busy.store(false, std::memory_order_release); }
   SlotGuard(const SlotGuard&) = delete;
@@ -113,11 +115,15 @@ class Recorder {
   void issued(OpRecord& r) {
     const uint64_t id = next_.fetch_add(1, std::memory_order_relaxed) + 1;
     r.slot = id;
-    const GroupInfo* group = retain(r.group);
-    Slot& s = slots_[(id - 1) % capacity_];
+    fill(slots_[(id - 1) % capacity_], r, id);
+    // The group is alive while `r` is; it is kept alive for good before the op is issued.
+    if (!known(r.group.get())) retain(r.group);
+  }
+
+  void fill(Slot& s, const OpRecord& r, uint64_t id) {
     SlotGuard g(s);
     Entry& e = s.e;
-    e.group = group;
+    e.group = r.group.get();
     e.seq = r.seq;
     e.op = r.op;
     e.dtype = r.dtype;
@@ -128,10 +134,7 @@ class Recorder {
     const size_t n = std::min(r.peers.size(), Entry::kInlinePeers);
     for (size_t i = 0; i < n; ++i) e.peers[i] = r.peers[i];
     e.issued_us = r.issued_us;
-    if (!e.error.empty()) e.error.clear();
-    s.started_us.store(0, std::memory_order_relaxed);
-    s.finished_us.store(0, std::memory_order_relaxed);
-    s.algorithm.store(r.algorithm, std::memory_order_relaxed);
+    // started_us, finished_us, algorithm and the error are read only in the states that set them.
     s.tag.store(tagOf(id, State::issued), std::memory_order_release);
   }
 
@@ -187,9 +190,11 @@ class Recorder {
       Entry& e = out.entries.back();
       e.id = id;
       e.state = static_cast<State>(tag & 3);
-      e.started_us = s.started_us.load(std::memory_order_relaxed);
-      e.finished_us = s.finished_us.load(std::memory_order_relaxed);
-      e.algorithm = s.algorithm.load(std::memory_order_relaxed);
+      const bool ran = e.state != State::issued, ended = e.state == State::completed || e.state == State::failed;
+      e.started_us = ran ? s.started_us.load(std::memory_order_relaxed) : 0;
+      e.finished_us = ended ? s.finished_us.load(std::memory_order_relaxed) : 0;
+      e.algorithm = e.state == State::completed ? s.algorithm.load(std::memory_order_relaxed) : "";
+      if (e.state != State::failed) e.error.clear();
     }
     return out;
   }
@@ -228,25 +233,26 @@ class Recorder {
     __atomic_store_n(&progress_->magic, ::dtrain::trace::FlightProgress::kMagic, __ATOMIC_RELEASE);
   }
 
-  // The group as a pointer the recorder keeps valid: the first groups seen are found among a few
-  // pointers without a lock; others (and the first sight of any) take the mutex.
-  const GroupInfo* retain(const std::shared_ptr<const GroupInfo>& g) {
-    const GroupInfo* p = g.get();
+  // Groups are kept alive by the recorder for good, so that entries may point to them. The first
+  // groups seen are found among a few pointers without a lock; others take the mutex.
+  bool known(const GroupInfo* p) const {
     for (const auto& k : known_) {
       const GroupInfo* v = k.load(std::memory_order_acquire);
-      if (v == p) return p;
+      if (v == p) return true;
       if (!v) break;
     }
+    return false;
+  }
+
+  [[gnu::noinline, gnu::cold]] void retain(const std::shared_ptr<const GroupInfo>& g) {
     std::lock_guard<std::mutex> lock(groups_mu_);
-    if (std::find(groups_.begin(), groups_.end(), g) != groups_.end()) return p;
+    if (std::find(groups_.begin(), groups_.end(), g) != groups_.end()) return;
     groups_.push_back(g);
     for (auto& k : known_) {
-      const GroupInfo* v = k.load(std::memory_order_relaxed);
-      if (v) continue;
-      k.store(p, std::memory_order_release);
+      if (k.load(std::memory_order_relaxed)) continue;
+      k.store(g.get(), std::memory_order_release);
       break;
     }
-    return p;
   }
 
   size_t capacity_ = 0;
@@ -261,22 +267,27 @@ class Recorder {
   ::dtrain::trace::FlightProgress* progress_ = nullptr;
 };
 
-std::atomic<Recorder*> g_recorder{nullptr};
+std::atomic<Recorder*> g_recorder{nullptr};  // once started
+std::atomic<Recorder*> g_ring{nullptr};      // once started, when its ring is on
 
 std::string takeRequest() {
   Recorder* r = g_recorder.load(std::memory_order_acquire);
   return r ? r->takeRequest() : "";
 }
 
-// The recorder, started by the first op (whose group names this process's rank).
-Recorder& recorder(const OpRecord& first) {
+// The recorder, started by the first op (whose group names this process's rank). Out of line, like
+// every rare path here, so that the hooks' common paths stay short.
+[[gnu::noinline, gnu::cold]] void issuedFirst(OpRecord& first) {
   static Recorder* r = [&] {
     auto* rec = new Recorder(first);  // never destroyed: see the file's comment
     g_recorder.store(rec, std::memory_order_release);
-    if (rec->on()) watchSignal(&takeRequest);
+    if (rec->on()) {
+      watchSignal(&takeRequest);
+      g_ring.store(rec, std::memory_order_release);
+    }
     return rec;
   }();
-  return *r;
+  if (r->on()) r->issued(first);
 }
 
 std::string errorText(const std::exception_ptr& error) {
@@ -302,8 +313,8 @@ const char* stateName(State s) {
 }
 
 void issued(OpRecord& r) {
-  Recorder& rec = recorder(r);
-  if (rec.on()) rec.issued(r);
+  if (Recorder* rec = g_ring.load(std::memory_order_acquire)) return rec->issued(r);
+  issuedFirst(r);
 }
 
 void started(OpRecord& r) {
@@ -311,17 +322,20 @@ void started(OpRecord& r) {
   g_recorder.load(std::memory_order_relaxed)->started(r);
 }
 
-void finished(OpRecord& r, const std::exception_ptr& error) {
-  Recorder* rec = g_recorder.load(std::memory_order_relaxed);
-  if (!rec) return;
-  if (!error) {
-    rec->progressed();
-    if (r.slot != 0) rec->completed(r);
-    return;
-  }
+namespace {
+[[gnu::noinline, gnu::cold]] void failedOp(Recorder* rec, OpRecord& r, const std::exception_ptr& error) {
   const std::string why = errorText(error);
   if (r.slot != 0) rec->failed(r, why);
   dumpOnFailure(why);
+}
+}  // namespace
+
+void finished(OpRecord& r, const std::exception_ptr& error) {
+  Recorder* rec = g_recorder.load(std::memory_order_relaxed);
+  if (!rec) return;
+  if (error) return failedOp(rec, r, error);
+  rec->progressed();
+  if (r.slot != 0) rec->completed(r);
 }
 
 std::string dump(const std::string& reason) {
