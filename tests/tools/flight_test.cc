@@ -26,17 +26,17 @@ void expectContains(const std::string& text, const std::string& what) {
   EXPECT_NE(text.find(what), std::string::npos) << "missing: " << what << "\n--- in:\n" << text;
 }
 
-// Runs the 4-rank flight_worker job in `mode` under --hang-timeout 3 (collectives time out after 60 s,
+// Runs the 4-rank flight_worker job in `mode` under --hang-timeout 4 (collectives time out after 60 s,
 // so only the launcher can stop it in time), checks that the launcher's diagnosis and dtrain-trace
 // analyze's on the dumps it collected both contain every line of `diagnosis`, and returns the latter.
 std::string checkHungJob(const std::string& mode, const std::vector<std::string>& diagnosis) {
   TempDir dir;
   auto [code, out] = runCommand("env DTRAIN_TIMEOUT=60 DTRAIN_FLIGHT_DIR=" + dir.path() + " " + kLauncher +
-                                    " --standalone --nproc-per-node 4 --hang-timeout 3 --grace-period 2 " + kWorker +
+                                    " --standalone --nproc-per-node 4 --hang-timeout 4 --grace-period 2 " + kWorker +
                                     " " + mode + " 2>&1",
                                 50);
   EXPECT_EQ(code, 124) << out;  // the launcher's hang exit code, well within the command's 50 s
-  expectContains(out, "the job is hung: no rank on this node completed an op for 3s");
+  expectContains(out, "the job is hung: no rank on this node completed an op for 4s");
   for (int r = 0; r < 4; ++r) expectContains(out, fmt::format("attempt_0/rank{}.json", r));
   auto [analyze_code, analysis] = runCommand(kTrace + " analyze " + dir.path() + "/attempt_0 2>&1", 30);
   EXPECT_EQ(analyze_code, 0) << analysis;

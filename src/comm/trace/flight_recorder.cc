@@ -345,8 +345,8 @@ std::string dump(const std::string& reason) {
   Snapshot s = rec->snapshot();
   try {
     std::string path = writeDumpFile(rec->dir(), s.file_stem, formatDump(s, reason, ::dtrain::trace::openSpans()));
-    rec->dumped();
     std::fprintf(stderr, "[rank %d] dtrain flight recorder: %s: wrote %s\n", s.rank, reason.c_str(), path.c_str());
+    rec->dumped();  // after saying so: a launcher waiting for it may stop this process next
     return path;
   } catch (const std::exception& e) {
     std::fprintf(stderr, "[rank %d] dtrain flight recorder: %s: no dump: %s\n", s.rank, reason.c_str(), e.what());
