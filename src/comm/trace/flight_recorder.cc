@@ -80,7 +80,7 @@ std::string jobName(const rendezvous::Environment& env) {
   const char* addr = env.get("MASTER_ADDR");
   const char* port = env.get("MASTER_PORT");
   if (addr && port) return fileSafe(fmt::format("{}-{}", addr, port));
-  return fmt::format("pid{}", ::getpid());
+  return "";  // a group built by hand: no name the ranks share
 }
 
 class Recorder {
@@ -91,6 +91,7 @@ class Recorder {
     job_ = jobName(env);
     const char* tmp = env.get("TMPDIR");
     dir_ = env.get("DTRAIN_FLIGHT_DIR") ? env.get("DTRAIN_FLIGHT_DIR")
+           : job_.empty()               ? fmt::format("{}/dtrain-flight", tmp ? tmp : "/tmp")
                                         : fmt::format("{}/dtrain-flight-{}", tmp ? tmp : "/tmp", job_);
     if (first.group) {
       const GroupInfo& g = *first.group;
@@ -345,7 +346,9 @@ std::string dump(const std::string& reason) {
   Snapshot s = rec->snapshot();
   try {
     std::string path = writeDumpFile(rec->dir(), s.file_stem, formatDump(s, reason, ::dtrain::trace::openSpans()));
-    std::fprintf(stderr, "[rank %d] dtrain flight recorder: %s: wrote %s\n", s.rank, reason.c_str(), path.c_str());
+    // The reason in full is in the file; an error message can be long.
+    const std::string said = reason.size() > 160 ? reason.substr(0, 157) + "..." : reason;
+    std::fprintf(stderr, "[rank %d] dtrain flight recorder: %s: wrote %s\n", s.rank, said.c_str(), path.c_str());
     rec->dumped();  // after saying so: a launcher waiting for it may stop this process next
     return path;
   } catch (const std::exception& e) {
