@@ -64,6 +64,19 @@ TEST(HangDiagnosis, RankHangsInSpan) {
   });
 }
 
+// Workers that never issue an op (here not even dtrain programs) are stopped too; none is signaled,
+// and the launcher says why there is no diagnosis.
+TEST(HangDiagnosis, WorkersWithoutRecorder) {
+  TempDir dir;
+  auto [code, out] = runCommand("env DTRAIN_FLIGHT_DIR=" + dir.path() + " " + kLauncher +
+                                    " --standalone --nproc-per-node 2 --hang-timeout 1 --grace-period 1 sleep 30 2>&1",
+                                30);
+  EXPECT_EQ(code, 124) << out;
+  expectContains(out, "rank 0 has no flight recorder running (no op issued yet, or DTRAIN_TRACE_BUFFER=0)");
+  expectContains(out, "rank 1 has no flight recorder running");
+  expectContains(out, "no hang diagnosis: no flight-recorder dump (rank<R>.json) in " + dir.path() + "/attempt_0");
+}
+
 // A dump as the recorder writes it, with the fields the analysis reads.
 nlohmann::json dump(int rank, const std::string& host, int64_t steady_offset) {
   return {{"format", "dtrain-flight-recorder"},
