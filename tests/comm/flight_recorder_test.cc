@@ -8,6 +8,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <thread>
 
@@ -24,13 +25,20 @@ using comm::DType;
 using comm::ProcessGroup;
 using Clock = std::chrono::steady_clock;
 
-std::shared_ptr<ProcessGroup> makeGroup(const StoreServer& server, int rank, int world, std::chrono::milliseconds timeout,
-                                        const std::string& dir) {
-  ::setenv("DTRAIN_FLIGHT_DIR", dir.c_str(), 1);
-  comm::GroupOptions o;
-  o.name = "world";
-  o.timeout = timeout;
-  return ProcessGroup::create(server.client(), rank, world, o);
+// Runs fn(rank, group) in 2 forked ranks (a group named "world" with ops timing out after `timeout`)
+// whose recorders dump to `dir`; `buffer`: their DTRAIN_TRACE_BUFFER. Fails unless both succeed.
+void runPair(const std::string& dir, std::chrono::milliseconds timeout, const std::function<void(int, ProcessGroup&)>& fn,
+             const char* buffer = nullptr) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    ::setenv("DTRAIN_FLIGHT_DIR", dir.c_str(), 1);  // read at the first op
+    if (buffer) ::setenv("DTRAIN_TRACE_BUFFER", buffer, 1);
+    comm::GroupOptions o;
+    o.name = "world";
+    o.timeout = timeout;
+    fn(rank, *ProcessGroup::create(server.client(), rank, 2, o));
+  });
+  expectAllOk(results);
 }
 
 nlohmann::json readDump(const std::string& path) {
@@ -56,18 +64,15 @@ void allreduceAndCheck(ProcessGroup& pg, int world) {
 }
 
 TEST(FlightRecorder, SignalDumpsWithoutDisturbingTheRun) {
-  StoreServer server;
   TempDir dir;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
-    for (int i = 0; i < 5; ++i) allreduceAndCheck(*pg, 2);
+  runPair(dir.path(), std::chrono::seconds(20), [&](int rank, ProcessGroup& pg) {
+    for (int i = 0; i < 5; ++i) allreduceAndCheck(pg, 2);
     if (rank == 0) {
       DTRAIN_SPAN("checking the dump");
       signalAndWaitForDump(dir.path() + "/rank0.json");
     }
-    for (int i = 0; i < 5; ++i) allreduceAndCheck(*pg, 2);  // the run goes on, results unchanged
+    for (int i = 0; i < 5; ++i) allreduceAndCheck(pg, 2);  // the run goes on, results unchanged
   });
-  expectAllOk(results);
   auto d = readDump(dir.path() + "/rank0.json");
   ASSERT_FALSE(d.is_null());
   EXPECT_EQ(d["rank"], 0);
@@ -93,19 +98,16 @@ TEST(FlightRecorder, SignalDumpsWithoutDisturbingTheRun) {
 }
 
 TEST(FlightRecorder, TimeoutWritesADump) {
-  StoreServer server;
   TempDir dir;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = makeGroup(server, rank, 2, std::chrono::milliseconds(1000), dir.path());
-    allreduceAndCheck(*pg, 2);
+  runPair(dir.path(), std::chrono::milliseconds(1000), [&](int rank, ProcessGroup& pg) {
+    allreduceAndCheck(pg, 2);
     if (rank == 1) {  // stays connected but never joins the second allreduce
       std::this_thread::sleep_for(std::chrono::seconds(3));
       return;
     }
     std::vector<float> x(16, 1.0f);
-    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), TimeoutError);
+    EXPECT_THROW(pg.allreduce(x.data(), x.size(), DType::f32)->wait(), TimeoutError);
   });
-  expectAllOk(results);
   auto d = readDump(dir.path() + "/rank0.json");
   ASSERT_FALSE(d.is_null());
   EXPECT_NE(d["reason"].get<std::string>().find("timed out"), std::string::npos) << d["reason"];
@@ -120,17 +122,15 @@ TEST(FlightRecorder, TimeoutWritesADump) {
 // Rank 0 aborts the group while rank 1 waits in an allreduce: both fail, and both dump once (rank 1's
 // later op, failing with the same error, writes no second dump).
 TEST(FlightRecorder, AbortWritesADumpOnEveryRank) {
-  StoreServer server;
   TempDir dir;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
-    allreduceAndCheck(*pg, 2);
+  runPair(dir.path(), std::chrono::seconds(20), [&](int rank, ProcessGroup& pg) {
+    allreduceAndCheck(pg, 2);
     std::vector<float> x(16, 1.0f);
     if (rank == 0) {
-      EXPECT_THROW(pg->abort("rank 0 cannot go on")->wait(), Error);
+      EXPECT_THROW(pg.abort("rank 0 cannot go on")->wait(), Error);
       return;
     }
-    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+    EXPECT_THROW(pg.allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
     const std::string mine = dir.path() + "/rank1.json";
     auto d = readDump(mine);  // written before the error reached this thread
     ASSERT_FALSE(d.is_null());
@@ -138,10 +138,9 @@ TEST(FlightRecorder, AbortWritesADumpOnEveryRank) {
     EXPECT_EQ(d["entries"].back()["op"], "allreduce");
     EXPECT_EQ(d["entries"].back()["state"], "failed");
     std::remove(mine.c_str());
-    EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+    EXPECT_THROW(pg.allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
     EXPECT_FALSE(std::ifstream(mine).good()) << "a second failure dumped again";
   });
-  expectAllOk(results);
   auto d = readDump(dir.path() + "/rank0.json");
   ASSERT_FALSE(d.is_null());
   EXPECT_NE(d["reason"].get<std::string>().find("rank 0 cannot go on"), std::string::npos) << d["reason"];
@@ -150,16 +149,15 @@ TEST(FlightRecorder, AbortWritesADumpOnEveryRank) {
 }
 
 TEST(FlightRecorder, BufferSizeBoundsTheRing) {
-  StoreServer server;
   TempDir dir;
-  auto results = runRanks(2, [&](int rank) {
-    ::setenv("DTRAIN_TRACE_BUFFER", "8", 1);
-    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
-    for (int i = 0; i < 20; ++i) allreduceAndCheck(*pg, 2);
-    if (rank == 1) signalAndWaitForDump(dir.path() + "/rank1.json");
-    pg->barrier()->wait();
-  });
-  expectAllOk(results);
+  runPair(
+      dir.path(), std::chrono::seconds(20),
+      [&](int rank, ProcessGroup& pg) {
+        for (int i = 0; i < 20; ++i) allreduceAndCheck(pg, 2);
+        if (rank == 1) signalAndWaitForDump(dir.path() + "/rank1.json");
+        pg.barrier()->wait();
+      },
+      "8");
   auto d = readDump(dir.path() + "/rank1.json");
   ASSERT_FALSE(d.is_null());
   EXPECT_EQ(d["capacity"], 8);
@@ -171,20 +169,19 @@ TEST(FlightRecorder, BufferSizeBoundsTheRing) {
 
 // DTRAIN_TRACE_BUFFER=0 turns the recorder off: a failure writes no dump.
 TEST(FlightRecorder, BufferZeroTurnsItOff) {
-  StoreServer server;
   TempDir dir;
-  auto results = runRanks(2, [&](int rank) {
-    ::setenv("DTRAIN_TRACE_BUFFER", "0", 1);
-    auto pg = makeGroup(server, rank, 2, std::chrono::seconds(20), dir.path());
-    allreduceAndCheck(*pg, 2);
-    std::vector<float> x(16, 1.0f);
-    if (rank == 0) {
-      EXPECT_THROW(pg->abort("rank 0 cannot go on")->wait(), Error);
-    } else {
-      EXPECT_THROW(pg->allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
-    }
-  });
-  expectAllOk(results);
+  runPair(
+      dir.path(), std::chrono::seconds(20),
+      [&](int rank, ProcessGroup& pg) {
+        allreduceAndCheck(pg, 2);
+        std::vector<float> x(16, 1.0f);
+        if (rank == 0) {
+          EXPECT_THROW(pg.abort("rank 0 cannot go on")->wait(), Error);
+        } else {
+          EXPECT_THROW(pg.allreduce(x.data(), x.size(), DType::f32)->wait(), Error);
+        }
+      },
+      "0");
   for (int r = 0; r < 2; ++r) {
     EXPECT_FALSE(std::ifstream(dir.path() + "/rank" + std::to_string(r) + ".json").good()) << "rank " << r;
   }
