@@ -27,8 +27,8 @@ using Clock = std::chrono::steady_clock;
 
 // Runs fn(rank, group) in 2 forked ranks (a group named "world" with ops timing out after `timeout`)
 // whose recorders dump to `dir`; `buffer`: their DTRAIN_TRACE_BUFFER. Fails unless both succeed.
-void runPair(const std::string& dir, std::chrono::milliseconds timeout, const std::function<void(int, ProcessGroup&)>& fn,
-             const char* buffer = nullptr) {
+void runPair(const std::string& dir, std::chrono::milliseconds timeout,
+             const std::function<void(int, ProcessGroup&)>& fn, const char* buffer = nullptr) {
   StoreServer server;
   auto results = runRanks(2, [&](int rank) {
     ::setenv("DTRAIN_FLIGHT_DIR", dir.c_str(), 1);  // read at the first op

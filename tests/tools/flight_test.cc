@@ -96,7 +96,8 @@ nlohmann::json dump(int rank, const std::string& host, int64_t steady_offset) {
           {"threads", nlohmann::json::array()}};
 }
 
-void addOp(nlohmann::json& d, int seq, const std::string& state, int64_t started_wall_offset_us, int64_t steady_offset) {
+void addOp(nlohmann::json& d, int seq, const std::string& state, int64_t started_wall_offset_us,
+           int64_t steady_offset) {
   const int64_t started = 100'000 + started_wall_offset_us + steady_offset;
   d["entries"].push_back({{"id", seq + 1},     {"group", "world"}, {"seq", seq},      {"op", "allreduce"},
                           {"dtype", "f32"},    {"count", 1024},    {"bytes", 4096},   {"state", state},
@@ -119,7 +120,8 @@ TEST(FlightAnalysis, StragglersAcrossHostsAndMissingRank) {
   addOp(r2, 1, "completed", 110'000, ahead);
   addOp(r0, 2, "started", 200'000, 0);
   addOp(r1, 2, "started", 200'000, 0);
-  r2["threads"].push_back({{"thread", 1}, {"name", "main"}, {"spans", {{{"name", "eval"}, {"since_us", 1}, {"open_us", 1'500'000}}}}});
+  r2["threads"].push_back(
+      {{"thread", 1}, {"name", "main"}, {"spans", {{{"name", "eval"}, {"since_us", 1}, {"open_us", 1'500'000}}}}});
   for (const auto& [name, d] : {std::pair{"rank0.json", r0}, std::pair{"rank1.json", r1}, std::pair{"rank2.json", r2}})
     std::ofstream(dir.path() + "/" + name) << d.dump(2);
   auto [code, out] = runCommand(kTrace + " analyze " + dir.path() + " 2>&1", 30);
@@ -150,7 +152,8 @@ TEST(FlightAnalysis, PointToPointInFlight) {
   EXPECT_EQ(code, 0) << out;
   expectContains(out, "No dump from ranks 2 and 3 (of a world of 4).");
   expectContains(out, "No collective is stuck");
-  expectContains(out, "Ops in flight: rank 0 waits in recv of group world with rank 1 (issued 500.0 ms before its dump).");
+  expectContains(out,
+                 "Ops in flight: rank 0 waits in recv of group world with rank 1 (issued 500.0 ms before its dump).");
 }
 
 TEST(FlightAnalysis, NamesAFileThatDoesNotParseAndAnEmptyDirectory) {

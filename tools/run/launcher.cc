@@ -330,8 +330,8 @@ Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_un
   if (opts_.hang_timeout.count() > 0) {
     // The user's DTRAIN_FLIGHT_DIR (a shared file system gathers every node's dumps), else this run's.
     const char* user = std::getenv("DTRAIN_FLIGHT_DIR");
-    flight_dir_ = user && *user ? user
-                                : (run_log_dir_.empty() ? makeRunLogDir("", opts_.node_rank) : run_log_dir_) + "/flight";
+    const std::string run_dir = run_log_dir_.empty() ? makeRunLogDir("", opts_.node_rank) : run_log_dir_;
+    flight_dir_ = user && *user ? user : run_dir + "/flight";
     makeDir(flight_dir_);
     say("flight-recorder dumps go to {}/attempt_<restart>", flight_dir_);
   }
@@ -555,7 +555,8 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   std::optional<HangWatch> hang;
   if (opts_.hang_timeout.count() > 0) {
     std::vector<int> ranks;
-    for (int local = 0; local < opts_.nproc_per_node; ++local) ranks.push_back(opts_.node_rank * opts_.nproc_per_node + local);
+    for (int local = 0; local < opts_.nproc_per_node; ++local)
+      ranks.push_back(opts_.node_rank * opts_.nproc_per_node + local);
     hang.emplace(opts_.hang_timeout, fmt::format("{}/attempt_{}", flight_dir_, restart), ranks);
   }
   std::vector<std::unique_ptr<Child>> kids;

@@ -62,7 +62,9 @@ Dump parseDump(const std::string& path) {
   d.file = path;
   try {
     json j = json::parse(in);
-    if (j.value("format", "") != "dtrain-flight-recorder") throw std::runtime_error("no \"format\": \"dtrain-flight-recorder\"");
+    if (j.value("format", "") != "dtrain-flight-recorder") {
+      throw std::runtime_error("no \"format\": \"dtrain-flight-recorder\"");
+    }
     d.rank = j.at("rank").get<int>();
     d.world_size = j.at("world_size").get<int>();
     d.host = j.value("host", "");
@@ -74,6 +76,9 @@ Dump parseDump(const std::string& path) {
     for (const auto& e : j.at("entries")) {
       Op o;
       o.group = e.at("group").get<std::string>();
+      if (!d.groups.count(o.group)) {
+        throw std::runtime_error(fmt::format("group '{}' of an entry is not in \"groups\"", o.group));
+      }
       o.seq = numberOr(e, "seq", -1);
       o.op = e.at("op").get<std::string>();
       o.dtype = e.value("dtype", "");
@@ -268,8 +273,8 @@ class Analysis {
     std::string out = fmt::format("The job is stuck in {} ({}, {} x {}; group of {}).", describe(*sample),
                                   rankList(group), sample->dtype, sample->count, group.size());
     if (!by[Part::waiting].empty()) {
-      out += fmt::format(" {} issued it and never finished it (waiting up to {}).", capital(rankList(by[Part::waiting])),
-                         duration(wait_us));
+      out += fmt::format(" {} issued it and never finished it (waiting up to {}).",
+                         capital(rankList(by[Part::waiting])), duration(wait_us));
     }
     for (int r : by[Part::failed]) {
       out += fmt::format(" Rank {} issued it and it failed: {}", r, find(*by_rank_.at(r), *k)->error);

@@ -220,8 +220,8 @@ class Recorder {
   // is reported, and the recorder runs without it.
   void mapProgress(const char* path) {
     int fd = ::open(path, O_RDWR | O_CLOEXEC);
-    void* p = fd < 0 ? MAP_FAILED
-                     : ::mmap(nullptr, sizeof(::dtrain::trace::FlightProgress), PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+    constexpr size_t kBytes = sizeof(::dtrain::trace::FlightProgress);
+    void* p = fd < 0 ? MAP_FAILED : ::mmap(nullptr, kBytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     int err = errno;
     if (fd >= 0) ::close(fd);
     if (p == MAP_FAILED) {

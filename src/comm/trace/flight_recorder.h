@@ -49,7 +49,8 @@ struct Snapshot {
 };
 
 // The dump's JSON text (flight_dump.cc).
-std::string formatDump(const Snapshot& s, const std::string& reason, const std::vector<::dtrain::trace::OpenSpans>& spans);
+std::string formatDump(const Snapshot& s, const std::string& reason,
+                       const std::vector<::dtrain::trace::OpenSpans>& spans);
 // Writes `text` to dir/stem.json through a temporary file and a rename, creating dir; IoError naming the
 // file otherwise. Returns the file's path.
 std::string writeDumpFile(const std::string& dir, const std::string& stem, const std::string& text);
