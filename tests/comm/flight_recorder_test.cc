@@ -97,6 +97,28 @@ TEST(FlightRecorder, SignalDumpsWithoutDisturbingTheRun) {
   EXPECT_TRUE(span_seen) << d["threads"].dump();
 }
 
+volatile sig_atomic_t g_user_handler_ran = 0;
+
+// A handler the program installed before its first op keeps running: the recorder calls it after
+// noting the signal.
+TEST(FlightRecorder, SignalChainsToTheProgramsEarlierHandler) {
+  TempDir dir;
+  runPair(dir.path(), std::chrono::seconds(20), [&](int rank, ProcessGroup& pg) {
+    if (rank == 0) {
+      struct sigaction sa {};
+      sa.sa_handler = [](int) { g_user_handler_ran = 1; };
+      sigemptyset(&sa.sa_mask);
+      ASSERT_EQ(::sigaction(SIGUSR1, &sa, nullptr), 0);
+    }
+    allreduceAndCheck(pg, 2);  // the recorder starts here
+    if (rank == 0) {
+      signalAndWaitForDump(dir.path() + "/rank0.json");
+      EXPECT_EQ(g_user_handler_ran, 1);
+    }
+    allreduceAndCheck(pg, 2);
+  });
+}
+
 TEST(FlightRecorder, TimeoutWritesADump) {
   TempDir dir;
   runPair(dir.path(), std::chrono::milliseconds(1000), [&](int rank, ProcessGroup& pg) {
