@@ -25,15 +25,20 @@ namespace {
 
 constexpr int kSteps = 3;
 
+// Rank `rank` of 2, its timeline in `dir`, on the default transport.
+std::shared_ptr<comm::ProcessGroup> startRank(const StoreServer& server, int rank, const std::string& dir) {
+  for (const char* v : {"DTRAIN_TRANSPORT", "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_TIMELINE_SKEW_US"})
+    unsetenv(v);
+  setRankEnv(server, rank, 2);
+  setenv("DTRAIN_TIMELINE", dir.c_str(), 1);
+  return comm::initWorld();
+}
+
 TEST(DDPTimeline, EveryBucketsAllreduceOnBothRanks) {
   TempDir dir;
   StoreServer server;
   auto results = runRanks(2, [&](int rank) {
-    for (const char* v : {"DTRAIN_TRANSPORT", "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_TIMELINE_SKEW_US"})
-      unsetenv(v);
-    setRankEnv(server, rank, 2);
-    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
-    auto world = comm::initWorld();
+    auto world = startRank(server, rank, dir.path());
     Net model = makeNet();
     DDPOptions o;
     o.bucket_bytes = o.first_bucket_bytes = 256;  // several buckets
@@ -110,11 +115,7 @@ TEST(DDPTimeline, PipelineMicroBatchesAndCheckpointSave) {
   StoreServer server;
   constexpr int kMicro = 3;
   auto results = runRanks(2, [&](int rank) {
-    for (const char* v : {"DTRAIN_TRANSPORT", "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_TIMELINE_SKEW_US"})
-      unsetenv(v);
-    setRankEnv(server, rank, 2);
-    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
-    auto world = comm::initWorld();
+    auto world = startRank(server, rank, dir.path());
     torch::manual_seed(3);
     torch::nn::Sequential stage = rank == 0 ? torch::nn::Sequential(torch::nn::Linear(6, 8), torch::nn::Tanh())
                                             : torch::nn::Sequential(torch::nn::Linear(8, 3));

@@ -9,6 +9,16 @@ namespace {
 thread_local bool t_named = false;
 }  // namespace
 
+std::string errorText(const std::exception_ptr& error) {
+  try {
+    std::rethrow_exception(error);
+  } catch (const std::exception& e) {
+    return e.what();
+  } catch (...) {
+    return "an exception that is not a std::exception";
+  }
+}
+
 void opIssued(OpRecord& r) {
   r.issued_us = nowUs();
   flight::issued(r);

@@ -3,6 +3,7 @@
 // writer thread (timeline_writer.cc) formats them. Nothing here takes a lock or formats text per event.
 #include <algorithm>
 #include <cstring>
+#include <iterator>
 
 #include "comm/trace/timeline_buffer.h"
 #include "comm/transport/transport.h"
@@ -71,21 +72,21 @@ uint64_t flowId(uint64_t group_hash, uint64_t seq, int src, int dst, uint64_t k)
   return h & ((uint64_t{1} << 53) - 1);
 }
 
-void fillArgs(Event& e, Arg a, Arg b, Arg c, Arg d) {
-  e.args[0] = a;
-  e.args[1] = b;
-  e.args[2] = c;
-  e.args[3] = d;
-}
-
-std::string errorText(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& x) {
-    return x.what();
-  } catch (...) {
-    return "unknown error";
-  }
+// A span or async slice named prefix + index, with args.
+void named(Event::Kind kind, const char* prefix, int64_t index, const char* category, int64_t start_us,
+           int64_t end_us, const Arg (&args)[4]) {
+  ThreadBuffer& buf = threadBuffer();
+  Event& e = buf.next(0);
+  e.kind = kind;
+  e.name = prefix;
+  e.index = index;
+  e.cat = category;
+  e.ts = start_us;
+  e.dur = end_us - start_us;
+  if (kind == Event::kAsync)
+    e.id = flowId(fnv(kFnvBasis, prefix, std::strlen(prefix)), 0, 0, 0, static_cast<uint64_t>(index));
+  std::copy(std::begin(args), std::end(args), e.args);
+  buf.publish();
 }
 
 }  // namespace
@@ -161,31 +162,12 @@ void span(const char* name, const char* category, int64_t start_us, int64_t end_
 
 void span(const char* prefix, int64_t index, const char* category, int64_t start_us, int64_t end_us, Arg a,
           Arg b, Arg c, Arg d) {
-  ThreadBuffer& buf = threadBuffer();
-  Event& e = buf.next(0);
-  e.kind = Event::kSpan;
-  e.name = prefix;
-  e.index = index;
-  e.cat = category;
-  e.ts = start_us;
-  e.dur = end_us - start_us;
-  fillArgs(e, a, b, c, d);
-  buf.publish();
+  named(Event::kSpan, prefix, index, category, start_us, end_us, {a, b, c, d});
 }
 
 void asyncSpan(const char* prefix, int64_t index, const char* category, int64_t start_us, int64_t end_us, Arg a,
                Arg b, Arg c, Arg d) {
-  ThreadBuffer& buf = threadBuffer();
-  Event& e = buf.next(0);
-  e.kind = Event::kAsync;
-  e.name = prefix;
-  e.index = index;
-  e.cat = category;
-  e.ts = start_us;
-  e.dur = end_us - start_us;
-  e.id = flowId(fnv(kFnvBasis, prefix, std::strlen(prefix)), 0, 0, 0, static_cast<uint64_t>(index));
-  fillArgs(e, a, b, c, d);
-  buf.publish();
+  named(Event::kAsync, prefix, index, category, start_us, end_us, {a, b, c, d});
 }
 
 void op(const OpRecord& r, const std::exception_ptr& error) {

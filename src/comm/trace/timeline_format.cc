@@ -84,15 +84,11 @@ void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t ske
   const int64_t ts = e.ts + skew_us;
   switch (e.kind) {
     case Event::kSpan:
-      appendCommon(out, "X", e, pid, tid, ts);
-      fmt::format_to(std::back_inserter(out), ",\"dur\":{}", e.dur);
-      appendArgs(out, e);
-      out += '}';
-      return;
     case Event::kOp:
       appendCommon(out, "X", e, pid, tid, ts);
       fmt::format_to(std::back_inserter(out), ",\"dur\":{}", e.dur);
-      appendOpArgs(out, e);
+      if (e.kind == Event::kOp) appendOpArgs(out, e);
+      else appendArgs(out, e);
       out += '}';
       return;
     case Event::kAsync:  // a begin and an end, on one line

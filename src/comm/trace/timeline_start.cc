@@ -88,6 +88,7 @@ Config configFrom(const rendezvous::Environment& env) {
 void startWorld(const Config& c, ProcessGroup& world, Store* store, const std::string& host) {
   const int rank = world.rank();
   const bool on = !c.dir.empty();
+  if (on && timeline::on()) return;  // a second world in this process: the timeline goes on in its file
   if (world.size() > 1) store->set(key(rank), toBytes(on ? "1" : "0"));
   if (!on) return;
   namespace fs = std::filesystem;
