@@ -10,6 +10,7 @@
 #include <fstream>
 #include <set>
 
+#include "comm/trace/trace_internal.h"
 #include "dtrain/comm/comm.h"
 #include "dtrain/trace.h"
 #include "rendezvous_env.h"
@@ -173,6 +174,17 @@ TEST_F(Timeline, MergeKeepsACutFileAndNamesACorruptOne) {
   Merged junk = mergeTimeline(dir.path());
   EXPECT_EQ(junk.exit_code, 1);
   EXPECT_NE(junk.output.find("trace-rank0.json is not a dtrain timeline"), std::string::npos) << junk.output;
+}
+
+// The trace clock is the steady clock that Work::finishedAt() and the DDP bucket events convert.
+TEST(TimelineClock, IsTheSteadyClock) {
+  for (int i = 0; i < 5; ++i) {
+    const int64_t a = comm::trace::usOf(std::chrono::steady_clock::now());
+    const int64_t t = dtrain::trace::nowUs();
+    const int64_t b = comm::trace::usOf(std::chrono::steady_clock::now());
+    EXPECT_LE(a, t);
+    EXPECT_LE(t, b);
+  }
 }
 
 }  // namespace

@@ -1,8 +1,9 @@
 // Spans: a stack per thread of the spans open on it, registered process-wide so that another thread
 // (the flight recorder's dumper) can list them; closing a span writes it to the timeline when it is on.
+#include <time.h>
+
 #include <algorithm>
 #include <atomic>
-#include <chrono>
 #include <mutex>
 
 #include "comm/trace/trace_internal.h"
@@ -59,9 +60,12 @@ ThreadSpans& mine() {
 
 }  // namespace
 
+// CLOCK_MONOTONIC is steady_clock's clock (usOf() converts its time points alike); read directly, it
+// costs a third less than through chrono, and every op reads it three times (the flight recorder's times).
 int64_t nowUs() {
-  return std::chrono::duration_cast<std::chrono::microseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000 + ts.tv_nsec / 1000;
 }
 
 bool timelineOn() { return comm::trace::timeline::on(); }
