@@ -3,6 +3,12 @@
 // offset it measured at start-up (otherData.clock_offset_us), sorted by time. Perfetto
 // (ui.perfetto.dev) and chrome://tracing open the result.
 //
+// The measured offsets are off by up to half their round trip. Messages bound them further: a message
+// from rank A to rank B is received after it was sent, so B's offset minus A's is at least the send
+// time minus the receive time. Where a measured offset breaks such a bound (by a few microseconds when
+// the ranks share a core), it moves just enough to keep every message's receive after its send, and
+// the move is printed beside the measurement.
+//
 // A rank that died mid-write leaves a file cut inside its last event: its whole events are kept and
 // the cut is reported. Any other file that does not parse is an error naming it and the line.
 #include <fmt/format.h>
@@ -32,7 +38,8 @@ struct RankTrace {
   json other = json::object();  // otherData
   std::vector<json> events;
   bool truncated = false;
-  int64_t offset_us = 0;
+  int64_t measured_us = 0;  // otherData.clock_offset_us
+  int64_t offset_us = 0;    // applied: measured, moved to respect the messages' order
 };
 
 std::string readAll(const fs::path& p) {
@@ -116,6 +123,49 @@ std::map<int, RankTrace> readAllRanks(const std::string& dir) {
   return ranks;
 }
 
+// The bounds messages set: for each pair of ranks (A, B) with a message from A to B, the least value of
+// offset(B) - offset(A) that puts every receive at or after its send (raw timestamps).
+std::map<std::pair<int, int>, int64_t> messageBounds(const std::map<int, RankTrace>& ranks) {
+  std::map<uint64_t, std::pair<int, int64_t>> sent;
+  for (const auto& [rank, t] : ranks)
+    for (const auto& e : t.events)
+      if (e.value("ph", "") == "s" && e.contains("id")) sent[e["id"].get<uint64_t>()] = {rank, e["ts"].get<int64_t>()};
+  std::map<std::pair<int, int>, int64_t> bounds;
+  for (const auto& [rank, t] : ranks) {
+    for (const auto& e : t.events) {
+      if (e.value("ph", "") != "f" || !e.contains("id")) continue;
+      auto it = sent.find(e["id"].get<uint64_t>());
+      if (it == sent.end() || it->second.first == rank) continue;
+      const int64_t need = it->second.second - e["ts"].get<int64_t>();
+      auto [b, fresh] = bounds.try_emplace({it->second.first, rank}, need);
+      if (!fresh) b->second = std::max(b->second, need);
+    }
+  }
+  return bounds;
+}
+
+// Moves the offsets (the lowest rank's stays) until every bound holds: Bellman-Ford on the difference
+// constraints, each move the smallest that fixes one. False when they cannot all hold (clocks that
+// drifted apart during a long run): the offsets are then left as measured.
+bool respectMessages(std::map<int, RankTrace>& ranks) {
+  const auto bounds = messageBounds(ranks);
+  const int reference = ranks.begin()->first;
+  for (size_t round = 0; round <= ranks.size(); ++round) {
+    bool moved = false;
+    for (const auto& [pair, need] : bounds) {
+      auto& a = ranks[pair.first].offset_us;
+      auto& b = ranks[pair.second].offset_us;
+      if (b - a >= need) continue;
+      if (pair.second != reference) b = a + need;
+      else a = b - need;
+      moved = true;
+    }
+    if (!moved) return true;
+  }
+  for (auto& [rank, t] : ranks) t.offset_us = t.measured_us;
+  return false;
+}
+
 // Messages whose receive appears before their send after alignment, and by how much at most.
 std::pair<size_t, int64_t> causalityViolations(const std::vector<json>& events) {
   std::map<uint64_t, int64_t> sent;
@@ -141,6 +191,9 @@ void printRank(int rank, const RankTrace& t) {
   std::string clock = rank == 0 ? "(rank 0's clock)"
                       : synced  ? fmt::format("(+-{} us)", t.other.value("clock_rtt_us", int64_t{0}) / 2)
                                 : "(not measured: rank 0 wrote no timeline)";
+  if (t.offset_us != t.measured_us)
+    clock += fmt::format(" [measured {:+d} us, moved {:+d} us so that every message arrives after it left]",
+                         t.measured_us, t.offset_us - t.measured_us);
   std::printf("rank %d  %s  %zu events  clock offset %+lld us %s\n", rank, fs::path(t.file).filename().c_str(),
               t.events.size(), static_cast<long long>(t.offset_us), clock.c_str());
   if (t.truncated)
@@ -154,8 +207,9 @@ int runMerge(const MergeArgs& a) {
   auto ranks = readAllRanks(a.dir);
   std::vector<json> all;
   json info = json::array();
+  for (auto& [rank, t] : ranks) t.offset_us = t.measured_us = t.other.value("clock_offset_us", int64_t{0});
+  const bool consistent = respectMessages(ranks);
   for (auto& [rank, t] : ranks) {
-    t.offset_us = t.other.value("clock_offset_us", int64_t{0});
     for (auto& e : t.events) {
       if (e.is_object() && e.contains("ts") && e["ts"].is_number()) e["ts"] = e["ts"].get<int64_t>() + t.offset_us;
       all.push_back(std::move(e));
@@ -164,6 +218,7 @@ int runMerge(const MergeArgs& a) {
     info.push_back({{"rank", rank},
                     {"file", fs::path(t.file).filename().string()},
                     {"clock_offset_us", t.offset_us},
+                    {"clock_offset_measured_us", t.measured_us},
                     {"clock_rtt_us", t.other.value("clock_rtt_us", int64_t{0})},
                     {"truncated", t.truncated}});
   }
@@ -173,6 +228,9 @@ int runMerge(const MergeArgs& a) {
   };
   std::stable_sort(all.begin(), all.end(), [&](const json& x, const json& y) { return key(x) < key(y); });
   auto [late, worst] = causalityViolations(all);
+  if (!consistent)
+    std::printf("warning: no clock offsets put every message's receive after its send (clocks that drifted during "
+                "the run?): the measured offsets are used\n");
   if (late)
     std::printf("warning: %zu message(s) appear received before they were sent, by up to %lld us: the clock offsets "
                 "are off by about that much\n",

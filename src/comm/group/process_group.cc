@@ -81,7 +81,13 @@ class OpQueue : public WorkExecutor {
  public:
   explicit OpQueue(std::function<void(Task&)> run) : run_(std::move(run)) {}
 
-  void start() { worker_ = std::thread([this] { workerLoop(); }); }
+  // The worker thread is named after the group in traces and dumps ("group world").
+  void start(const std::string& group) {
+    worker_ = std::thread([this, name = "group " + group] {
+      dtrain::trace::setThreadName(name);
+      workerLoop();
+    });
+  }
 
   void push(Task t) {
     {
@@ -348,7 +354,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     Impl* raw = impl.get();
     impl->ops = std::make_shared<OpQueue>([raw](Task& t) { raw->execute(t); });
-    impl->ops->start();
+    impl->ops->start(impl->info->name);
   }
   return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
 }

@@ -3,12 +3,6 @@
 
 namespace dtrain::comm::trace {
 
-namespace {
-// A thread that runs a group's ops and has no name takes the group's: the group's worker thread
-// ("group world"); a thread named before (initWorld names its caller "main") keeps its name.
-thread_local bool t_named = false;
-}  // namespace
-
 std::string errorText(const std::exception_ptr& error) {
   try {
     std::rethrow_exception(error);
@@ -26,10 +20,6 @@ void opIssued(OpRecord& r) {
 
 void opStarted(OpRecord& r) {
   r.started_us = nowUs();
-  if (!t_named) {
-    t_named = true;
-    if (r.group && !threadHasName()) ::dtrain::trace::setThreadName("group " + r.group->name);
-  }
   flight::started(r);
   if (timeline::on()) timeline::opStarted(r);
 }
