@@ -30,10 +30,10 @@ inline int64_t usOf(std::chrono::steady_clock::time_point t) {
 // span.cc: the calling thread's number (OpenSpans::thread) and the names threads gave themselves.
 uint64_t threadNumber();
 bool threadHasName();
+std::vector<std::pair<uint64_t, std::string>> namedThreads();
 
 // The message of a failed op's exception (hooks.cc).
 std::string errorText(const std::exception_ptr& error);
-std::vector<std::pair<uint64_t, std::string>> namedThreads();
 
 // A group as traces and dumps name it.
 struct GroupInfo {
