@@ -20,7 +20,8 @@
 // \endcode
 //
 // The bar is redrawn at most every ProgressOptions::redraw_s seconds (and always at the last unit),
-// cut to the terminal's width. Not thread-safe: one thread updates a Progress.
+// cut to the terminal's width. A program that prints lines of its own while a bar is shown calls
+// clear() first (a table row per benchmark size, say). Not thread-safe: one thread updates a Progress.
 #pragma once
 #include <chrono>
 #include <cstdint>
@@ -64,6 +65,9 @@ class Progress {
   void update(int64_t done, std::string_view detail = {});
   // The bar's last state and a newline (nothing in lines mode). Later calls do nothing.
   void finish();
+  // Erases the bar from its line (bar mode), for output of the caller's own to the same terminal; the
+  // next update() draws it again below. Nothing in the other modes.
+  void clear();
   // The mode in effect: bar or lines (automatic resolved), or off.
   ProgressOptions::Mode mode() const { return mode_; }
 

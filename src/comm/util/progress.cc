@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cmath>
 
 #include "dtrain/comm/error.h"
 
@@ -64,7 +65,8 @@ Progress::~Progress() {
 // "video 37/100 (37%) 41.2/s ETA 0:02 | detail"; at the end "... in 0:12" instead of the ETA.
 std::string Progress::status(std::string_view detail) const {
   const double elapsed = std::chrono::duration<double>(Clock::now() - t0_).count();
-  const double pct = total_ > 0 ? 100.0 * static_cast<double>(done_) / static_cast<double>(total_) : 100.0;
+  // Floored: 100% only when done.
+  const double pct = total_ > 0 ? std::floor(100.0 * static_cast<double>(done_) / static_cast<double>(total_)) : 100.0;
   std::string s = fmt::format("{}{}{}/{} ({:.0f}%)", o_.unit, o_.unit.empty() ? "" : " ", done_, total_, pct);
   const int64_t progressed = done_ - start_;
   if (done_ == total_) {
@@ -110,6 +112,13 @@ void Progress::update(int64_t done, std::string_view detail) {
   }
   const double since = std::chrono::duration<double>(Clock::now() - last_draw_).count();
   if (!drawn_ || since >= o_.redraw_s || done == total_) drawBar(detail);
+}
+
+void Progress::clear() {
+  if (mode_ != ProgressOptions::Mode::bar || !drawn_ || finished_) return;
+  std::fputs("\r\x1b[K", o_.stream);
+  std::fflush(o_.stream);
+  drawn_ = false;
 }
 
 void Progress::finish() {
