@@ -7,6 +7,9 @@
 #   each BIN_DIR holds dtrain-run and dtrain-bench (copy them: a rebuild must not replace them mid-run)
 # Env: SECONDS_PER_SIZE: timed work per allreduce size (dtrain-bench --seconds; default: the bench's own,
 #   a short run); 1 or more steadies the large sizes on a noisy machine.
+#   BASE_ENV / HEAD_ENV: variables for one side's runs (space-separated NAME=VALUE), e.g. the same
+#   build with and without the timeline: HEAD_ENV=DTRAIN_TIMELINE=/tmp/tl benches/compare.sh build/bin build/bin
+#   MAX_BYTES: the largest allreduce (default 64M; 4K measures the small-message latency alone).
 set -euo pipefail
 base=$1 head=$2 reps=${3:-5}
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
@@ -15,11 +18,13 @@ trap 'rm -rf "$out"' EXIT
 for rep in $(seq "$reps"); do
   for v in base head; do
     dir=${!v}
+    envs=BASE_ENV; [[ $v == head ]] && envs=HEAD_ENV
+    read -r -a side_env <<<"${!envs:-}"
     for tr in shm tcp; do
-      "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" allreduce --transport "$tr" \
-        --min-bytes 4K --max-bytes 64M --factor 4 ${SECONDS_PER_SIZE:+--seconds $SECONDS_PER_SIZE} >"$out/ar_${tr}_${v}_$rep.txt" 2>&1
+      env "${side_env[@]}" "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" allreduce --transport "$tr" \
+        --min-bytes 4K --max-bytes "${MAX_BYTES:-64M}" --factor 4 ${SECONDS_PER_SIZE:+--seconds $SECONDS_PER_SIZE} >"$out/ar_${tr}_${v}_$rep.txt" 2>&1
     done
-    "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" ddp --steps 20 >"$out/ddp_${v}_$rep.txt" 2>&1
+    env "${side_env[@]}" "$dir/dtrain-run" --standalone --nproc-per-node 2 "$dir/dtrain-bench" ddp --steps 20 >"$out/ddp_${v}_$rep.txt" 2>&1
   done
 done
 /usr/bin/python3 - "$out" "$reps" <<'PY'

@@ -21,6 +21,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/fd.h"
 #include "dtrain/comm/store.h"
+#include "hang.h"
 #include "output.h"
 
 extern char** environ;
@@ -42,11 +43,6 @@ constexpr milliseconds kExecWait{10000};
 std::string signalName(int sig) {
   const char* abbrev = sigabbrev_np(sig);
   return abbrev ? fmt::format("SIG{}", abbrev) : fmt::format("signal {}", sig);
-}
-
-template <typename... Args>
-void say(fmt::format_string<Args...> f, Args&&... args) {
-  writeAll(STDERR_FILENO, "dtrain-run: " + fmt::format(f, std::forward<Args>(args)...) + "\n");
 }
 
 std::string describeExit(int status) {
@@ -304,6 +300,7 @@ void checkOptions(const Options& o) {
   require(o.max_restarts >= 0, "--max-restarts must be >= 0, got {}", o.max_restarts);
   require(o.num_servers >= 0, "--servers must be >= 0, got {}", o.num_servers);
   require(o.grace_period.count() >= 0, "--grace-period must be >= 0");
+  require(o.hang_timeout.count() >= 0, "--hang-timeout must be >= 0");
   for (const auto& [flag, text] : {std::pair{"--redirects", o.redirects}, std::pair{"--tee", o.tee}}) {
     StreamSpec spec = parseStreamSpec(flag, text);
     require(spec.largestRank() < o.nproc_per_node, "{} '{}' names local rank {}, but --nproc-per-node is {}", flag,
@@ -329,6 +326,14 @@ Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_un
     say("log directory set to {}", run_log_dir_);
   } else if (!opts_.log_dir.empty()) {
     say("--log-dir {} is unused: nothing is redirected (see --redirects and --tee)", opts_.log_dir);
+  }
+  if (opts_.hang_timeout.count() > 0) {
+    // The user's DTRAIN_FLIGHT_DIR (a shared file system gathers every node's dumps), else this run's.
+    const char* user = std::getenv("DTRAIN_FLIGHT_DIR");
+    const std::string run_dir = run_log_dir_.empty() ? makeRunLogDir("", opts_.node_rank) : run_log_dir_;
+    flight_dir_ = user && *user ? user : run_dir + "/flight";
+    makeDir(flight_dir_);
+    say("flight-recorder dumps go to {}/attempt_<restart>", flight_dir_);
   }
 }
 
@@ -356,7 +361,8 @@ int Launcher::run() {
 namespace {
 
 // What every child of one attempt runs with: its name, environment and where its output goes.
-std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::string& run_log_dir, int restart) {
+std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::string& run_log_dir, int restart,
+                             const HangWatch* hang) {
   const int world = o.nnodes * o.nproc_per_node;
   const int servers = o.node_rank == 0 ? o.num_servers : 0;
 
@@ -399,6 +405,8 @@ std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::
     vars["WORLD_SIZE"] = std::to_string(world);
     vars["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
     vars["DTRAIN_ROLE"] = "worker";
+    if (hang)
+      for (const auto& [name, value] : hang->envFor(rank)) vars[name] = value;
     if (o.num_servers > 0) {
       vars["DTRAIN_NUM_SERVERS"] = std::to_string(o.num_servers);
       vars["DTRAIN_NUM_WORKERS"] = std::to_string(world);
@@ -432,7 +440,7 @@ struct Ending {
 // Pumps the children's output and follows them until none runs: forwards signals, stops the others
 // when one fails, stops servers left running after the workers finished, escalates to SIGKILL.
 Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatcher& signals,
-                         milliseconds grace_period) {
+                         milliseconds grace_period, HangWatch* hang) {
   auto anyRunning = [&](auto pred) {
     return std::any_of(kids.begin(), kids.end(), [&](const auto& k) { return k->running() && pred(*k); });
   };
@@ -495,6 +503,12 @@ Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatche
       }
     }
 
+    if (hang && !stopping() && hang->poll(Clock::now())) {
+      failure_code = HangWatch::kExitCode;
+      say("stopping the workers of the hung job");
+      beginStop(SIGTERM);
+    }
+
     for (auto& k : kids) {
       if (!k->reap() || !k->failed() || stopping()) continue;
       failure_code = exitCodeOf(k->status());
@@ -538,12 +552,23 @@ Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatche
 }  // namespace
 
 Launcher::Outcome Launcher::runOnce(int restart) {
+  std::optional<HangWatch> hang;
+  if (opts_.hang_timeout.count() > 0) {
+    std::vector<int> ranks;
+    for (int local = 0; local < opts_.nproc_per_node; ++local)
+      ranks.push_back(opts_.node_rank * opts_.nproc_per_node + local);
+    hang.emplace(opts_.hang_timeout, fmt::format("{}/attempt_{}", flight_dir_, restart), ranks);
+  }
   std::vector<std::unique_ptr<Child>> kids;
-  for (const auto& spec : childSpecs(opts_, master_port_, run_log_dir_, restart)) {
+  for (const auto& spec : childSpecs(opts_, master_port_, run_log_dir_, restart, hang ? &*hang : nullptr)) {
     kids.push_back(
         std::make_unique<Child>(spec, opts_.command, signals_->originalMask(), opts_.prefix_output));
   }
-  const Ending e = superviseChildren(kids, *signals_, opts_.grace_period);
+  // Workers come first, in rank order.
+  for (int local = 0; hang && local < opts_.nproc_per_node; ++local)
+    hang->watch(opts_.node_rank * opts_.nproc_per_node + local, kids[static_cast<size_t>(local)]->pid());
+  const Ending e = superviseChildren(kids, *signals_, opts_.grace_period, hang ? &*hang : nullptr);
+  if (hang && hang->declared()) hang->printDiagnosis();
   if (e.stop_signal != 0) return {128 + e.stop_signal, false};
   if (e.failure_code) return {*e.failure_code, true};
   return {0, false};

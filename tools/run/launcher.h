@@ -41,6 +41,9 @@ struct Options {
   std::string tee = "0";
   std::string log_dir;  // empty: a new directory under ${TMPDIR:-/tmp} when anything is redirected
   std::chrono::milliseconds grace_period{5000};  // SIGTERM -> SIGKILL
+  // --hang-timeout: stop the job (after collecting flight-recorder dumps and printing the diagnosis)
+  // when no worker of this node completes an op for this long; 0: never (hang.h).
+  std::chrono::milliseconds hang_timeout{0};
   std::vector<std::string> command;              // PROGRAM ARGS...
 };
 
@@ -72,6 +75,7 @@ class Launcher {
   std::unique_ptr<comm::TcpStoreServer> store_;
   uint16_t master_port_ = 0;  // what workers are told: the store's real port when it picked one
   std::string run_log_dir_;   // this run's log directory, when anything is redirected or teed
+  std::string flight_dir_;    // --hang-timeout: where the workers' dumps go (attempt_<restart>/ below)
 };
 
 }  // namespace dtrain::run

@@ -62,6 +62,13 @@ int main(int argc, char** argv) {
   app.add_option("--grace-period", grace_seconds, "Seconds between SIGTERM and SIGKILL when stopping")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 86400.0));
+  double hang_seconds = 0;
+  app.add_option("--hang-timeout", hang_seconds,
+                 "Declare the job hung when no worker of this node completes a collective for this many\n"
+                 "seconds: collect the workers' flight-recorder dumps, stop them, print the diagnosis\n"
+                 "(dtrain-trace analyze) and exit with 124. 0: never")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 864000.0));
   // PROGRAM and everything after it (or after "--") is left untouched.
   app.prefix_command();
 
@@ -81,6 +88,7 @@ int main(int argc, char** argv) {
   }
   opts.prefix_output = !no_prefix;
   opts.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000.0 + 0.5));
+  opts.hang_timeout = std::chrono::milliseconds(static_cast<int64_t>(hang_seconds * 1000.0 + 0.5));
 
   try {
     dtrain::run::checkOptions(opts);

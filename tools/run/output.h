@@ -8,6 +8,8 @@
 //   // attempt_<restart>/<local_rank>/stdout.log and stderr.log are created below it per attempt.
 // \endcode
 #pragma once
+#include <fmt/format.h>
+
 #include <map>
 #include <optional>
 #include <string>
@@ -50,6 +52,12 @@ comm::net::Fd openLogFile(const std::string& path);
 // failing must not stop it from supervising the workers.
 void writeAll(int fd, const char* p, size_t n);
 inline void writeAll(int fd, const std::string& s) { writeAll(fd, s.data(), s.size()); }
+
+// The launcher's own messages: "dtrain-run: ..." on stderr.
+template <typename... Args>
+void say(fmt::format_string<Args...> f, Args&&... args) {
+  writeAll(2, "dtrain-run: " + fmt::format(f, std::forward<Args>(args)...) + "\n");
+}
 
 // Forwards one child stream (the read end of its pipe) to a console stream, a log file, or both.
 // The console gets complete lines with the prefix, so that lines of different ranks never

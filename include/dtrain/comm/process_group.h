@@ -48,6 +48,9 @@ struct GroupOptions {
   // is written; on tcp the mismatched call's outputs are unspecified). This option additionally
   // exchanges every rank's call first, so the error lists all of them. DTRAIN_DEBUG=detail.
   bool check_fingerprints = false;
+  // The group's name in timelines and flight-recorder dumps, the same on every member. initWorld()'s
+  // group is "world", newGroup's "<parent>/sub<k>"; empty: "group<k>" (k counts this process's groups).
+  std::string name;
 
   // What initWorld() uses when InitOptions::group is not given: the defaults overridden by the DTRAIN_*
   // variables above, listen_host resolved as described there. Reads the environment on every call.

@@ -31,6 +31,8 @@ struct Context {
   // The transport delivers no payload into a user buffer before every rank's call is compared (shm):
   // algorithms that write the output themselves do so only after compareCalls().
   bool guard_output = false;
+  // The algorithm the entry point chose (select.cc), for traces and the flight recorder.
+  const char* algorithm = "";
 
   void run(std::vector<transport::Op>& ops) {
     tx->run(ops, deadline, label);

@@ -3,6 +3,7 @@
 #include "dtrain/comm/process_group.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
@@ -16,6 +17,7 @@
 
 #include "comm/collectives/collectives.h"
 #include "comm/group/work_executor.h"
+#include "comm/trace/trace_internal.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
 
@@ -39,6 +41,19 @@ struct Called {
   uint64_t seq = 0;
 };
 
+// The group as traces name it; `global` empty: its ranks are the world's.
+std::shared_ptr<const trace::GroupInfo> groupInfo(const std::string& name, int rank, int size, std::vector<int> global) {
+  static std::atomic<uint64_t> unnamed{0};
+  auto info = std::make_shared<trace::GroupInfo>();
+  info->name = name.empty() ? fmt::format("group{}", unnamed++) : name;
+  info->rank = rank;
+  info->size = size;
+  if (global.empty())
+    for (int r = 0; r < size; ++r) global.push_back(r);
+  info->global_ranks = std::move(global);
+  return info;
+}
+
 }  // namespace
 
 // An op waiting to run: what it is, its deadline, and the algorithm call.
@@ -48,6 +63,7 @@ struct Task {
   transport::Deadline deadline;
   bool collective = true;
   std::function<void(algo::Context&)> fn;
+  trace::OpRecord rec;  // what the flight recorder and the timeline see
 };
 
 // The ops of one group, run one at a time in issue order: by the group's worker thread, or by a thread
@@ -129,12 +145,14 @@ struct ProcessGroup::Impl {
   std::vector<uint8_t> scratch;
   std::exception_ptr broken;  // the first failure; later ops fail with it
   std::shared_ptr<OpQueue> ops;
+  std::shared_ptr<const trace::GroupInfo> info;
 
   ~Impl() {
     if (ops) ops->stop(rank);
   }
 
   void execute(Task& t) {
+    trace::opStarted(t.rec);
     if (broken) {
       std::string why;
       try {
@@ -142,8 +160,8 @@ struct ProcessGroup::Impl {
       } catch (const std::exception& e) {
         why = e.what();
       }
-      t.work->finish(std::make_exception_ptr(
-          Error(fmt::format("[rank {}] {} not run: this group failed earlier: {}", rank, t.label.what, why))));
+      finish(t, std::make_exception_ptr(
+                    Error(fmt::format("[rank {}] {} not run: this group failed earlier: {}", rank, t.label.what, why))));
       return;
     }
     try {
@@ -156,13 +174,20 @@ struct ProcessGroup::Impl {
         if (!every_rank && !opts.check_fingerprints && needsExchange(t.label.op)) exchangeFingerprints(c);
       }
       t.fn(c);
+      t.rec.algorithm = c.algorithm;
       if (check) tx->compareCalls(t.label, t.deadline);
-      t.work->finish();
+      finish(t, nullptr);
     } catch (const std::exception& e) {
       if (tx) tx->abort(e);
       broken = std::current_exception();
-      t.work->finish(broken);
+      finish(t, broken);
     }
+  }
+
+  // The recorders see the op complete before its waiters do.
+  static void finish(Task& t, const std::exception_ptr& error) {
+    trace::opFinished(t.rec, error);
+    t.work->finish(error);
   }
 
   // Sends `bytes` at `mine` to every other rank and receives each rank p's into theirs + p * bytes, in
@@ -215,6 +240,9 @@ struct ProcessGroup::Impl {
   WorkPtr submit(Task t) {
     t.work = std::make_shared<Work>(t.label.what, t.deadline, rank, ops);
     WorkPtr w = t.work;
+    t.rec.group = info;
+    t.rec.what = &w->describe();
+    trace::opIssued(t.rec);
     if (!ops) {  // a world of one: run inline, no thread
       execute(t);
       return w;
@@ -243,6 +271,12 @@ struct ProcessGroup::Impl {
     fp.count = count;
     fp.counts_hash = counts_hash;
     t.fn = std::move(fn);
+    t.rec.seq = s;
+    t.rec.op = transport::opName(op);
+    t.rec.dtype = dtypeName(dt);
+    t.rec.count = count;
+    t.rec.bytes = count * dtypeSize(dt);
+    t.rec.root = root;
     return t;
   }
 
@@ -281,6 +315,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
   impl->size = size;
   impl->opts = opts;
   impl->store = store;
+  impl->info = groupInfo(opts.name, rank, size, {});
   if (size > 1) {
     DTRAIN_CHECK(store != nullptr, InvalidArgument, "[rank {}] a process group of {} ranks needs a store", rank, size);
     std::string kind = opts.transport;
@@ -424,6 +459,15 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
   t.collective = false;
   t.label.op = OpCode::send;
   t.label.what = what;
+  bool sends = false, recvs = false;
+  for (const auto& o : ops) {
+    (o.kind == P2POp::kSend ? sends : recvs) = true;
+    t.rec.count += o.count;
+    t.rec.bytes += o.count * dtypeSize(o.dtype);
+    t.rec.peers.push_back(o.peer);
+  }
+  t.rec.op = sends && recvs ? "sendrecv" : sends ? "send" : "recv";
+  t.rec.dtype = ops.empty() ? "" : dtypeName(ops[0].dtype);
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
   t.fn = [ops](algo::Context& c) {
@@ -444,6 +488,7 @@ WorkPtr ProcessGroup::abort(const std::string& reason) {
   t.collective = false;
   t.label.op = OpCode::none;
   t.label.what = "abort";
+  t.rec.op = "abort";
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
   std::string msg = fmt::format("[rank {}] {}", m.rank, reason);
@@ -468,7 +513,13 @@ std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(const std::vector<int>& ran
   if (my_new_rank < 0) return nullptr;
   std::shared_ptr<Store> st;
   if (ranks.size() > 1) st = std::make_shared<PrefixStore>(fmt::format("sub{}", id), m.store);
-  return create(st, my_new_rank, static_cast<int>(ranks.size()), m.opts);
+  GroupOptions sub = m.opts;
+  sub.name = fmt::format("{}/sub{}", m.info->name, id);
+  std::vector<int> global;
+  for (int r : ranks) global.push_back(m.info->global_ranks[r]);
+  auto g = create(st, my_new_rank, static_cast<int>(ranks.size()), sub);
+  g->impl_->info = groupInfo(sub.name, my_new_rank, static_cast<int>(ranks.size()), std::move(global));
+  return g;
 }
 
 }  // namespace dtrain::comm

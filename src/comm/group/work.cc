@@ -4,6 +4,7 @@
 #include <algorithm>
 
 #include "comm/group/work_executor.h"
+#include "comm/trace/flight_recorder.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::comm {
@@ -21,9 +22,15 @@ Work::Work(std::string what, Clock::time_point deadline, int rank, std::weak_ptr
       executor_(std::move(executor)) {}
 
 void Work::wait() {
-  // Re-read on every wake-up: a chain's deadline moves on when its next step is issued.
-  waitUntil([this] { return deadline_ + kWaitGrace; },
-            "is still running well past its deadline (the group's thread is stuck)");
+  try {
+    // Re-read on every wake-up: a chain's deadline moves on when its next step is issued.
+    waitUntil([this] { return deadline_ + kWaitGrace; },
+              "is still running well past its deadline (the group's thread is stuck)");
+  } catch (const TimeoutError& e) {
+    // A stuck group's thread never reaches the op's own failure dump: dump here (once per process).
+    if (!isCompleted()) trace::flight::dumpOnFailure(e.what());
+    throw;
+  }
 }
 
 void Work::wait(std::chrono::milliseconds timeout) {

@@ -30,7 +30,9 @@ constexpr const char* kVariables[] = {
     // output through dtrain-run's pipes
     "DTRAIN_LINE_BUFFERED",
     // the parameter server's roles (dtrain-run --servers S)
-    "DTRAIN_ROLE", "DTRAIN_SERVER_INDEX", "DTRAIN_NUM_SERVERS", "DTRAIN_NUM_WORKERS", "DTRAIN_NUM_NODES"};
+    "DTRAIN_ROLE", "DTRAIN_SERVER_INDEX", "DTRAIN_NUM_SERVERS", "DTRAIN_NUM_WORKERS", "DTRAIN_NUM_NODES",
+    // the flight recorder (src/comm/trace/flight_recorder.cc); TMPDIR for its default dump directory
+    "DTRAIN_TRACE_BUFFER", "DTRAIN_FLIGHT_DIR", "DTRAIN_FLIGHT_PROGRESS", "TMPDIR"};
 
 void checkKnown(const std::string& name) {
   for (const char* v : kVariables)

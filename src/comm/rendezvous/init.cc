@@ -161,6 +161,7 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
   checkStoreVariables(env);
   GroupOptions group = o.group ? *o.group : groupOptions(env);
   if (group.listen_host.empty()) group.listen_host = listenHost(env);
+  if (group.name.empty()) group.name = "world";
   WorldInfo w = detectWorld(env, o);
   if (w.size == 1) {
     if (w.source == "none") {

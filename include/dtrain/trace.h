@@ -1,0 +1,68 @@
+// Spans: named stretches of your own code, shown on the timeline (DTRAIN_TIMELINE=DIR writes a Chrome
+// trace per rank; see docs/OBSERVABILITY.md) and named in the flight recorder's dumps, so that a hang
+// diagnosis can say "rank 2 is in 'load shard'" rather than "rank 2 did not call allreduce".
+//
+// \code
+//   #include <dtrain/trace.h>
+//
+//   void loadShard(int i) {
+//     DTRAIN_SPAN("load shard");                       // open until the end of the scope
+//     ...
+//   }
+//   {
+//     dtrain::trace::Span s(fmt::format("epoch {}", e)); // a name built at run time (copied)
+//     ...
+//   }
+// \endcode
+//
+// A span costs a few tens of nanoseconds when the timeline is off (it is kept on a per-thread stack for
+// the flight recorder); spans nest, and must be closed on the thread that opened them (scoped objects).
+#pragma once
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace dtrain::trace {
+
+// The categories dtrain's own spans use: "compute", "comm", "ddp", "data", "optim", "pipeline", "ps",
+// "checkpoint"; user spans default to "user".
+class Span {
+ public:
+  // `name` and `category` must outlive the span (string literals do).
+  explicit Span(const char* name, const char* category = "user");
+  // A name built at run time: copied.
+  explicit Span(std::string name, const char* category = "user");
+  ~Span();
+  Span(const Span&) = delete;
+  Span& operator=(const Span&) = delete;
+
+ private:
+  void open(const char* name, const char* category);
+  std::string owned_;
+};
+
+// The trace clock: microseconds of the steady clock (shared by the processes of one host).
+int64_t nowUs();
+
+// True when this process writes a timeline (DTRAIN_TIMELINE is set).
+bool timelineOn();
+
+// The spans open right now on every thread of this process, outermost first, one entry per thread
+// that has any (the flight recorder's dumps carry them).
+struct OpenSpans {
+  uint64_t thread = 0;            // a small per-process thread number (1, 2, ...)
+  std::string thread_name;        // as given to setThreadName, else ""
+  std::vector<std::string> names; // outermost first
+  std::vector<int64_t> since_us;  // when each was opened (nowUs)
+};
+std::vector<OpenSpans> openSpans();
+
+// Names the calling thread in traces and dumps ("main", "ddp hooks", "group world").
+void setThreadName(std::string name);
+
+}  // namespace dtrain::trace
+
+#define DTRAIN_TRACE_JOIN2(a, b) a##b
+#define DTRAIN_TRACE_JOIN(a, b) DTRAIN_TRACE_JOIN2(a, b)
+// DTRAIN_SPAN("name") or DTRAIN_SPAN("name", "category"): a span until the end of the enclosing scope.
+#define DTRAIN_SPAN(...) ::dtrain::trace::Span DTRAIN_TRACE_JOIN(dtrain_span_, __LINE__)(__VA_ARGS__)
