@@ -1,0 +1,279 @@
+#!/usr/bin/python3
+"""dtrain-report's test (CTest: report_test). Builds reports from fake run directories
+(report_fixture.py), loads each in headless Chromium from a file:// URL with the network unreachable, and
+checks: no console message and no error recorded by the page; each chart drew the number of points the
+fixture holds; the charts drawn and the notes about absent parts; a screenshot that is not blank. A page
+with a planted script error must be caught by the same checks. Also: the errors dtrain-report gives for
+a missing run directory, a missing metrics file and malformed lines, and a trace of tens of MB.
+
+  report_test.py BIN_DIR        (BIN_DIR holds dtrain-report; Chromium from PATH, or $CHROMIUM)
+"""
+import html.parser
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import zlib
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+FIXTURE = os.path.join(HERE, "report_fixture.py")
+TIMEOUT = 90  # seconds, per command
+failures = []
+
+
+def check(cond, what):
+    print(("ok   " if cond else "FAIL ") + what, flush=True)
+    if not cond:
+        failures.append(what)
+
+
+def run(cmd, **kw):
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=TIMEOUT, **kw)
+
+
+def fixture(kind, d):
+    p = run([sys.executable, FIXTURE, kind, d])
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+class Dom(html.parser.HTMLParser):
+    """The attributes of every element with an id, and the text of #notes and #report-errors."""
+
+    def __init__(self, text):
+        super().__init__()
+        self.by_id, self.stack, self.texts = {}, [], {"notes": [], "report-errors": [], "title": []}
+        self.feed(text)
+
+    def handle_starttag(self, tag, attrs):
+        a = dict(attrs)
+        if "id" in a:
+            self.by_id[a["id"]] = a
+        if tag not in ("br", "meta", "img", "input", "hr", "link"):
+            self.stack.append(a.get("id"))
+
+    def handle_endtag(self, tag):
+        if self.stack:
+            self.stack.pop()
+
+    def handle_data(self, data):
+        for i in self.stack:
+            if i in self.texts:
+                self.texts[i].append(data)
+
+
+def chromium(args, url, profile):
+    exe = os.environ.get("CHROMIUM") or shutil.which("chromium") or shutil.which("chromium-browser")
+    if not exe:
+        raise SystemExit("report_test: chromium not found (scripts/setup.sh installs Debian's chromium)")
+    # No network: every name resolves to nothing and every proxied fetch fails, so a page that needs
+    # the network at view time shows a console error.
+    cmd = [exe, "--headless", "--no-sandbox", "--disable-gpu", "--enable-logging=stderr", "--v=0",
+           f"--user-data-dir={profile}", "--host-resolver-rules=MAP * ~NOTFOUND",
+           "--proxy-server=http://127.0.0.1:9", "--no-first-run"] + args + [url]
+    return run(cmd)
+
+
+def load(page, profile):
+    """(Dom, console lines) of `page` as Chromium renders it."""
+    p = chromium(["--dump-dom"], "file://" + os.path.abspath(page), profile)
+    console = [l for l in p.stderr.splitlines() if ":CONSOLE" in l]
+    return Dom(p.stdout), console
+
+
+def png_pixels(path):
+    """(width, height, rows of pixel tuples) of an 8-bit RGB/RGBA non-interlaced PNG (what Chromium writes)."""
+    data = open(path, "rb").read()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n", "not a PNG"
+    pos, idat = 8, b""
+    while pos < len(data):
+        n, kind = struct.unpack(">I4s", data[pos:pos + 8])
+        body = data[pos + 8:pos + 8 + n]
+        if kind == b"IHDR":
+            w, h, depth, ctype, _, _, interlace = struct.unpack(">IIBBBBB", body)
+            assert depth == 8 and ctype in (2, 6) and interlace == 0, (depth, ctype, interlace)
+        elif kind == b"IDAT":
+            idat += body
+        pos += 12 + n
+    bpp = 3 if ctype == 2 else 4
+    raw, stride = zlib.decompress(idat), w * bpp
+    prev, rows = bytearray(stride), []
+    for y in range(h):
+        f, line = raw[y * (stride + 1)], bytearray(raw[y * (stride + 1) + 1:(y + 1) * (stride + 1)])
+        if f == 1:
+            for i in range(bpp, stride):
+                line[i] = (line[i] + line[i - bpp]) & 255
+        elif f == 2:
+            line = bytearray((a + b) & 255 for a, b in zip(line, prev))
+        elif f == 3:
+            for i in range(stride):
+                line[i] = (line[i] + ((line[i - bpp] if i >= bpp else 0) + prev[i]) // 2) & 255
+        elif f == 4:
+            for i in range(stride):
+                a = line[i - bpp] if i >= bpp else 0
+                b, c = prev[i], prev[i - bpp] if i >= bpp else 0
+                p = a + b - c
+                pa, pb, pc = abs(p - a), abs(p - b), abs(p - c)
+                line[i] = (line[i] + (a if pa <= pb and pa <= pc else b if pb <= pc else c)) & 255
+        rows.append(bytes(line))
+        prev = line
+    return w, h, bpp, rows
+
+
+def screenshot_ok(page, profile, tmp):
+    shot = os.path.join(tmp, "shot.png")
+    p = chromium([f"--screenshot={shot}", "--window-size=1400,2000"], "file://" + os.path.abspath(page), profile)
+    check(os.path.exists(shot), f"screenshot written ({p.returncode})")
+    if not os.path.exists(shot):
+        return
+    w, h, bpp, rows = png_pixels(shot)
+    colours, counts = set(), {}
+    for r in rows[::4]:
+        for x in range(0, w * bpp, 4 * bpp):
+            px = r[x:x + 3]
+            colours.add(px)
+            counts[px] = counts.get(px, 0) + 1
+    total = sum(counts.values())
+    background = max(counts.values()) / total
+    check(len(colours) >= 30, f"screenshot {w}x{h} has {len(colours)} distinct colours (at least 30)")
+    check(background <= 0.9, f"screenshot: {100 * (1 - background):.0f}% of pixels differ from the background colour (at least 10%)")
+
+
+def check_page(name, page, expect, profile):
+    dom, console = load(page, profile)
+    status = dom.by_id.get("report-status", {})
+    check(status.get("data-rendered") == "1", f"{name}: page rendered (data-rendered={status.get('data-rendered')})")
+    check(status.get("data-errors") == "0" and not "".join(dom.texts["report-errors"]).strip(),
+          f"{name}: no error recorded by the page: {''.join(dom.texts['report-errors'])[:300]}")
+    check(not console, f"{name}: no console message in Chromium's log: {console[:3]}")
+    drawn = sorted((status.get("data-charts") or "").split())
+    check(drawn == sorted(expect["charts"]), f"{name}: charts drawn {drawn} == {sorted(expect['charts'])}")
+    for chart, series in expect["charts"].items():
+        box = dom.by_id.get("chart-" + chart, {})
+        if "*" in series:
+            want_total = series["*"]
+        else:
+            want = " ".join(f"{k}:{v}" for k, v in series.items())
+            check(box.get("data-series") == want, f"{name}: {chart} series {box.get('data-series')} == {want}")
+            want_total = sum(series.values())
+        check(box.get("data-points") == str(want_total), f"{name}: {chart} points {box.get('data-points')} == {want_total}")
+    if expect["timeline_rows"]:
+        rows = dom.by_id.get("chart-timeline", {}).get("data-rows")
+        check(rows == str(expect["timeline_rows"]), f"{name}: timeline rows {rows} == {expect['timeline_rows']}")
+    notes = " | ".join(dom.texts["notes"])
+    for a in expect["absent"]:
+        check(a in notes, f"{name}: the page notes '{a}'")
+    for t in expect["texts"]:
+        check(t in notes + "".join(dom.texts["title"]), f"{name}: the page shows '{t}'")
+    return dom, console
+
+
+def report(bin_dir, run_dir, *extra):
+    return run([os.path.join(bin_dir, "dtrain-report"), run_dir] + list(extra))
+
+
+def errors(bin_dir, tmp):
+    p = report(bin_dir, os.path.join(tmp, "nowhere"))
+    check(p.returncode == 1 and "nowhere: no such run directory" in p.stderr, f"missing RUN_DIR: {p.stderr.strip()}")
+    empty = os.path.join(tmp, "empty")
+    os.makedirs(empty)
+    p = report(bin_dir, empty)
+    check(p.returncode == 1 and "empty/metrics.jsonl: no such file" in p.stderr, f"missing metrics: {p.stderr.strip()}")
+    for lines, what in [(['{"kind":"step","step":1}', '{"kind":"step","step":2}', '{oops', '{"kind":"step","step":4}'],
+                         "metrics.jsonl:3: not valid JSON"),
+                        (['{"kind":"step","step":1}', '{"kind":"step","step":2,"loss":"high"}'],
+                         'metrics.jsonl:2: field "loss" is "high"'),
+                        (['{"kind":"step","step":1}', '{"step":2}'], 'metrics.jsonl:2: record without a string "kind"'),
+                        (['{"kind":"eval","R@1":3}'], "metrics.jsonl:1: eval record without")]:
+        d = tempfile.mkdtemp(dir=tmp)
+        open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join(lines) + "\n")
+        p = report(bin_dir, d)
+        check(p.returncode == 1 and what in p.stderr and not os.path.exists(os.path.join(d, "report.html")),
+              f"malformed metrics ({what}): {p.stderr.strip()}")
+    # A run still writing: the incomplete last line is skipped with a warning; a bad trace drops the timeline.
+    d = tempfile.mkdtemp(dir=tmp)
+    open(os.path.join(d, "metrics.jsonl"), "w").write('{"kind":"step","step":1,"loss":2}\n{"kind":"step","st')
+    os.makedirs(os.path.join(d, "timeline"))
+    open(os.path.join(d, "timeline", "trace.json"), "w").write('{"traceEvents": [{"ph": "X", ')
+    p = report(bin_dir, d)
+    check(p.returncode == 0 and "metrics.jsonl:2: incomplete last line skipped" in p.stderr
+          and "trace.json: not a valid Chrome trace" in p.stderr, f"partial last line, bad trace: {p.stderr.strip()}")
+    return d
+
+
+def big_trace(bin_dir, tmp):
+    """A trace of tens of MB: the page embeds only the window (or --max-events of it)."""
+    d = os.path.join(tmp, "big")
+    fixture("full", d)
+    sys.path.insert(0, HERE)
+    import report_fixture
+    tr = report_fixture.trace(steps=4000, ranks=4)
+    with open(os.path.join(d, "timeline", "trace.json"), "w") as f:
+        json.dump(tr, f)
+    mb = os.path.getsize(os.path.join(d, "timeline", "trace.json")) / 1e6
+    want = report_fixture.expected_timeline(tr)
+    t0 = time.time()
+    p = report(bin_dir, d)
+    took = time.time() - t0
+    check(p.returncode == 0 and f"timeline of {want['points']} of " in p.stdout,
+          f"{mb:.0f} MB trace: {want['points']} events shown, in {took:.1f} s: {p.stdout.strip()} {p.stderr.strip()}")
+    size = os.path.getsize(os.path.join(d, "report.html")) / 1e6
+    check(size < 1.0, f"{mb:.0f} MB trace: page of {size:.2f} MB")
+    p = report(bin_dir, d, "--max-events", "20", "-o", os.path.join(d, "capped.html"))
+    check(p.returncode == 0 and "timeline of 20 of " in p.stdout, f"--max-events 20: {p.stdout.strip()}")
+    return os.path.join(d, "capped.html")
+
+
+def main():
+    bin_dir = sys.argv[1]
+    tmp = tempfile.mkdtemp(prefix="report_test.")
+    profile = os.path.join(tmp, "chromium-profile")
+    try:
+        full = os.path.join(tmp, "full")
+        expect = fixture("full", full)
+        p = report(bin_dir, full, "-o", os.path.join(full, "report.html"))
+        check(p.returncode == 0, f"dtrain-report on the full fixture: {p.stdout.strip()} {p.stderr.strip()}")
+        page = open(os.path.join(full, "report.html")).read()
+        check("<script src" not in page and "<link" not in page and "@import" not in page,
+              "the page loads no external script or style")
+        check_page("full", os.path.join(full, "report.html"), expect, profile)
+        screenshot_ok(os.path.join(full, "report.html"), profile, tmp)
+
+        minimal = os.path.join(tmp, "minimal")
+        expect = fixture("minimal", minimal)
+        p = report(bin_dir, minimal)
+        check(p.returncode == 0 and "absent: no eval records" in p.stdout and "absent: no timeline" in p.stdout,
+              f"dtrain-report on the minimal fixture says what is absent: {p.stdout.strip()}")
+        check_page("minimal", os.path.join(minimal, "report.html"), expect, profile)
+
+        # The checks can fail: a planted script error is caught by the page and shows in Chromium's log.
+        broken = os.path.join(tmp, "broken.html")
+        open(broken, "w").write(page.replace("</body>", "<script>window.noSuchFunction();</script></body>"))
+        dom, console = load(broken, profile)
+        check(dom.by_id.get("report-status", {}).get("data-errors") == "1"
+              and "noSuchFunction" in "".join(dom.texts["report-errors"])
+              and any("noSuchFunction" in l for l in console), "a planted script error is detected")
+
+        partial = errors(bin_dir, tmp)
+        dom, console = load(os.path.join(partial, "report.html"), profile)
+        check("no timeline: " in " ".join(dom.texts["notes"]) and not console,
+              "partial run: the page notes why there is no timeline")
+        capped = big_trace(bin_dir, tmp)
+        dom, console = load(capped, profile)
+        check(dom.by_id.get("chart-timeline", {}).get("data-points") == "20" and not console,
+              "--max-events 20: the page draws 20 events")
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    if failures:
+        print(f"report_test: {len(failures)} check(s) failed:\n  " + "\n  ".join(failures))
+        return 1
+    print("report_test: all checks pass")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

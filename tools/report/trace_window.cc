@@ -1,0 +1,195 @@
+// A merged Chrome trace -> the few steps the report's timeline draws. The file is parsed once with a
+// callback that turns each event into a small struct as it is read, so the whole trace is never held as
+// a JSON tree.
+#include "trace_window.h"
+
+#include <fmt/format.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <map>
+#include <tuple>
+#include <vector>
+
+#include "dtrain/comm/error.h"
+
+namespace dtrain::report {
+namespace {
+
+using nlohmann::json;
+
+struct Event {
+  int64_t pid = 0, tid = 0;
+  double ts = 0, dur = 0;  // microseconds
+  std::string name, cat;
+  json args;
+};
+
+struct Trace {
+  std::vector<Event> events;                  // the X events
+  std::vector<double> forwards;               // start of every "forward" on pid 0
+  std::map<int64_t, std::string> process_names;
+  std::map<int64_t, int64_t> process_order;
+  std::map<std::pair<int64_t, int64_t>, std::string> thread_names;
+  std::map<std::pair<int64_t, int64_t>, int64_t> thread_order;
+  json other_data;
+  size_t skipped = 0;  // X events without numeric pid, tid, ts or dur
+};
+
+std::string argName(const json& e) {
+  auto a = e.find("args");
+  if (a == e.end() || !a->is_object()) return {};
+  auto n = a->find("name");
+  return n != a->end() && n->is_string() ? n->get<std::string>() : std::string{};
+}
+
+int64_t argSortIndex(const json& e) {
+  auto a = e.find("args");
+  if (a == e.end() || !a->is_object()) return 0;
+  auto n = a->find("sort_index");
+  return n != a->end() && n->is_number() ? n->get<int64_t>() : 0;
+}
+
+// Returns false when `e` is not a trace event (no "ph"), so the parser keeps it (e.g. inside otherData).
+bool take(Trace& t, json& e) {
+  auto ph = e.find("ph");
+  if (ph == e.end() || !ph->is_string()) return false;
+  const auto& p = ph->get_ref<const std::string&>();
+  auto num = [&](const char* key) { auto it = e.find(key); return it != e.end() && it->is_number(); };
+  if (!num("pid") || (p != "M" && !num("tid"))) {
+    if (p == "X") ++t.skipped;
+    return true;
+  }
+  const int64_t pid = e["pid"].get<int64_t>();
+  const int64_t tid = num("tid") ? e["tid"].get<int64_t>() : 0;
+  if (p == "M") {
+    const std::string what = e.value("name", "");
+    if (what == "process_name") t.process_names[pid] = argName(e);
+    if (what == "process_sort_index") t.process_order[pid] = argSortIndex(e);
+    if (what == "thread_name") t.thread_names[{pid, tid}] = argName(e);
+    if (what == "thread_sort_index") t.thread_order[{pid, tid}] = argSortIndex(e);
+  } else if (p == "X") {
+    if (!num("ts") || !num("dur")) {
+      ++t.skipped;
+      return true;
+    }
+    Event ev{pid, tid, e["ts"].get<double>(), e["dur"].get<double>(), e.value("name", ""), e.value("cat", ""), {}};
+    if (auto a = e.find("args"); a != e.end()) ev.args = std::move(*a);
+    if (pid == 0 && ev.name == "forward") t.forwards.push_back(ev.ts);
+    t.events.push_back(std::move(ev));
+  }
+  return true;
+}
+
+Trace parseTrace(const std::filesystem::path& file) {
+  std::ifstream in(file, std::ios::binary);
+  if (!in) throw Error(fmt::format("{}: cannot open for reading", file.string()));
+  Trace t;
+  int event_depth = -1;  // 1 for the array form [ev, ...], 2 for {"traceEvents": [ev, ...], ...}
+  json::parser_callback_t cb = [&](int depth, json::parse_event_t what, json& parsed) {
+    if (depth == 0 && event_depth < 0) event_depth = what == json::parse_event_t::array_start ? 1 : 2;
+    if (what == json::parse_event_t::object_end && depth == event_depth) return !take(t, parsed);
+    return true;
+  };
+  json top;
+  try {
+    top = json::parse(in, cb);
+  } catch (const json::exception& e) {
+    throw Error(fmt::format("{}: not a valid Chrome trace ({})", file.string(), e.what()));
+  }
+  if (top.is_object()) {
+    if (!top.contains("traceEvents")) throw Error(fmt::format("{}: no \"traceEvents\" array", file.string()));
+    if (top.contains("otherData")) t.other_data = top["otherData"];
+  } else if (!top.is_array()) {
+    throw Error(fmt::format("{}: neither {{\"traceEvents\": [...]}} nor an array of events", file.string()));
+  }
+  std::sort(t.forwards.begin(), t.forwards.end());
+  return t;
+}
+
+// [start, end) in microseconds and how it was chosen.
+std::tuple<double, double, std::string> chooseWindow(const Trace& t, const TraceWindowOptions& o) {
+  const auto& f = t.forwards;
+  const auto want = static_cast<size_t>(o.skip + o.steps);
+  if (f.size() > want) {
+    return {f[o.skip], f[want],
+            fmt::format("steps {} to {} of rank 0 (from the start of its forward pass {} to that of {})", o.skip + 1,
+                        want, o.skip + 1, want + 1)};
+  }
+  double first = t.events.front().ts;
+  for (const auto& e : t.events) first = std::min(first, e.ts);
+  double start = f.empty() ? first : f[std::min(f.size() - 1, static_cast<size_t>(o.skip))];
+  std::string how = f.empty() ? "no forward pass on rank 0 in the trace: the first {:g} ms of the trace"
+                              : "too few forward passes on rank 0 ({2}) for {3} step(s) after {4}: {0:g} ms from "
+                                "forward pass {1}";
+  size_t which = f.empty() ? 0 : std::min(f.size(), static_cast<size_t>(o.skip) + 1);
+  return {start, start + o.window_ms * 1000,
+          fmt::format(fmt::runtime(how), o.window_ms, which, f.size(), o.steps, o.skip)};
+}
+
+std::string rowLabel(const Trace& t, int64_t pid, int64_t tid) {
+  auto p = t.process_names.find(pid);
+  auto th = t.thread_names.find({pid, tid});
+  std::string process = p != t.process_names.end() && !p->second.empty() ? p->second : fmt::format("rank {}", pid);
+  std::string thread = th != t.thread_names.end() && !th->second.empty() ? th->second : fmt::format("tid {}", tid);
+  return process + " · " + thread;
+}
+
+}  // namespace
+
+TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindowOptions& opts) {
+  Trace t = parseTrace(file);
+  if (t.events.empty()) throw Error(fmt::format("{}: no complete (\"ph\": \"X\") events", file.string()));
+  auto [start, end, how] = chooseWindow(t, opts);
+
+  std::vector<const Event*> in;
+  for (const auto& e : t.events) {
+    if (e.ts < end && e.ts + e.dur > start) in.push_back(&e);
+  }
+  std::sort(in.begin(), in.end(), [](const Event* a, const Event* b) { return a->ts < b->ts; });
+  const size_t in_window = in.size();
+  if (in.size() > opts.max_events) in.resize(opts.max_events);
+  // Rows in the trace's own order (sort_index metadata, then pid and tid); depth = nesting within a row.
+  auto rowKey = [&](const Event* e) {
+    auto po = t.process_order.find(e->pid);
+    auto to = t.thread_order.find({e->pid, e->tid});
+    return std::make_tuple(po == t.process_order.end() ? 0 : po->second, e->pid,
+                           to == t.thread_order.end() ? 0 : to->second, e->tid);
+  };
+  std::stable_sort(in.begin(), in.end(), [&](const Event* a, const Event* b) {
+    auto ka = rowKey(a), kb = rowKey(b);
+    if (ka != kb) return ka < kb;
+    return a->ts != b->ts ? a->ts < b->ts : a->dur > b->dur;  // a parent before the children it starts with
+  });
+  json rows = json::array(), events = json::array();
+  std::vector<double> open_ends;  // end times of the enclosing events in the current row
+  for (size_t i = 0; i < in.size(); ++i) {
+    const Event& e = *in[i];
+    if (i == 0 || rowKey(in[i - 1]) != rowKey(in[i])) {
+      rows.push_back({{"label", rowLabel(t, e.pid, e.tid)}, {"pid", e.pid}, {"tid", e.tid}});
+      open_ends.clear();
+    }
+    while (!open_ends.empty() && open_ends.back() <= e.ts) open_ends.pop_back();
+    const auto depth = open_ends.size();
+    open_ends.push_back(e.ts + e.dur);
+    auto ms = [&](double us) { return std::round((std::clamp(us, start, end) - start)) / 1000.0; };
+    std::string args = e.args.is_null() ? "" : e.args.dump(-1, ' ', false, json::error_handler_t::replace);
+    if (args.size() > 400) args = args.substr(0, 397) + "...";
+    events.push_back({rows.size() - 1, ms(e.ts), ms(e.ts + e.dur), depth, e.name, e.cat, e.dur / 1000.0, args});
+  }
+  TraceWindow w;
+  w.total_events = t.events.size();
+  w.shown_events = in.size();
+  w.rows = rows.size();
+  w.data = {{"window", {{"start_us", start}, {"end_us", end}, {"length_ms", (end - start) / 1000.0}, {"how", how}}},
+            {"rows", rows},
+            {"events", events},
+            {"in_window", in_window},
+            {"total_events", t.events.size()},
+            {"skipped_events", t.skipped},
+            {"other_data", t.other_data}};
+  return w;
+}
+
+}  // namespace dtrain::report
