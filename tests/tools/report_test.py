@@ -205,6 +205,24 @@ def errors(bin_dir, tmp):
     return d
 
 
+def appended_runs(bin_dir, tmp):
+    """Runs appended to one metrics file: a resumed run replaces the redone steps, a fresh one all."""
+    d = tempfile.mkdtemp(dir=tmp)
+    run = lambda lr: json.dumps({"kind": "run", "app": "milnce", "world_size": 2, "config": {"lr": lr}})
+    step = lambda i: json.dumps({"kind": "step", "step": i, "loss": 1.0 / i})
+    lines = [run(1), *map(step, range(1, 11)), run(2), *map(step, range(8, 16))]
+    open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join(lines) + "\n")
+    p = report(bin_dir, d)
+    check(p.returncode == 0 and ": 15 steps," in p.stdout and
+          "metrics.jsonl:12: a run resumed at step 8: 3 step record(s)" in p.stderr,
+          f"a resumed run: steps 1-7 of the first run and 8-15 of the second: {p.stdout.strip()} {p.stderr.strip()}")
+    lines += [run(3), *map(step, range(1, 6))]
+    open(os.path.join(d, "metrics.jsonl"), "w").write("\n".join(lines) + "\n")
+    p = report(bin_dir, d)
+    check(p.returncode == 0 and ": 5 steps," in p.stdout and "metrics.jsonl:21: a run started afresh at step 1" in p.stderr,
+          f"a run started afresh: its 5 steps only: {p.stdout.strip()} {p.stderr.strip()}")
+
+
 def big_trace(bin_dir, tmp):
     """A trace of tens of MB: the page embeds only the window (or --max-events of it)."""
     d = os.path.join(tmp, "big")
@@ -262,6 +280,7 @@ def main():
         dom, console = load(os.path.join(partial, "report.html"), profile)
         check("no timeline: " in " ".join(dom.texts["notes"]) and not console,
               "partial run: the page notes why there is no timeline")
+        appended_runs(bin_dir, tmp)
         capped = big_trace(bin_dir, tmp)
         dom, console = load(capped, profile)
         check(dom.by_id.get("chart-timeline", {}).get("data-points") == "20" and not console,

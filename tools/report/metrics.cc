@@ -1,5 +1,8 @@
 // metrics.jsonl -> columns. Strict about what the charts read (a known field that is not a number is an
 // error naming the line), lenient about the rest (unknown fields and kinds are kept out of the charts).
+// The logger appends, so one file can hold several runs, each starting with a run record: a run that
+// resumed keeps the steps logged before its first step (those after it were redone); a run that started
+// afresh (its first step no later than the previous run's first) replaces what came before.
 #include "metrics.h"
 
 #include <fmt/format.h>
@@ -28,11 +31,12 @@ class LineReader {
   [[noreturn]] void fail(const std::string& what) const {
     throw Error(fmt::format("{}:{}: {}", file_.string(), line_, what));
   }
-  void requireNumbers(const json& record, const char* const* first, const char* const* last) const {
-    for (auto it = first; it != last; ++it) {
-      auto f = record.find(*it);
+  template <size_t N>
+  void requireNumbers(const json& record, const std::array<const char*, N>& fields) const {
+    for (const char* name : fields) {
+      auto f = record.find(name);
       if (f != record.end() && !f->is_number() && !f->is_null()) {
-        fail(fmt::format("field \"{}\" is {} (expected a number or null)", *it, f->dump()));
+        fail(fmt::format("field \"{}\" is {} (expected a number or null)", name, f->dump()));
       }
     }
   }
@@ -42,41 +46,84 @@ class LineReader {
   int line_;
 };
 
-void addStep(Metrics& m, const json& record, const LineReader& line) {
-  if (!record.contains("step") || !record["step"].is_number()) line.fail("step record without a numeric \"step\"");
-  line.requireNumbers(record, kStepFields.begin(), kStepFields.end());
-  const auto row = static_cast<size_t>(m.step_records);
-  for (const auto& [key, value] : record.items()) {
-    if (key == "kind" || !value.is_number()) continue;
-    json& column = m.steps[key];
-    if (column.is_null()) column = json::array();
-    while (column.size() < row) column.push_back(nullptr);  // a field first seen at this row
-    column.push_back(value);
-  }
-  ++m.step_records;
-  for (auto& [key, column] : m.steps.items()) {
-    while (column.size() < row + 1) column.push_back(nullptr);
-  }
-}
+// The records of one run (from a run record to the next).
+struct Segment {
+  std::vector<json> steps, evals;
+  int line = 0;  // of its run record
+};
 
-void addRecord(Metrics& m, const json& record, const LineReader& line, std::map<std::string, int>& unknown) {
+void addRecord(std::vector<Segment>& runs, Metrics& m, const json& record, const LineReader& line, int number,
+               std::map<std::string, int>& unknown) {
   if (!record.is_object()) line.fail(fmt::format("not a JSON object: {:.80}", record.dump()));
   auto kind = record.find("kind");
-  if (kind == record.end() || !kind->is_string()) line.fail("record without a string \"kind\"");
+  if (kind == record.end() || !kind->is_string()) {
+    line.fail("record without a string \"kind\" (each line is {\"kind\": \"run\", \"step\", \"eval\" or \"bench\", ...})");
+  }
   const auto& k = kind->get_ref<const std::string&>();
   if (k == "step") {
-    addStep(m, record, line);
+    if (!record.contains("step") || !record["step"].is_number()) line.fail("step record without a numeric \"step\"");
+    line.requireNumbers(record, kStepFields);
+    runs.back().steps.push_back(record);
   } else if (k == "eval") {
-    line.requireNumbers(record, kEvalFields.begin(), kEvalFields.end());
+    line.requireNumbers(record, kEvalFields);
     if (!record.contains("epoch") && !record.contains("step")) line.fail("eval record without \"epoch\" or \"step\"");
-    m.evals.push_back(record);
+    runs.back().evals.push_back(record);
   } else if (k == "run") {
-    if (m.run_records++ == 0) m.run = record;
+    ++m.run_records;
+    m.run = record;  // the newest run's configuration
+    if (!runs.back().steps.empty() || !runs.back().evals.empty()) runs.emplace_back();
+    runs.back().line = number;
   } else if (k == "bench") {
     m.benches.push_back(record);
   } else {
     ++unknown[k];
   }
+}
+
+// Joins the runs of one file into one history (see the top of the file); says what was dropped.
+std::vector<json> joinRuns(std::vector<Segment>& runs, Metrics& m, const std::filesystem::path& file) {
+  std::vector<json> steps;
+  for (auto& run : runs) {
+    if (!run.steps.empty()) {
+      const double first = run.steps.front()["step"].get<double>();
+      if (!steps.empty() && first <= steps.front()["step"].get<double>()) {
+        m.warnings.push_back(fmt::format("{}:{}: a run started afresh at step {:g}: the {} step and {} eval "
+                                         "record(s) before it are not shown", file.string(), run.line, first,
+                                         steps.size(), m.evals.size()));
+        steps.clear();
+        m.evals = json::array();
+      }
+      size_t kept = steps.size();
+      while (kept > 0 && steps[kept - 1]["step"].get<double>() >= first) --kept;
+      if (kept < steps.size()) {
+        m.warnings.push_back(fmt::format("{}:{}: a run resumed at step {:g}: {} step record(s) logged after that "
+                                         "step by the run before are not shown", file.string(), run.line, first,
+                                         steps.size() - kept));
+        steps.resize(kept);
+      }
+      for (auto& s : run.steps) steps.push_back(std::move(s));
+    }
+    for (auto& e : run.evals) m.evals.push_back(std::move(e));
+  }
+  return steps;
+}
+
+// One column per numeric field: null where a step record has no such field.
+json columns(const std::vector<json>& steps) {
+  json cols = json::object();
+  for (size_t row = 0; row < steps.size(); ++row) {
+    for (const auto& [key, value] : steps[row].items()) {
+      if (key == "kind" || !value.is_number()) continue;
+      json& column = cols[key];
+      if (column.is_null()) column = json::array();
+      while (column.size() < row) column.push_back(nullptr);
+      column.push_back(value);
+    }
+  }
+  for (auto& [key, column] : cols.items()) {
+    while (column.size() < steps.size()) column.push_back(nullptr);
+  }
+  return cols;
 }
 
 }  // namespace
@@ -90,6 +137,7 @@ Metrics readMetrics(const std::filesystem::path& file) {
   std::ifstream in(file, std::ios::binary);
   if (!in) throw Error(fmt::format("{}: cannot open for reading", file.string()));
   Metrics m;
+  std::vector<Segment> runs(1);
   std::map<std::string, int> unknown;
   std::string text;
   int number = 0;
@@ -109,12 +157,15 @@ Metrics readMetrics(const std::filesystem::path& file) {
       }
       line.fail(fmt::format("not valid JSON ({}): {:.80}", e.what(), text));
     }
-    addRecord(m, record, line, unknown);
+    addRecord(runs, m, record, line, number, unknown);
   }
   if (in.bad()) throw Error(fmt::format("{}: read error after line {}", file.string(), number));
   for (const auto& [kind, count] : unknown) {
     m.warnings.push_back(fmt::format("{}: {} record(s) of unknown kind \"{}\" ignored", file.string(), count, kind));
   }
+  const auto steps = joinRuns(runs, m, file);
+  m.step_records = static_cast<int>(steps.size());
+  m.steps = columns(steps);
   return m;
 }
 
