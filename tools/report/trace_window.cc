@@ -108,8 +108,12 @@ Trace parseTrace(const std::filesystem::path& file) {
   return t;
 }
 
-// [start, end) in microseconds and how it was chosen.
-std::tuple<double, double, std::string> chooseWindow(const Trace& t, const TraceWindowOptions& o) {
+struct Window {
+  double start = 0, end = 0;  // [start, end) in microseconds
+  std::string how;            // how it was chosen, for the page
+};
+
+Window chooseWindow(const Trace& t, const TraceWindowOptions& o) {
   const auto& f = t.forwards;
   const auto want = static_cast<size_t>(o.skip + o.steps);
   if (f.size() > want) {
@@ -141,7 +145,8 @@ std::string rowLabel(const Trace& t, int64_t pid, int64_t tid) {
 TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindowOptions& opts) {
   Trace t = parseTrace(file);
   if (t.events.empty()) throw Error(fmt::format("{}: no complete (\"ph\": \"X\") events", file.string()));
-  auto [start, end, how] = chooseWindow(t, opts);
+  const Window window = chooseWindow(t, opts);
+  const double start = window.start, end = window.end;
 
   std::vector<const Event*> in;
   for (const auto& e : t.events) {
@@ -182,7 +187,7 @@ TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindow
   w.total_events = t.events.size();
   w.shown_events = in.size();
   w.rows = rows.size();
-  w.data = {{"window", {{"start_us", start}, {"end_us", end}, {"length_ms", (end - start) / 1000.0}, {"how", how}}},
+  w.data = {{"window", {{"start_us", start}, {"end_us", end}, {"length_ms", (end - start) / 1000.0}, {"how", window.how}}},
             {"rows", rows},
             {"events", events},
             {"in_window", in_window},
