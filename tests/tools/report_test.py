@@ -179,6 +179,8 @@ def report(bin_dir, run_dir, *extra):
 def errors(bin_dir, tmp):
     p = report(bin_dir, os.path.join(tmp, "nowhere"))
     check(p.returncode == 1 and "nowhere: no such run directory" in p.stderr, f"missing RUN_DIR: {p.stderr.strip()}")
+    p = report(bin_dir, os.path.join(tmp, "full"), "-o", os.path.join(tmp, "no", "dir", "r.html"))
+    check(p.returncode == 1 and "no/dir/r.html: cannot write the report" in p.stderr, f"output directory missing: {p.stderr.strip()}")
     empty = os.path.join(tmp, "empty")
     os.makedirs(empty)
     p = report(bin_dir, empty)

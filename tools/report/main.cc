@@ -53,7 +53,10 @@ void writeFile(const fs::path& path, const std::string& text) {
   tmp += ".tmp";
   {
     std::ofstream out(tmp, std::ios::binary | std::ios::trunc);
-    if (!out) throw dtrain::Error(fmt::format("{}: cannot open for writing", tmp.string()));
+    if (!out) {
+      throw dtrain::Error(fmt::format("{}: cannot write the report (through {}: does its directory exist?)",
+                                      path.string(), tmp.string()));
+    }
     out << text;
     out.close();
     if (!out) throw dtrain::Error(fmt::format("{}: write failed", tmp.string()));
