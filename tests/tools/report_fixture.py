@@ -57,10 +57,16 @@ def trace(steps=10, ranks=2):
     return {"traceEvents": ev, "otherData": {"clock_offsets_us": [0, 12]}}
 
 
-def expected_timeline(tr, skip=2, steps=3):
+def expected_timeline(tr, skip=2, steps=3, window_ms=200):
+    """What dtrain-report's timeline holds (tools/report/trace_window.h): rank 0's forward passes
+    skip+1 to skip+steps+1, else window_ms from forward pass skip+1 (or the last), else from the start."""
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     fw = sorted(e["ts"] for e in xs if e["pid"] == 0 and e["name"] == "forward")
-    start, end = fw[skip], fw[skip + steps]
+    if len(fw) > skip + steps:
+        start, end = fw[skip], fw[skip + steps]
+    else:
+        start = fw[min(skip, len(fw) - 1)] if fw else min(e["ts"] for e in xs)
+        end = start + window_ms * 1000
     shown = [e for e in xs if e["ts"] < end and e["ts"] + e["dur"] > start]
     return {"points": len(shown), "rows": len({(e["pid"], e["tid"]) for e in shown})}
 
