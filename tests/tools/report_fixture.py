@@ -4,7 +4,7 @@
 
   report_fixture.py full DIR      metrics.jsonl (run, 40 steps with a few nulls, 3 evals, a bench record,
                                    a record of an unknown kind) and timeline/trace.json (2 ranks x 2 threads,
-                                   10 steps, nested events, metadata, flow events)
+                                   10 steps, nested events, async b/e buckets, metadata, flow events)
   report_fixture.py minimal DIR   metrics.jsonl with steps holding only a loss: no run record, no evals,
                                    no trace
 """
@@ -45,6 +45,11 @@ def trace(steps=10, ranks=2):
             x("backward", "compute", t0 + 3_500, 4_000)
             for b in range(2):
                 x("bucket ready", "ddp", t0 + 4_000 + 1_500 * b, 100, bucket=b)
+                # DDP buckets as async slices (b/e pairs by id), overlapping each other.
+                ev.append({"ph": "b", "pid": rank, "tid": 1, "cat": "ddp", "name": f"bucket {b}", "id": 2 * s + b,
+                           "ts": t0 + 4_000 + 1_500 * b, "args": {"bytes": 1 << 20}})
+                ev.append({"ph": "e", "pid": rank, "tid": 2, "cat": "ddp", "name": f"bucket {b}", "id": 2 * s + b,
+                           "ts": t0 + 6_200 + 1_500 * b, "args": {"seq": 2 * s + b}})
                 x("allreduce", "comm", t0 + 4_200 + 1_500 * b, 1_800, tid=2, op="allreduce", bytes=1 << 20,
                   seq=2 * s + b, algorithm="ring", peers=[1 - rank])
                 if rank == 0:
@@ -61,6 +66,14 @@ def expected_timeline(tr, skip=2, steps=3, window_ms=200):
     """What dtrain-report's timeline holds (tools/report/trace_window.h): rank 0's forward passes
     skip+1 to skip+steps+1, else window_ms from forward pass skip+1 (or the last), else from the start."""
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
+    begins = {}
+    for e in tr["traceEvents"]:  # b/e pairs: one event on the rank's async row (tid -1)
+        key = (e["pid"], e.get("cat"), e.get("name"), e.get("id"))
+        if e["ph"] == "b":
+            begins[key] = e["ts"]
+        elif e["ph"] == "e" and key in begins:
+            start = begins.pop(key)
+            xs.append({"pid": e["pid"], "tid": -1, "name": e["name"], "ts": start, "dur": e["ts"] - start})
     fw = sorted(e["ts"] for e in xs if e["pid"] == 0 and e["name"] == "forward")
     if len(fw) > skip + steps:
         start, end = fw[skip], fw[skip + steps]

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <map>
 #include <tuple>
 #include <vector>
@@ -26,15 +27,19 @@ struct Event {
   json args;
 };
 
+constexpr int64_t kAsyncTid = -1;  // the row of a rank's async (b/e) events, e.g. DDP buckets
+
 struct Trace {
-  std::vector<Event> events;                  // the X events
+  std::vector<Event> events;                  // the X events, and the b/e pairs as if they were X events
   std::vector<double> forwards;               // start of every "forward" on pid 0
   std::map<int64_t, std::string> process_names;
   std::map<int64_t, int64_t> process_order;
   std::map<std::pair<int64_t, int64_t>, std::string> thread_names;
   std::map<std::pair<int64_t, int64_t>, int64_t> thread_order;
+  // Open async events by (pid, cat, name, id): their starts and args, the innermost last.
+  std::map<std::tuple<int64_t, std::string, std::string, std::string>, std::vector<std::pair<double, json>>> open;
   json other_data;
-  size_t skipped = 0;  // X events without numeric pid, tid, ts or dur
+  size_t skipped = 0;  // X, b and e events without numeric pid, tid, ts (or dur)
 };
 
 std::string argName(const json& e) {
@@ -51,14 +56,35 @@ int64_t argSortIndex(const json& e) {
   return n != a->end() && n->is_number() ? n->get<int64_t>() : 0;
 }
 
+// A b/e pair (matched by pid, cat, name and id) becomes one event on the rank's async row; the args of
+// both ends are merged. An end without a start is dropped; a start never ended is not drawn.
+void takeAsync(Trace& t, json& e, int64_t pid, bool begin) {
+  auto id = e.find("id");
+  if (id == e.end()) id = e.find("id2");
+  auto key = std::make_tuple(pid, e.value("cat", ""), e.value("name", ""), id == e.end() ? "" : id->dump());
+  const double ts = e["ts"].get<double>();
+  json args = e.contains("args") && e["args"].is_object() ? std::move(e["args"]) : json::object();
+  if (begin) {
+    t.open[key].emplace_back(ts, std::move(args));
+    return;
+  }
+  auto it = t.open.find(key);
+  if (it == t.open.end() || it->second.empty()) return;
+  auto [start, start_args] = std::move(it->second.back());
+  it->second.pop_back();
+  start_args.update(args);
+  t.events.push_back({pid, kAsyncTid, start, ts - start, std::get<2>(key), std::get<1>(key), std::move(start_args)});
+}
+
 // Returns false when `e` is not a trace event (no "ph"), so the parser keeps it (e.g. inside otherData).
 bool take(Trace& t, json& e) {
   auto ph = e.find("ph");
   if (ph == e.end() || !ph->is_string()) return false;
   const auto& p = ph->get_ref<const std::string&>();
   auto num = [&](const char* key) { auto it = e.find(key); return it != e.end() && it->is_number(); };
-  if (!num("pid") || (p != "M" && !num("tid"))) {
-    if (p == "X") ++t.skipped;
+  const bool timed = p == "X" || p == "b" || p == "e";
+  if (!num("pid") || (p != "M" && !num("tid")) || (timed && !num("ts")) || (p == "X" && !num("dur"))) {
+    if (timed) ++t.skipped;
     return true;
   }
   const int64_t pid = e["pid"].get<int64_t>();
@@ -70,14 +96,12 @@ bool take(Trace& t, json& e) {
     if (what == "thread_name") t.thread_names[{pid, tid}] = argName(e);
     if (what == "thread_sort_index") t.thread_order[{pid, tid}] = argSortIndex(e);
   } else if (p == "X") {
-    if (!num("ts") || !num("dur")) {
-      ++t.skipped;
-      return true;
-    }
     Event ev{pid, tid, e["ts"].get<double>(), e["dur"].get<double>(), e.value("name", ""), e.value("cat", ""), {}};
     if (auto a = e.find("args"); a != e.end()) ev.args = std::move(*a);
     if (pid == 0 && ev.name == "forward") t.forwards.push_back(ev.ts);
     t.events.push_back(std::move(ev));
+  } else if (p == "b" || p == "e") {
+    takeAsync(t, e, pid, p == "b");
   }
   return true;
 }
@@ -136,7 +160,9 @@ std::string rowLabel(const Trace& t, int64_t pid, int64_t tid) {
   auto p = t.process_names.find(pid);
   auto th = t.thread_names.find({pid, tid});
   std::string process = p != t.process_names.end() && !p->second.empty() ? p->second : fmt::format("rank {}", pid);
-  std::string thread = th != t.thread_names.end() && !th->second.empty() ? th->second : fmt::format("tid {}", tid);
+  std::string thread = tid == kAsyncTid ? "async"
+                       : th != t.thread_names.end() && !th->second.empty() ? th->second
+                                                                           : fmt::format("tid {}", tid);
   return process + " · " + thread;
 }
 
@@ -159,8 +185,10 @@ TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindow
   auto rowKey = [&](const Event* e) {
     auto po = t.process_order.find(e->pid);
     auto to = t.thread_order.find({e->pid, e->tid});
-    return std::make_tuple(po == t.process_order.end() ? 0 : po->second, e->pid,
-                           to == t.thread_order.end() ? 0 : to->second, e->tid);
+    const int64_t thread_order = e->tid == kAsyncTid               ? std::numeric_limits<int64_t>::max()  // last
+                                 : to == t.thread_order.end() ? 0
+                                                              : to->second;
+    return std::make_tuple(po == t.process_order.end() ? 0 : po->second, e->pid, thread_order, e->tid);
   };
   std::stable_sort(in.begin(), in.end(), [&](const Event* a, const Event* b) {
     auto ka = rowKey(a), kb = rowKey(b);
@@ -168,16 +196,19 @@ TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindow
     return a->ts != b->ts ? a->ts < b->ts : a->dur > b->dur;  // a parent before the children it starts with
   });
   json rows = json::array(), events = json::array();
-  std::vector<double> open_ends;  // end times of the enclosing events in the current row
+  std::vector<double> lanes;  // per lane of the current row, when its last event ends
   for (size_t i = 0; i < in.size(); ++i) {
     const Event& e = *in[i];
     if (i == 0 || rowKey(in[i - 1]) != rowKey(in[i])) {
       rows.push_back({{"label", rowLabel(t, e.pid, e.tid)}, {"pid", e.pid}, {"tid", e.tid}});
-      open_ends.clear();
+      lanes.clear();
     }
-    while (!open_ends.empty() && open_ends.back() <= e.ts) open_ends.pop_back();
-    const auto depth = open_ends.size();
-    open_ends.push_back(e.ts + e.dur);
+    // The lowest free lane: an event's nesting depth when events nest (a parent comes before the
+    // children it starts with), and a lane of their own for async events that overlap.
+    size_t depth = 0;
+    while (depth < lanes.size() && lanes[depth] > e.ts) ++depth;
+    if (depth == lanes.size()) lanes.push_back(0);
+    lanes[depth] = e.ts + e.dur;
     auto ms = [&](double us) { return std::round((std::clamp(us, start, end) - start)) / 1000.0; };
     std::string args = e.args.is_null() ? "" : e.args.dump(-1, ' ', false, json::error_handler_t::replace);
     if (args.size() > 400) args = args.substr(0, 397) + "...";
