@@ -230,6 +230,7 @@ def big_trace(bin_dir, tmp):
     d = os.path.join(tmp, "big")
     fixture("full", d)
     sys.path.insert(0, HERE)
+    sys.dont_write_bytecode = True  # no __pycache__ in the source tree
     import report_fixture
     tr = report_fixture.trace(steps=4000, ranks=4)
     with open(os.path.join(d, "timeline", "trace.json"), "w") as f:
