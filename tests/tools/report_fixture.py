@@ -64,7 +64,8 @@ def trace(steps=10, ranks=2):
 
 def expected_timeline(tr, skip=2, steps=3, window_ms=200):
     """What dtrain-report's timeline holds (tools/report/trace_window.h): rank 0's forward passes
-    skip+1 to skip+steps+1, else window_ms from forward pass skip+1 (or the last), else from the start."""
+    skip+1 to skip+steps+1, else window_ms from forward pass skip+1 (or the last), else from the start,
+    but not past the trace's end."""
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     begins = {}
     for e in tr["traceEvents"]:  # b/e pairs: one event on the rank's async row (tid -1)
@@ -79,9 +80,9 @@ def expected_timeline(tr, skip=2, steps=3, window_ms=200):
         start, end = fw[skip], fw[skip + steps]
     else:
         start = fw[min(skip, len(fw) - 1)] if fw else min(e["ts"] for e in xs)
-        end = start + window_ms * 1000
+        end = min(start + window_ms * 1000, max(e["ts"] + e["dur"] for e in xs))
     shown = [e for e in xs if e["ts"] < end and e["ts"] + e["dur"] > start]
-    return {"points": len(shown), "rows": len({(e["pid"], e["tid"]) for e in shown})}
+    return {"points": len(shown), "rows": len({(e["pid"], e["tid"]) for e in shown}), "length_ms": (end - start) / 1000}
 
 
 def count(records, key):

@@ -248,16 +248,21 @@ def big_trace(bin_dir, tmp):
     check(p.returncode == 0 and "timeline of 20 of " in p.stdout, f"--max-events 20: {p.stdout.strip()}")
     # Too few forward passes, or none: a window of --window-ms from the 3rd (or last) one, or from the start.
     for what, tr, how in [("4 steps", report_fixture.trace(steps=4), "too few forward passes on rank 0 (4)"),
-                          ("2 steps", report_fixture.trace(steps=2), "50 ms from forward pass 2"),
+                          ("3 steps, to the end", report_fixture.trace(steps=3), "5000 ms at most from forward pass 3"),
+                          ("2 steps", report_fixture.trace(steps=2), "50 ms at most from forward pass 2"),
                           ("no forward", json.loads(json.dumps(report_fixture.trace(steps=3)).replace('"forward"', '"fwd"')),
                            "no forward pass on rank 0 in the trace")]:
         with open(os.path.join(d, "timeline", "trace.json"), "w") as f:
             json.dump(tr, f)
-        want = report_fixture.expected_timeline(tr, window_ms=50)
-        p = report(bin_dir, d, "--window-ms", "50", "-o", os.path.join(d, "short.html"))
+        ms = 5000 if "to the end" in what else 50
+        want = report_fixture.expected_timeline(tr, window_ms=ms)
+        p = report(bin_dir, d, "--window-ms", str(ms), "-o", os.path.join(d, "short.html"))
         page = open(os.path.join(d, "short.html")).read()
-        check(p.returncode == 0 and f"timeline of {want['points']} of " in p.stdout and how in page,
-              f"{what}: {want['points']} events shown, '{how}': {p.stdout.strip()}")
+        data = json.loads(page.split('id="report-data">')[1].split("</script>")[0])
+        length = data["timeline"]["window"]["length_ms"]
+        check(p.returncode == 0 and f"timeline of {want['points']} of " in p.stdout and how in page
+              and abs(length - want["length_ms"]) < 1e-6,
+              f"{what}: {want['points']} events shown in {length} ms ({want['length_ms']}), '{how}': {p.stdout.strip()}")
     return os.path.join(d, "capped.html")
 
 

@@ -80,7 +80,8 @@ int build(const Options& o) {
   std::string said;
   json tl = timeline(o, absent, warnings, said);
   const double now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
-  json data = {{"title", o.title.empty() ? o.run_dir.filename().string() : o.title},
+  const fs::path dir = fs::weakly_canonical(o.run_dir, ec);  // "." -> its name
+  json data = {{"title", o.title.empty() ? (ec ? o.run_dir : dir).filename().string() : o.title},
                {"run_dir", o.run_dir.string()},
                {"generated_unix", now},
                {"run", m.run},

@@ -145,15 +145,19 @@ Window chooseWindow(const Trace& t, const TraceWindowOptions& o) {
             fmt::format("steps {} to {} of rank 0 (from the start of its forward pass {} to that of {})", o.skip + 1,
                         want, o.skip + 1, want + 1)};
   }
-  double first = t.events.front().ts;
-  for (const auto& e : t.events) first = std::min(first, e.ts);
+  double first = t.events.front().ts, last = first;
+  for (const auto& e : t.events) {
+    first = std::min(first, e.ts);
+    last = std::max(last, e.ts + e.dur);
+  }
   double start = f.empty() ? first : f[std::min(f.size() - 1, static_cast<size_t>(o.skip))];
-  std::string how = f.empty() ? "no forward pass on rank 0 in the trace: the first {:g} ms of the trace"
-                              : "too few forward passes on rank 0 ({2}) for {3} step(s) after {4}: {0:g} ms from "
-                                "forward pass {1}";
+  std::string how = f.empty() ? "no forward pass on rank 0 in the trace: its first {:g} ms at most"
+                              : "too few forward passes on rank 0 ({2}) for {3} step(s) after {4}: {0:g} ms at "
+                                "most from forward pass {1}";
   size_t which = f.empty() ? 0 : std::min(f.size(), static_cast<size_t>(o.skip) + 1);
-  return {start, start + o.window_ms * 1000,
-          fmt::format(fmt::runtime(how), o.window_ms, which, f.size(), o.steps, o.skip)};
+  // Not past the trace's end (a short trace's page shows no empty tail).
+  const double end = std::max(std::min(start + o.window_ms * 1000, last), start + 1);
+  return {start, end, fmt::format(fmt::runtime(how), o.window_ms, which, f.size(), o.steps, o.skip)};
 }
 
 std::string rowLabel(const Trace& t, int64_t pid, int64_t tid) {

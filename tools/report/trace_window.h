@@ -3,8 +3,9 @@
 //   TraceWindow w = readTraceWindow("runs/milnce/timeline/trace.json", {});
 //   w.data   // {"window": {...}, "rows": [{"label": "rank 0 · main"}, ...], "events": [[row, start_ms, ...]]}
 // The window runs from the (skip+1)-th to the (skip+steps+1)-th start of a "forward" X event on pid 0
-// (rank 0): `steps` whole steps after `skip` warm-up ones. With fewer forwards it starts at the last
-// forward that exists (or the first event) and lasts window_ms. Errors (dtrain::Error) name the file.
+// (rank 0): `steps` whole steps after `skip` warm-up ones. With fewer forwards it starts at forward
+// skip+1 or the last that exists (or at the first event) and lasts window_ms, or to the trace's end.
+// Errors (dtrain::Error) name the file.
 #pragma once
 #include <nlohmann/json.hpp>
 
