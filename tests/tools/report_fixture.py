@@ -64,7 +64,7 @@ def trace(steps=10, ranks=2):
 
 def expected_timeline(tr, skip=2, steps=3, window_ms=200):
     """What dtrain-report's timeline holds (tools/report/trace_window.h): rank 0's forward passes
-    skip+1 to skip+steps+1, else window_ms from forward pass skip+1 (or the last), else from the start,
+    skip+1 to skip+steps+1 (else its backward passes), else window_ms from forward pass skip+1 (or the last), else from the start,
     but not past the trace's end."""
     xs = [e for e in tr["traceEvents"] if e["ph"] == "X"]
     begins = {}
@@ -75,7 +75,10 @@ def expected_timeline(tr, skip=2, steps=3, window_ms=200):
         elif e["ph"] == "e" and key in begins:
             start = begins.pop(key)
             xs.append({"pid": e["pid"], "tid": -1, "name": e["name"], "ts": start, "dur": e["ts"] - start})
-    fw = sorted(e["ts"] for e in xs if e["pid"] == 0 and e["name"] == "forward")
+    starts = {n: sorted(e["ts"] for e in xs if e["pid"] == 0 and e["name"] == n) for n in ("forward", "backward")}
+    enough = [n for n in ("forward", "backward") if len(starts[n]) > skip + steps]
+    present = [n for n in ("forward", "backward") if starts[n]]
+    fw = starts[enough[0]] if enough else starts[present[0]] if present else []
     if len(fw) > skip + steps:
         start, end = fw[skip], fw[skip + steps]
     else:

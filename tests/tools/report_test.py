@@ -246,12 +246,16 @@ def big_trace(bin_dir, tmp):
     check(size < 1.0, f"{mb:.0f} MB trace: page of {size:.2f} MB")
     p = report(bin_dir, d, "--max-events", "20", "-o", os.path.join(d, "capped.html"))
     check(p.returncode == 0 and "timeline of 20 of " in p.stdout, f"--max-events 20: {p.stdout.strip()}")
-    # Too few forward passes, or none: a window of --window-ms from the 3rd (or last) one, or from the start.
-    for what, tr, how in [("4 steps", report_fixture.trace(steps=4), "too few forward passes on rank 0 (4)"),
-                          ("3 steps, to the end", report_fixture.trace(steps=3), "5000 ms at most from forward pass 3"),
-                          ("2 steps", report_fixture.trace(steps=2), "50 ms at most from forward pass 2"),
-                          ("no forward", json.loads(json.dumps(report_fixture.trace(steps=3)).replace('"forward"', '"fwd"')),
-                           "no forward pass on rank 0 in the trace")]:
+    # Too few forward passes: the backward ones; too few of either: a window of --window-ms from the 3rd
+    # (or last) one, or from the start.
+    for what, tr, how in [("4 steps", report_fixture.trace(steps=4), "too few forward events on rank 0 (4)"),
+                          ("3 steps, to the end", report_fixture.trace(steps=3), "5000 ms at most from forward 3"),
+                          ("2 steps", report_fixture.trace(steps=2), "50 ms at most from forward 2"),
+                          ("no forward", json.loads(json.dumps(report_fixture.trace(steps=8)).replace('"forward"', '"fwd"')),
+                           "steps 3 to 5 of rank 0 (from the start of its backward 3 to that of backward 6)"),
+                          ("neither", json.loads(json.dumps(report_fixture.trace(steps=3)).replace('"forward"', '"fwd"')
+                                                 .replace('"backward"', '"bwd"')),
+                           "no forward or backward on rank 0 in the trace")]:
         with open(os.path.join(d, "timeline", "trace.json"), "w") as f:
             json.dump(tr, f)
         ms = 5000 if "to the end" in what else 50

@@ -27,11 +27,14 @@ struct Event {
   json args;
 };
 
+// What marks a step, in order of preference: DDP's forward pass, else its backward pass (a loop that
+// calls the model itself and marks no "forward" span).
+const char* const kAnchors[] = {"forward", "backward"};
 constexpr int64_t kAsyncTid = -1;  // the row of a rank's async (b/e) events, e.g. DDP buckets
 
 struct Trace {
   std::vector<Event> events;                  // the X events, and the b/e pairs as if they were X events
-  std::vector<double> forwards;               // start of every "forward" on pid 0
+  std::map<std::string, std::vector<double>> anchors;  // starts of kAnchors' events on pid 0, by name
   std::map<int64_t, std::string> process_names;
   std::map<int64_t, int64_t> process_order;
   std::map<std::pair<int64_t, int64_t>, std::string> thread_names;
@@ -98,7 +101,7 @@ bool take(Trace& t, json& e) {
   } else if (p == "X") {
     Event ev{pid, tid, e["ts"].get<double>(), e["dur"].get<double>(), e.value("name", ""), e.value("cat", ""), {}};
     if (auto a = e.find("args"); a != e.end()) ev.args = std::move(*a);
-    if (pid == 0 && ev.name == "forward") t.forwards.push_back(ev.ts);
+    if (pid == 0 && (ev.name == kAnchors[0] || ev.name == kAnchors[1])) t.anchors[ev.name].push_back(ev.ts);
     t.events.push_back(std::move(ev));
   } else if (p == "b" || p == "e") {
     takeAsync(t, e, pid, p == "b");
@@ -128,7 +131,7 @@ Trace parseTrace(const std::filesystem::path& file) {
   } else if (!top.is_array()) {
     throw Error(fmt::format("{}: neither {{\"traceEvents\": [...]}} nor an array of events", file.string()));
   }
-  std::sort(t.forwards.begin(), t.forwards.end());
+  for (auto& [name, starts] : t.anchors) std::sort(starts.begin(), starts.end());
   return t;
 }
 
@@ -138,26 +141,39 @@ struct Window {
 };
 
 Window chooseWindow(const Trace& t, const TraceWindowOptions& o) {
-  const auto& f = t.forwards;
   const auto want = static_cast<size_t>(o.skip + o.steps);
-  if (f.size() > want) {
-    return {f[o.skip], f[want],
-            fmt::format("steps {} to {} of rank 0 (from the start of its forward pass {} to that of {})", o.skip + 1,
-                        want, o.skip + 1, want + 1)};
+  const std::vector<double> none;
+  const std::vector<double>* f = &none;
+  std::string anchor;
+  for (const char* name : kAnchors) {  // the first with enough steps, else the first there is
+    auto it = t.anchors.find(name);
+    if (it == t.anchors.end()) continue;
+    if (anchor.empty() || (f->size() <= want && it->second.size() > want)) {
+      f = &it->second;
+      anchor = name;
+    }
+  }
+  if (f->size() > want) {
+    return {(*f)[o.skip], (*f)[want],
+            fmt::format("steps {} to {} of rank 0 (from the start of its {} {} to that of {} {})", o.skip + 1, want,
+                        anchor, o.skip + 1, anchor, want + 1)};
   }
   double first = t.events.front().ts, last = first;
   for (const auto& e : t.events) {
     first = std::min(first, e.ts);
     last = std::max(last, e.ts + e.dur);
   }
-  double start = f.empty() ? first : f[std::min(f.size() - 1, static_cast<size_t>(o.skip))];
-  std::string how = f.empty() ? "no forward pass on rank 0 in the trace: its first {:g} ms at most"
-                              : "too few forward passes on rank 0 ({2}) for {3} step(s) after {4}: {0:g} ms at "
-                                "most from forward pass {1}";
-  size_t which = f.empty() ? 0 : std::min(f.size(), static_cast<size_t>(o.skip) + 1);
+  const size_t which = std::min(f->size(), static_cast<size_t>(o.skip) + 1);  // 1-based
+  const double start = f->empty() ? first : (*f)[which - 1];
   // Not past the trace's end (a short trace's page shows no empty tail).
   const double end = std::max(std::min(start + o.window_ms * 1000, last), start + 1);
-  return {start, end, fmt::format(fmt::runtime(how), o.window_ms, which, f.size(), o.steps, o.skip)};
+  if (f->empty()) {
+    return {start, end, fmt::format("no forward or backward on rank 0 in the trace: its first {:g} ms at most",
+                                    o.window_ms)};
+  }
+  return {start, end,
+          fmt::format("too few {} events on rank 0 ({}) for {} step(s) after {}: {:g} ms at most from {} {}", anchor,
+                      f->size(), o.steps, o.skip, o.window_ms, anchor, which)};
 }
 
 std::string rowLabel(const Trace& t, int64_t pid, int64_t tid) {
