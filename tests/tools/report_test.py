@@ -6,7 +6,9 @@ fixture holds; the charts drawn and the notes about absent parts; a screenshot t
 with a planted script error must be caught by the same checks. Also: the errors dtrain-report gives for
 a missing run directory, a missing metrics file and malformed lines, and a trace of tens of MB.
 
-  report_test.py BIN_DIR        (BIN_DIR holds dtrain-report; Chromium from PATH, or $CHROMIUM)
+  report_test.py BIN_DIR            (BIN_DIR holds dtrain-report; Chromium from PATH, or $CHROMIUM)
+  report_test.py BIN_DIR --milnce   a real 2-rank milnce run (3 short epochs) with DTRAIN_TIMELINE, merged
+                                    by dtrain-trace: its report, checked against its metrics.jsonl and trace
 """
 import html.parser
 import json
@@ -21,6 +23,9 @@ import zlib
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 FIXTURE = os.path.join(HERE, "report_fixture.py")
+sys.path.insert(0, HERE)
+sys.dont_write_bytecode = True  # no __pycache__ in the source tree
+import report_fixture  # noqa: E402
 TIMEOUT = 90  # seconds, per command
 failures = []
 
@@ -229,9 +234,6 @@ def big_trace(bin_dir, tmp):
     """A trace of tens of MB: the page embeds only the window (or --max-events of it)."""
     d = os.path.join(tmp, "big")
     fixture("full", d)
-    sys.path.insert(0, HERE)
-    sys.dont_write_bytecode = True  # no __pycache__ in the source tree
-    import report_fixture
     tr = report_fixture.trace(steps=4000, ranks=4)
     with open(os.path.join(d, "timeline", "trace.json"), "w") as f:
         json.dump(tr, f)
@@ -270,8 +272,60 @@ def big_trace(bin_dir, tmp):
     return os.path.join(d, "capped.html")
 
 
+def expected_from_run(run_dir):
+    """What the page of a real run must show, from its metrics.jsonl and trace.json (as the page's script
+    and report_fixture.expected_timeline pick them)."""
+    records = [json.loads(l) for l in open(os.path.join(run_dir, "metrics.jsonl")) if l.strip()]
+    steps = [r for r in records if r["kind"] == "step"]
+    evals = [r for r in records if r["kind"] == "eval"]
+    count = report_fixture.count
+    n = lambda key: count(steps, key)
+    charts = {}
+    if n("loss") or n("lr"):
+        charts["loss"] = {k: n(k) for k in ("loss", "lr") if n(k)}
+    for chart, key in [("throughput", "samples_per_s"), ("bytes", "bytes_sent"), ("memory", "rss_bytes"),
+                       ("bubble", "bubble_fraction")]:
+        if n(key):
+            charts[chart] = {key: n(key)}
+    if n("compute_s") or n("exposed_comm_s"):
+        charts["comm"] = {"compute_s": n("compute_s"), "exposed_comm_s": n("exposed_comm_s")}
+    if evals:
+        charts["retrieval"] = {k: count(evals, k) for k in ("R@1", "R@5", "R@10", "median_rank") if count(evals, k)}
+    tl = report_fixture.expected_timeline(json.load(open(os.path.join(run_dir, "timeline", "trace.json"))))
+    charts["timeline"] = {"*": min(tl["points"], 4000)}
+    return {"charts": charts, "timeline_rows": tl["rows"], "absent": [], "texts": ["milnce"]}, len(steps), len(evals)
+
+
+def milnce(bin_dir, tmp, profile):
+    """A real 2-rank milnce run with the timeline on: its report, checked like the fixtures'."""
+    data, run_dir = os.path.join(tmp, "data"), os.path.join(tmp, "run")
+    p = run([os.path.join(bin_dir, "milnce"), "gen-data", "--out", data, "--videos", "48", "--eval-videos", "24",
+             "--progress", "off"])
+    check(p.returncode == 0, f"milnce gen-data: {p.stderr.strip()[-300:]}")
+    env = dict(os.environ, DTRAIN_TIMELINE=os.path.join(run_dir, "timeline"))
+    p = run([os.path.join(bin_dir, "dtrain-run"), "--standalone", "--nproc-per-node", "2", os.path.join(bin_dir, "milnce"),
+             "train", "--data", data, "--out", run_dir, "--epochs", "3", "--batch", "8", "--progress", "off"], env=env)
+    check(p.returncode == 0, f"milnce train under dtrain-run with DTRAIN_TIMELINE: {p.stdout.strip()[-300:]} {p.stderr.strip()[-300:]}")
+    p = run([os.path.join(bin_dir, "dtrain-trace"), "merge", os.path.join(run_dir, "timeline")])
+    check(p.returncode == 0, f"dtrain-trace merge: {p.stdout.strip()[-200:]} {p.stderr.strip()[-300:]}")
+    p = report(bin_dir, run_dir)
+    check(p.returncode == 0 and "absent" not in p.stdout, f"dtrain-report on the run: {p.stdout.strip()} {p.stderr.strip()}")
+    expect, steps, evals = expected_from_run(run_dir)
+    check(steps > 0 and evals > 0 and set(expect["charts"]) >= {"loss", "throughput", "comm", "bytes", "retrieval", "timeline"},
+          f"the run logged {steps} steps and {evals} evals; charts {sorted(expect['charts'])}")
+    check_page("milnce", os.path.join(run_dir, "report.html"), expect, profile)
+
+
 def main():
     bin_dir = sys.argv[1]
+    if len(sys.argv) > 2 and sys.argv[2] == "--milnce":
+        tmp = tempfile.mkdtemp(prefix="report_milnce_test.")
+        try:
+            milnce(bin_dir, tmp, os.path.join(tmp, "chromium-profile"))
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        print(f"report_test --milnce: {len(failures)} check(s) failed" if failures else "report_test --milnce: all checks pass")
+        return 1 if failures else 0
     tmp = tempfile.mkdtemp(prefix="report_test.")
     profile = os.path.join(tmp, "chromium-profile")
     try:
