@@ -346,6 +346,22 @@ def main():
               f"dtrain-report on the minimal fixture says what is absent: {p.stdout.strip()}")
         check_page("minimal", os.path.join(minimal, "report.html"), expect, profile)
 
+        # Hovering a timeline bar shows its name, category and args: activate the first bar's tooltip.
+        data = json.loads(page.split('id="report-data">')[1].split("</script>")[0])
+        first = next(e for e in data["timeline"]["events"] if e[3] == 0)
+        hover = os.path.join(tmp, "hover.html")
+        open(hover, "w").write(page.replace("</body>", """<script>
+          var c = Chart.getChart(document.querySelector("#chart-timeline canvas"));
+          c.tooltip.setActiveElements([{datasetIndex: 0, index: 0}], {x: 0, y: 0});
+          c.update();
+          document.getElementById("report-status").dataset.tooltip =
+            JSON.stringify({title: c.tooltip.title, body: c.tooltip.body});
+        </script></body>"""))
+        dom, console = load(hover, profile)
+        tip = json.loads(dom.by_id.get("report-status", {}).get("data-tooltip") or "{}")
+        check(tip.get("title") == [f"{first[4]} ({first[5]})"] and f"at {first[8]:g} ms" in tip["body"][0]["lines"][0] and first[7] and any(first[7] in a for b in tip.get("body", []) for a in b["after"])
+              and not console, f"timeline tooltip: {tip} for {first[4:]}")
+
         # The checks can fail: a planted script error is caught by the page and shows in Chromium's log.
         broken = os.path.join(tmp, "broken.html")
         open(broken, "w").write(page.replace("</body>", "<script>window.noSuchFunction();</script></body>"))

@@ -232,7 +232,9 @@ TraceWindow readTraceWindow(const std::filesystem::path& file, const TraceWindow
     auto ms = [&](double us) { return std::round((std::clamp(us, start, end) - start)) / 1000.0; };
     std::string args = e.args.is_null() ? "" : e.args.dump(-1, ' ', false, json::error_handler_t::replace);
     if (args.size() > 400) args = args.substr(0, 397) + "...";
-    events.push_back({rows.size() - 1, ms(e.ts), ms(e.ts + e.dur), depth, e.name, e.cat, e.dur / 1000.0, args});
+    // [row, start, end (both clipped to the window), depth, name, cat, duration, args, unclipped start] (ms)
+    events.push_back({rows.size() - 1, ms(e.ts), ms(e.ts + e.dur), depth, e.name, e.cat, e.dur / 1000.0, args,
+                      std::round(e.ts - start) / 1000.0});
   }
   TraceWindow w;
   w.total_events = t.events.size();
