@@ -2,7 +2,8 @@
 # DTRAIN_INSTALL is on, i.e. by default when dtrain is the top-level project).
 #
 #   cmake --install build --prefix P    P/include/dtrain/**, P/lib/libdtrain*.a, P/bin/dtrain-run,
-#                                       P/bin/dtrain-bench, P/lib/cmake/dtrain/ (find_package(dtrain))
+#                                       P/bin/dtrain-trace, P/bin/dtrain-bench, P/bin/dtrain-report,
+#                                       P/lib/cmake/dtrain/ (find_package(dtrain))
 #   cd build && cpack -G DEB            libdtrain-dev_<version>_<arch>.deb, the same files under /usr
 #
 # The package exports three targets, named as in the build tree (where they are ALIASes), so a consumer's
@@ -28,7 +29,7 @@ install(TARGETS dtrain_comm_base dtrain_comm EXPORT dtrainCommTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS dtrain EXPORT dtrainTorchTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
-foreach(tool dtrain-run dtrain-bench)
+foreach(tool dtrain-run dtrain-trace dtrain-bench dtrain-report)
   if(TARGET ${tool})
     install(TARGETS ${tool} RUNTIME DESTINATION ${CMAKE_INSTALL_BINDIR})
   endif()
@@ -54,7 +55,7 @@ set(CPACK_PACKAGE_DESCRIPTION_SUMMARY
 set(CPACK_PACKAGE_DESCRIPTION
     "dtrain::comm (rendezvous, TCP and shared-memory transports, collectives; no libtorch), the torch \
 layer dtrain::dtrain (DistributedDataParallel, DataParallel, sampler, checkpoints, parameter server), \
-the launcher dtrain-run and the benchmark dtrain-bench. Use from CMake with find_package(dtrain).")
+the launcher dtrain-run, the benchmark dtrain-bench, dtrain-trace and dtrain-report. Use from CMake with find_package(dtrain).")
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)  # libdtrain-dev_0.1.0_amd64.deb
 set(CPACK_DEBIAN_PACKAGE_SECTION libdevel)

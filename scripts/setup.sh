@@ -9,6 +9,7 @@ pkgs=(
   openmpi-bin libopenmpi-dev python3-torch
   iproute2 procps
   clang-tidy-14
+  chromium
   munge slurmctld slurmd slurm-client
 )
 missing=()

@@ -46,6 +46,8 @@
 #include <unordered_map>
 #include <vector>
 
+#include "dtrain/progress.h"
+
 namespace milnce {
 
 // ---- generation ----
@@ -73,6 +75,8 @@ struct GenOptions {
   int filler_words = 40;
   int min_segments = 6, max_segments = 12;
   double min_seg_sec = 3, max_seg_sec = 8;
+  // Progress on stderr, one unit per video (dtrain/progress.h); off unless asked (the CLI asks).
+  dtrain::ProgressOptions::Mode progress = dtrain::ProgressOptions::Mode::off;
 };
 
 // Writes the dataset described above into opts.out. InvalidArgument on bad options, IoError when a

@@ -226,6 +226,10 @@ void generateData(const GenOptions& o) {
     for (const auto& c : v.captions) rows.push_back({fmtTime(c.start), fmtTime(c.end), c.text});
     writeCsv((dir / "captions" / (id + ".csv")).string(), {"start", "end", "text"}, rows);
   };
+  dtrain::ProgressOptions po;
+  po.mode = o.progress;
+  po.unit = "video";
+  dtrain::Progress progress("gen-data", int64_t{o.videos} + o.eval_videos, po);
   for (int i = 0; i < o.videos; ++i) {
     const std::string id = fmt::format("vid_{:05d}", i);
     auto rng = streamRng(o.seed, kTrainVideo, static_cast<uint64_t>(i));
@@ -234,6 +238,7 @@ void generateData(const GenOptions& o) {
     train_list.push_back({id, "features/" + id + ".npy"});
     train_captions += static_cast<int64_t>(v.captions.size());
     train_rows += v.rows;
+    progress.update(i + 1, "training videos");
   }
   for (int i = 0; i < o.eval_videos; ++i) {
     const std::string id = fmt::format("eval_{:05d}", i);
@@ -243,6 +248,7 @@ void generateData(const GenOptions& o) {
     eval_list.push_back({id, "features/" + id + ".npy"});
     for (const auto& c : v.captions) eval_rows.push_back({id, fmtTime(c.start), fmtTime(c.end), c.text});
     eval_clips += static_cast<int64_t>(v.captions.size());
+    progress.update(int64_t{o.videos} + i + 1, "held-out videos");
   }
   writeCsv((dir / "videos.csv").string(), {"video_id", "feature_file"}, train_list);
   writeCsv((dir / "eval_videos.csv").string(), {"video_id", "feature_file"}, eval_list);

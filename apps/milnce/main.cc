@@ -4,7 +4,9 @@
 //   dtrain-run --standalone --nproc-per-node 2 milnce train --data data/milnce --out runs/milnce
 //   milnce eval --data data/milnce --run runs/milnce          # R@1/5/10 and median rank of the newest checkpoint
 //
-// Every command also runs as a single process; train evaluates before and after training.
+// Every command also runs as a single process; train evaluates before training and after every epoch, and
+// rank 0 writes RUN/metrics.jsonl (docs/OBSERVABILITY.md). Each command shows its progress on stderr: a
+// bar on a terminal, one line per unit of work otherwise (--progress).
 #include <torch/torch.h>
 
 #include <CLI/CLI.hpp>
@@ -16,6 +18,7 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
+#include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/train.h"
 
@@ -26,6 +29,14 @@ void addLoaderOptions(CLI::App* c, milnce::LoaderOptions& lo) {
   c->add_option("--max-words", lo.max_words, "words per caption (pad or cut)")->check(CLI::PositiveNumber);
   c->add_option("--clip-steps", lo.clip_steps, "feature time steps per clip")->check(CLI::PositiveNumber);
   c->add_option("--min-time", lo.min_time, "shortest clip span in seconds");
+}
+
+// --progress auto|bar|lines|off: a bar on a terminal (auto), one line per unit of work otherwise.
+void addProgressOption(CLI::App* c, dtrain::ProgressOptions::Mode& mode) {
+  c->add_option_function<std::string>(
+       "--progress", [&mode](const std::string& s) { mode = dtrain::parseProgressMode(s); },
+       "progress on stderr: auto (a bar on a terminal, else one line per unit of work), bar, lines or off")
+      ->check(CLI::IsMember({"auto", "bar", "lines", "off"}));
 }
 
 void addModelOptions(CLI::App* c, milnce::ModelOptions& mo) {
@@ -55,6 +66,8 @@ int main(int argc, char** argv) {
   gen->add_option("--seed", g.seed, "random seed");
   gen->add_option("--feature-dim", g.feature_dim, "feature dimension F")->check(CLI::PositiveNumber);
   gen->add_option("--word-dim", g.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
+  g.progress = dtrain::ProgressOptions::Mode::automatic;
+  addProgressOption(gen, g.progress);
 
   milnce::TrainOptions t;
   auto* tr = app.add_subcommand("train", "train (under dtrain-run for several processes), evaluating before and after");
@@ -69,8 +82,13 @@ int main(int argc, char** argv) {
   tr->add_flag("--resume", t.resume, "continue from the newest checkpoint in --out");
   tr->add_option("--stop-after", t.stop_after, "stop after this many epochs (as if interrupted; resume later)");
   tr->add_option("--keep", t.keep, "checkpoints to keep");
-  tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluation before and after");
-  tr->add_flag("--no-progress{false}", t.progress, "no progress bar");
+  tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluations");
+  tr->add_option("--eval-every", t.eval_every, "epochs between evaluations (0: only before and after training)")
+      ->check(CLI::NonNegativeNumber);
+  addProgressOption(tr, t.progress);
+  tr->add_flag_callback("--no-progress", [&t] { t.progress = dtrain::ProgressOptions::Mode::off; }, "--progress off");
+  tr->add_option("--progress-every", t.progress_every, "steps per progress line when not on a terminal (0: an epoch)")
+      ->check(CLI::NonNegativeNumber);
   addLoaderOptions(tr, t.loader);
   addModelOptions(tr, t.model);
 
@@ -82,6 +100,7 @@ int main(int argc, char** argv) {
   ev->add_option("--checkpoint", checkpoint, "a checkpoint file instead of --run's newest");
   ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
   ev->add_option("--json", eval_json, "where to write the results (default: RUN/eval-epochN.json)");
+  addProgressOption(ev, e.progress);
   addLoaderOptions(ev, e.loader);
   addModelOptions(ev, e.model);
 
@@ -104,7 +123,11 @@ int main(int argc, char** argv) {
       else st = dtrain::Checkpointer(e.out + "/checkpoints").loadLatest();
       if (!st) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
       st->restoreModel(*model);
-      auto r = milnce::evaluate(model, data, e.loader, e.eval_windows);
+      dtrain::ProgressOptions po;
+      po.mode = e.progress;
+      po.unit = "clip";
+      dtrain::Progress progress("eval", static_cast<int64_t>(data.eval_clips.size()), po);
+      auto r = milnce::evaluate(model, data, e.loader, e.eval_windows, &progress);
       std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
                   milnce::formatRetrieval(fmt::format("epoch {}", st->epoch), r).c_str(),
                   milnce::chanceRow(r.clips).c_str());

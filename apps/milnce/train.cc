@@ -3,9 +3,7 @@
 #include "milnce/train.h"
 
 #include <torch/torch.h>
-#include <unistd.h>
 
-#include <chrono>
 #include <cmath>
 #include <cstdio>
 #include <filesystem>
@@ -17,11 +15,10 @@
 #include "dtrain/autograd.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/metrics.h"
 #include "dtrain/sampler.h"
 
 namespace milnce {
-
-using Clock = std::chrono::steady_clock;
 
 double learningRate(double base, int64_t step, int64_t total, int64_t warmup_steps) {
   if (step < warmup_steps) return base * static_cast<double>(step + 1) / static_cast<double>(warmup_steps);
@@ -68,7 +65,8 @@ void Trainer::optimizerStep(int64_t step, int64_t total, int64_t warmup_steps) {
   opt_->zero_grad();
 }
 
-Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows) {
+Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows,
+                   dtrain::Progress* progress) {
   torch::NoGradGuard no_grad;
   model->eval();
   const auto& clips = data.eval_clips;
@@ -77,7 +75,9 @@ Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& l
   for (const auto& c : clips) {
     vids.push_back(model->encodeVideo(evalClipWindows(data, c, windows, lo)).mean(0));
     texts.push_back(evalText(data, c, lo.max_words));
+    if (progress) progress->update(static_cast<int64_t>(vids.size()));
   }
+  if (progress) progress->finish();
   model->train();
   Retrieval r;
   r.clips = static_cast<int>(n);
@@ -117,145 +117,191 @@ nlohmann::json toJson(const Retrieval& r) {
   return {{"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10}, {"median_rank", r.median_rank}};
 }
 
-// Rank 0's progress: a live bar when stdout is a terminal, one line per epoch otherwise.
-class Progress {
+// Rank 0's metrics.jsonl (docs/OBSERVABILITY.md, "Metrics"): the run, every optimizer step, every
+// evaluation. The other ranks log nothing.
+class RunLog {
  public:
-  Progress(bool on, int epoch, int epochs, int64_t steps) : on_(on), epoch_(epoch), epochs_(epochs), steps_(steps) {
-    tty_ = isatty(1);
-    t0_ = Clock::now();
+  RunLog(const dtrain::Distributed& dist, const TrainOptions& o) {
+    if (!dist.isMain()) return;
+    log_.emplace(o.out + "/metrics.jsonl", o.resume ? dtrain::MetricsLog::Open::append : dtrain::MetricsLog::Open::truncate);
+    auto config = dtrain::Record()
+                      .set("data", o.data).set("epochs", o.epochs).set("batch", o.batch).set("accum", o.accum)
+                      .set("lr", o.lr).set("warmup", o.warmup).set("seed", o.seed).set("resume", o.resume)
+                      .set("candidates", o.loader.num_candidates).set("max_words", o.loader.max_words)
+                      .set("clip_steps", o.loader.clip_steps).set("hidden", o.model.hidden).set("embed", o.model.embed)
+                      .set("transport", dist.world()->transportName());
+    log_->writeRun("milnce", dist.size(), config);
   }
-  void update(int64_t done, double loss, double lr, double samples_per_s, double eta_s) {
-    if (!on_) return;
-    // Not a terminal (a log, or dtrain-run's pipes): one line per epoch.
-    if (!tty_ && done != steps_) return;
-    int width = 24, fill = static_cast<int>(width * done / std::max<int64_t>(1, steps_));
-    std::string bar = std::string(fill, '#') + std::string(width - fill, '.');
-    std::printf("%sepoch %d/%d [%s] %lld/%lld loss %.4f lr %.2e %.0f samples/s ETA %s%s", tty_ ? "\r" : "", epoch_ + 1,
-                epochs_, bar.c_str(), static_cast<long long>(done), static_cast<long long>(steps_), loss, lr,
-                samples_per_s, formatEta(eta_s).c_str(), tty_ ? "" : "\n");
-    std::fflush(stdout);
+  void step(int epoch, int64_t step, double loss, double lr, double samples_per_s, double step_s,
+            const dtrain::DistributedDataParallel::Stats& st) {
+    const uint64_t sent = sent_.sinceLast();
+    if (!log_) return;
+    log_->write(dtrain::Record("step").set("step", step).set("epoch", epoch).set("time_s", log_->seconds())
+                    .set("loss", loss).set("lr", lr).set("samples_per_s", samples_per_s)
+                    .stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
+                    .set("bytes_sent", sent).set("rss_bytes", dtrain::residentBytes()));
   }
-  void end() {
-    if (on_ && tty_) std::printf("\n");
+  // After `epoch` epochs and `step` optimizer steps; recall in percent, as the tables print it.
+  void eval(int epoch, int64_t step, const Retrieval& r) {
+    if (!log_) return;
+    log_->write(dtrain::Record("eval").set("epoch", epoch).set("step", step).set("clips", r.clips)
+                    .set("R@1", 100 * r.r1).set("R@5", 100 * r.r5).set("R@10", 100 * r.r10)
+                    .set("median_rank", r.median_rank));
   }
 
  private:
-  static std::string formatEta(double s) {
-    int t = static_cast<int>(s + 0.5);
-    return fmt::format("{}:{:02d}", t / 60, t % 60);
+  std::optional<dtrain::MetricsLog> log_;
+  dtrain::BytesSentMeter sent_;
+};
+
+// The job of train(), in the order it runs: resume, evaluate, epochs (steps, checkpoint, evaluate).
+class Job {
+ public:
+  Job(const dtrain::Distributed& dist, const TrainOptions& o)
+      : dist_(dist), o_(o), data_(loadData(o)), main_(dist.isMain()), trainer_(dist, data_, o),
+        ckpt_(o.out + "/checkpoints", dist, o.keep),
+        sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true) {
+    const int64_t micro_per_epoch = sampler_.size() / o.batch;
+    if (micro_per_epoch < o.accum) {
+      throw dtrain::InvalidArgument(fmt::format(
+          "{} training videos over {} ranks leave {} per rank: fewer than one step of batch {} x accum {}",
+          data_.videos.size(), dist.size(), sampler_.size(), o.batch, o.accum));
+    }
+    steps_per_epoch_ = micro_per_epoch / o.accum;
+    total_ = steps_per_epoch_ * o.epochs;
+    warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o.warmup * total_));
   }
-  bool on_, tty_ = false;
-  int epoch_, epochs_;
-  int64_t steps_;
-  Clock::time_point t0_;
+
+  void run() {
+    resume();
+    RunLog log(dist_, o_);
+    log_ = &log;
+    if (o_.eval && main_) {
+      before_ = evaluateAndLog();
+      std::printf("%s\n%s\n%s\n", retrievalHeader(before_->clips).c_str(),
+                  formatRetrieval("before training", *before_).c_str(), chanceRow(before_->clips).c_str());
+      std::fflush(stdout);
+    }
+    const int last_epoch = o_.stop_after > 0 ? std::min(o_.epochs, o_.stop_after) : o_.epochs;
+    for (int epoch = epoch_; epoch < last_epoch; ++epoch) {
+      double loss = trainEpoch(epoch);
+      epoch_ = epoch + 1;
+      checkpoint(loss);
+      const bool last = epoch_ == last_epoch;
+      if (o_.eval && main_ && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0) {
+        std::printf("%s\n", formatRetrieval(fmt::format("after epoch {}", epoch_), evaluateAndLog()).c_str());
+        std::fflush(stdout);
+      }
+    }
+    if (o_.eval && main_) finalTable();
+  }
+
+ private:
+  // The dataset, loaded before o.out is created (a wrong --data leaves no empty run directory behind).
+  static Dataset loadData(const TrainOptions& o) {
+    Dataset d = Dataset::load(o.data);
+    std::filesystem::create_directories(o.out);
+    return d;
+  }
+
+  void resume() {
+    if (!o_.resume) return;
+    if (auto st = ckpt_.loadLatest()) {
+      st->restoreModel(*trainer_.model());
+      st->restoreOptimizer(trainer_.optimizer());
+      st->restoreRng();
+      epoch_ = static_cast<int>(st->epoch);
+      step_ = st->step;
+      if (main_) std::printf("resumed from epoch %d, step %lld\n", epoch_, static_cast<long long>(step_));
+    } else if (main_) {
+      std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+    }
+  }
+
+  Retrieval evaluateAndLog() {
+    Retrieval r = evaluate(trainer_.model(), data_, o_.loader, o_.eval_windows);
+    log_->eval(epoch_, step_, r);
+    return r;
+  }
+
+  // One epoch of optimizer steps, each logged; returns the mean loss.
+  double trainEpoch(int epoch) {
+    sampler_.setEpoch(epoch);
+    const auto idx = sampler_.indices();
+    // The loader's randomness depends only on (seed, epoch, rank): a resumed run draws the same clips.
+    std::mt19937_64 rng(o_.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull + static_cast<uint64_t>(dist_.rank()));
+    dtrain::ProgressOptions po;
+    po.mode = main_ ? o_.progress : dtrain::ProgressOptions::Mode::off;
+    po.unit = "step";
+    po.line_every = o_.progress_every > 0 ? o_.progress_every : steps_per_epoch_;
+    dtrain::Progress bar(fmt::format("train epoch {}/{}", epoch + 1, o_.epochs), steps_per_epoch_, po);
+    const double samples_per_step = static_cast<double>(o_.batch) * o_.accum * dist_.size();
+    dtrain::Stopwatch epoch_time, step_time;
+    double loss_sum = 0;
+    for (int64_t s = 0; s < steps_per_epoch_; ++s) {
+      double loss = 0;
+      for (int a = 0; a < o_.accum; ++a) {
+        int64_t m = s * o_.accum + a;
+        std::vector<int64_t> rows(idx.begin() + m * o_.batch, idx.begin() + (m + 1) * o_.batch);
+        Batch batch = makeBatch(data_, rows, o_.loader, rng);
+        loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == o_.accum) / o_.accum;
+      }
+      const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
+      trainer_.optimizerStep(step_, total_, warmup_steps_);
+      ++step_;
+      loss_sum += loss;
+      const double step_s = step_time.lap();
+      log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.ddp().lastStats());
+      bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s", loss_sum / (s + 1), lr,
+                                    samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9)));
+    }
+    return loss_sum / steps_per_epoch_;
+  }
+
+  void checkpoint(double loss) {
+    dtrain::CheckpointState st;
+    st.captureModel(*trainer_.model());
+    st.captureOptimizer(trainer_.optimizer());
+    st.captureRng();
+    st.epoch = epoch_;
+    st.step = step_;
+    st.scheduler["step"] = static_cast<double>(step_);
+    st.scheduler["total"] = static_cast<double>(total_);
+    st.metrics["loss"] = loss;
+    ckpt_.save(st);
+  }
+
+  // Before, after (the last epoch's evaluation) and chance, also written to eval.json.
+  void finalTable() {
+    Retrieval after = evaluateAndLog();
+    nlohmann::json eval_json;
+    std::printf("%s\n", retrievalHeader(after.clips).c_str());
+    if (before_) {
+      eval_json["before"] = toJson(*before_);
+      std::printf("%s\n", formatRetrieval("before training", *before_).c_str());
+    }
+    eval_json["after"] = toJson(after);
+    std::printf("%s\n%s\n", formatRetrieval(fmt::format("after training ({} epochs)", epoch_), after).c_str(),
+                chanceRow(after.clips).c_str());
+    std::ofstream(o_.out + "/eval.json") << eval_json.dump(2) << "\n";
+  }
+
+  const dtrain::Distributed& dist_;
+  const TrainOptions& o_;
+  Dataset data_;
+  bool main_;
+  Trainer trainer_;
+  dtrain::Checkpointer ckpt_;
+  dtrain::DistributedSampler sampler_;
+  int64_t steps_per_epoch_ = 0, total_ = 0, warmup_steps_ = 0;
+  int epoch_ = 0;     // epochs done
+  int64_t step_ = 0;  // optimizer steps done
+  RunLog* log_ = nullptr;
+  std::optional<Retrieval> before_;
 };
 
 }  // namespace
 
-void train(const dtrain::Distributed& dist, const TrainOptions& o) {
-  Dataset data = Dataset::load(o.data);
-  const bool main = dist.isMain();
-  std::filesystem::create_directories(o.out);
-  Trainer trainer(dist, data, o);
-  dtrain::Checkpointer ckpt(o.out + "/checkpoints", dist, o.keep);
-  dtrain::DistributedSampler sampler(static_cast<int64_t>(data.videos.size()), dist, /*shuffle=*/true, o.seed,
-                                     /*drop_last=*/true);
-  const int64_t micro_per_epoch = sampler.size() / o.batch;
-  if (micro_per_epoch < o.accum) {
-    throw dtrain::InvalidArgument(fmt::format(
-        "{} training videos over {} ranks leave {} per rank: fewer than one step of batch {} x accum {}",
-        data.videos.size(), dist.size(), sampler.size(), o.batch, o.accum));
-  }
-  const int64_t steps_per_epoch = micro_per_epoch / o.accum;
-  const int64_t total = steps_per_epoch * o.epochs;
-  const int64_t warmup_steps = std::max<int64_t>(1, static_cast<int64_t>(o.warmup * total));
-
-  int start_epoch = 0;
-  int64_t step = 0;
-  if (o.resume) {
-    if (auto st = ckpt.loadLatest()) {
-      st->restoreModel(*trainer.model());
-      st->restoreOptimizer(trainer.optimizer());
-      st->restoreRng();
-      start_epoch = static_cast<int>(st->epoch);
-      step = st->step;
-      if (main) std::printf("resumed from epoch %d, step %lld\n", start_epoch, static_cast<long long>(step));
-    } else if (main) {
-      std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o.out.c_str());
-    }
-  }
-  std::ofstream metrics;
-  if (main) metrics.open(o.out + "/metrics.jsonl", std::ios::app);
-  nlohmann::json eval_json;
-  if (o.eval && main) {
-    auto before = evaluate(trainer.model(), data, o.loader, o.eval_windows);
-    eval_json["before"] = toJson(before);
-    std::printf("%s\n%s\n%s\n", retrievalHeader(before.clips).c_str(), formatRetrieval("before training", before).c_str(),
-                chanceRow(before.clips).c_str());
-    std::fflush(stdout);
-  }
-  const int last_epoch = o.stop_after > 0 ? std::min(o.epochs, o.stop_after) : o.epochs;
-  for (int epoch = start_epoch; epoch < last_epoch; ++epoch) {
-    sampler.setEpoch(epoch);
-    const auto idx = sampler.indices();
-    // The loader's randomness depends only on (seed, epoch, rank): a resumed run draws the same clips.
-    std::mt19937_64 rng(o.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull + static_cast<uint64_t>(dist.rank()));
-    Progress bar(main && o.progress, epoch, o.epochs, steps_per_epoch);
-    auto t0 = Clock::now();
-    double loss_sum = 0;
-    for (int64_t s = 0; s < steps_per_epoch; ++s) {
-      double loss = 0;
-      for (int a = 0; a < o.accum; ++a) {
-        int64_t m = s * o.accum + a;
-        std::vector<int64_t> rows(idx.begin() + m * o.batch, idx.begin() + (m + 1) * o.batch);
-        Batch batch = makeBatch(data, rows, o.loader, rng);
-        loss += trainer.lossAndBackward(batch, /*sync=*/a + 1 == o.accum) / o.accum;
-      }
-      trainer.optimizerStep(step, total, warmup_steps);
-      ++step;
-      loss_sum += loss;
-      double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-      double sps = (s + 1) * o.batch * o.accum * dist.size() / std::max(secs, 1e-9);
-      double eta = secs / (s + 1) * (steps_per_epoch - s - 1 + (o.epochs - epoch - 1) * steps_per_epoch);
-      bar.update(s + 1, loss_sum / (s + 1), learningRate(o.lr, step - 1, total, warmup_steps), sps, eta);
-    }
-    bar.end();
-    double secs = std::chrono::duration<double>(Clock::now() - t0).count();
-    if (main) {
-      nlohmann::json line = {{"epoch", epoch + 1},
-                             {"step", step},
-                             {"loss", loss_sum / steps_per_epoch},
-                             {"lr", learningRate(o.lr, step - 1, total, warmup_steps)},
-                             {"samples_per_s", steps_per_epoch * o.batch * o.accum * dist.size() / secs},
-                             {"seconds", secs},
-                             {"world", dist.size()}};
-      metrics << line.dump() << "\n";
-      metrics.flush();
-    }
-    dtrain::CheckpointState st;
-    st.captureModel(*trainer.model());
-    st.captureOptimizer(trainer.optimizer());
-    st.captureRng();
-    st.epoch = epoch + 1;
-    st.step = step;
-    st.scheduler["step"] = static_cast<double>(step);
-    st.scheduler["total"] = static_cast<double>(total);
-    st.metrics["loss"] = loss_sum / steps_per_epoch;
-    ckpt.save(st);
-  }
-  if (o.eval && main) {
-    auto after = evaluate(trainer.model(), data, o.loader, o.eval_windows);
-    eval_json["after"] = toJson(after);
-    std::printf("%s\n", retrievalHeader(after.clips).c_str());
-    if (eval_json.contains("before")) {
-      Retrieval b{eval_json["before"]["clips"], eval_json["before"]["R@1"], eval_json["before"]["R@5"],
-                  eval_json["before"]["R@10"], eval_json["before"]["median_rank"]};
-      std::printf("%s\n", formatRetrieval("before training", b).c_str());
-    }
-    std::printf("%s\n%s\n", formatRetrieval(fmt::format("after training ({} epochs)", o.epochs), after).c_str(),
-                chanceRow(after.clips).c_str());
-    std::ofstream(o.out + "/eval.json") << eval_json.dump(2) << "\n";
-  }
-}
+void train(const dtrain::Distributed& dist, const TrainOptions& o) { Job(dist, o).run(); }
 
 }  // namespace milnce

@@ -6,6 +6,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
+#include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
 
@@ -13,7 +14,7 @@ namespace milnce {
 
 struct TrainOptions {
   std::string data;          // generated data directory
-  std::string out = "runs/milnce";  // checkpoints/, metrics.jsonl, eval.json
+  std::string out = "runs/milnce";  // checkpoints/, metrics.jsonl (rank 0; docs/OBSERVABILITY.md), eval.json
   int epochs = 30;
   int batch = 32;            // clips per rank per step
   int accum = 1;             // micro-batches per optimizer step (DDP no_sync in between)
@@ -24,8 +25,12 @@ struct TrainOptions {
   int stop_after = 0;        // stop once this many epochs are done (0: run all), as if interrupted
   int keep = 10;             // checkpoints kept
   int eval_windows = 4;
-  bool eval = true;          // evaluate before and after training
-  bool progress = true;
+  bool eval = true;          // evaluate before training and after every eval_every epochs (and the last)
+  int eval_every = 1;
+  // Rank 0's progress on stderr: a bar on a terminal, else a line every progress_every steps (0: one
+  // line per epoch).
+  dtrain::ProgressOptions::Mode progress = dtrain::ProgressOptions::Mode::automatic;
+  int progress_every = 0;
   LoaderOptions loader;
   ModelOptions model;
 };
@@ -36,7 +41,9 @@ struct Retrieval {
 };
 // Text-to-video retrieval on the held-out clips: each clip's video embedding is the mean over
 // `windows` windows of the clip. Ranks are 1-based; chance is R@k = k / clips, median (clips + 1) / 2.
-Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows);
+// `progress`, when given (total: the clips), is updated once per clip embedded.
+Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows,
+                   dtrain::Progress* progress = nullptr);
 std::string formatRetrieval(const std::string& label, const Retrieval& r);
 std::string retrievalHeader(int clips);
 std::string chanceRow(int clips);
@@ -65,7 +72,8 @@ class Trainer {
   std::unique_ptr<torch::optim::Adam> opt_;
 };
 
-// The whole job: evaluate, train for o.epochs (resuming if asked), checkpoint every epoch, evaluate.
+// The whole job: evaluate, train for o.epochs (resuming if asked), checkpoint and evaluate every epoch.
+// Rank 0 logs the run, every step and every evaluation to o.out/metrics.jsonl (appended to on --resume).
 void train(const dtrain::Distributed& dist, const TrainOptions& o);
 
 }  // namespace milnce

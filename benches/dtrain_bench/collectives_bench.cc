@@ -9,6 +9,7 @@
 // result against values it computes itself, and #wrong is the total over ranks. A rank that found
 // wrong elements says so on stderr and exits 1 itself, since the total is summed by the very
 // collectives being measured.
+// Progress on stderr counts the sizes; --metrics FILE adds a bench record per size (observe.h).
 #include "collectives_bench.h"
 
 #include <fmt/format.h>
@@ -22,6 +23,7 @@
 #include "dtrain/comm/element.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/rendezvous.h"
+#include "observe.h"
 
 namespace dtrain::bench {
 namespace {
@@ -30,6 +32,8 @@ using comm::DType;
 using comm::ProcessGroup;
 using comm::ReduceOp;
 using Clock = std::chrono::steady_clock;
+using dtrain::Progress;
+using dtrain::Record;
 
 struct Options {
   std::string transport = "auto";
@@ -40,6 +44,7 @@ struct Options {
   double factor = 2;
   int iters = 0;  // 0: from the warm-up
   double seconds = 0.3;
+  Observe observe;
 };
 
 enum class Coll { allreduce, allgather, reduce_scatter, broadcast };
@@ -160,11 +165,18 @@ int run(Coll c, const Options& o) {
                "algbw", "busbw", "#wrong", "p50_us", "p90_us");
     std::fflush(stdout);  // the header says the group is formed; tests watch for it
   }
-  int64_t total_wrong = 0, my_wrong = 0;
+  // The sizes measured: the nominal bytes (which size the warm-up) and the element count.
+  std::vector<std::pair<double, size_t>> points;
   for (double bytes = static_cast<double>(o.min_bytes); bytes <= static_cast<double>(o.max_bytes); bytes *= o.factor) {
     size_t count = static_cast<size_t>(bytes) / es;
     if ((c == Coll::allgather || c == Coll::reduce_scatter)) count = count / n * n;
-    if (count == 0) continue;
+    if (count > 0) points.emplace_back(bytes, count);
+  }
+  auto log = o.observe.open(r == 0, name(c), n, Record().set("transport", pg->transportName()).set("dtype", comm::dtypeName(t))
+                                                   .set("algo", o.algo).set("iters", o.iters).set("seconds", o.seconds));
+  Progress progress(name(c), static_cast<int64_t>(points.size()), o.observe.progress(r == 0, "size"));
+  int64_t total_wrong = 0, my_wrong = 0, done = 0;
+  for (const auto& [bytes, count] : points) {
     Runner run(*pg, c, t, count, algo);
     // Warm up, and size the timed loop from it (rank 0 decides for everyone).
     // Every rank must issue the same ops, so the warm-up count is fixed by size, not by time.
@@ -196,12 +208,21 @@ int run(Coll c, const Options& o) {
     size_t size_bytes = count * es;
     double algbw = static_cast<double>(size_bytes) / (mean_us * 1e-6) / 1e9;
     if (r == 0) {
+      progress.clear();
       fmt::print("  {:>10} {:>10} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7} {:>10.1f} {:>10.1f}\n", size_bytes, count,
                  comm::dtypeName(t), mean_us, algbw, algbw * busFactor(c, n), bad, percentile(times, 0.5),
                  percentile(times, 0.9));
       std::fflush(stdout);
     }
+    if (log) {
+      log->write(Record("bench").set("name", name(c)).set("transport", pg->transportName()).set("dtype", comm::dtypeName(t))
+                     .set("algo", o.algo).set("size_bytes", size_bytes).set("count", count).set("iters", iters)
+                     .set("time_us", mean_us).set("p50_us", percentile(times, 0.5)).set("p90_us", percentile(times, 0.9))
+                     .set("algbw_GBps", algbw).set("busbw_GBps", algbw * busFactor(c, n)).set("wrong", bad));
+    }
+    progress.update(++done, fmt::format("{} bytes {:.1f} us", size_bytes, mean_us));
   }
+  progress.finish();
   if (r == 0) fmt::print("# {} wrong elements in all\n", total_wrong);
   return total_wrong == 0 && my_wrong == 0 ? 0 : 1;
 }
@@ -234,6 +255,7 @@ void addCollectiveCommands(CLI::App& app) {
     sub->add_option("--iters", o->iters, "timed iterations per size (0: from the warm-up)");
     sub->add_option("--seconds", o->seconds, "timed work per size when --iters is 0");
     sub->add_option("--dtype", o->dtype, "f32 f64 f16 bf16 i32 i64 u8");
+    o->observe.addOptions(sub);
     if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd or direct (shm)")->check(CLI::IsMember({"auto", "ring", "rd", "direct"}));
     sub->callback([c, o, minb, maxb] {
       o->min_bytes = parseBytes(*minb);

@@ -1,7 +1,8 @@
 // dtrain-bench ddp --mode dp: DataParallel (one process, N replica threads) on the reference MLP, for
 // the DP-vs-DDP comparison. Each step trains on N x batch rows, like N DDP ranks of `batch` rows.
 // Verified like ddp (ddp_bench.cc): after the timed steps the model is compared with the same
-// training without DataParallel (reference_mlp.h); wrong > 0 makes the exit status 1.
+// training without DataParallel (reference_mlp.h); wrong > 0 makes the exit status 1. With --metrics, a
+// bench record named "dp".
 #include <torch/torch.h>
 
 #include <chrono>
@@ -10,10 +11,11 @@
 
 #include "reference_mlp.h"
 #include "dtrain/data_parallel.h"
+#include "dtrain/metrics.h"
 
 namespace dtrain::bench {
 
-int runDataParallel(int threads, int batch, int steps, int warmup, double tol) {
+int runDataParallel(int threads, int batch, int steps, int warmup, double tol, MetricsLog* log) {
   torch::set_num_threads(1);  // one intra-op thread per replica
   auto net = referenceMlp();
   DataParallel dp(net, threads);
@@ -39,6 +41,12 @@ int runDataParallel(int threads, int batch, int steps, int warmup, double tol) {
               "wrong=%lld/%lld max_err=%.1e\n",
               threads, static_cast<long long>(countParams(net)), batch, dt * 1e3, threads * batch / dt,
               static_cast<long long>(c.wrong), static_cast<long long>(c.tensors), c.max_rel);
+  if (log) {
+    log->write(Record("bench").set("name", "dp").set("threads", threads).set("params", countParams(net))
+                   .set("batch_per_replica", batch).set("steps", steps).set("ms_per_step", dt * 1e3)
+                   .set("samples_per_s", threads * batch / dt).set("wrong", c.wrong).set("tensors", c.tensors)
+                   .set("max_err", c.max_rel));
+  }
   return c.wrong == 0 ? 0 : 1;
 }
 

@@ -12,6 +12,8 @@
 // its DDP parameters with that reference (reference_mlp.h). wrong=K/N: K of the N parameter tensors
 // (8 per rank) differ from the reference by more than the tolerance, relative to how far training
 // moved them; max_err is the largest such relative error. K > 0 makes the exit status 1.
+// Progress on stderr counts the timed steps; --metrics FILE adds a step record per timed step and a
+// bench record (observe.h).
 #include "ddp_bench.h"
 
 #include <torch/torch.h>
@@ -19,6 +21,7 @@
 #include <chrono>
 #include <cstdio>
 
+#include "observe.h"
 #include "reference_mlp.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
@@ -41,7 +44,14 @@ struct Options {
   std::string mode = "ddp";
   int threads = 2;
   std::string hook = "none";
+  Observe observe;
 };
+
+// The run record's config.
+Record runConfig(const Options& o) {
+  return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
+      .set("threads", o.threads).set("hook", o.hook);
+}
 
 int runDdp(const Options& o) {
   torch::set_num_threads(1);
@@ -52,16 +62,29 @@ int runDdp(const Options& o) {
   if (o.hook == "bf16") ddp.registerCommHook(bf16CompressHook());
   auto opt = makeSgd(net);
   auto [x, y] = rankBatch(dist.rank(), o.batch);
+  auto log = o.observe.open(dist.isMain(), "ddp", dist.size(), runConfig(o).set("transport", dist.world()->transportName()));
   double hidden = 0;
   for (int i = 0; i < o.warmup; ++i) sgdStep(net, opt, x, y);
   dist.world()->barrier()->wait();
+  Progress progress("ddp", o.steps, o.observe.progress(dist.isMain(), "step"));
+  BytesSentMeter sent;
+  Stopwatch step_time;
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) {
     sgdStep(net, opt, x, y);
-    hidden += ddp.lastStats().hiddenFraction();
+    const auto st = ddp.lastStats();
+    hidden += st.hiddenFraction();
+    const double step_s = step_time.lap();
+    if (log) {
+      log->write(Record("step").set("step", i + 1).set("time_s", log->seconds())
+                     .set("samples_per_s", dist.size() * o.batch / step_s).stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
+                     .set("bytes_sent", sent.sinceLast()).set("rss_bytes", residentBytes()));
+    }
+    progress.update(i + 1);
   }
   dist.world()->barrier()->wait();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;
+  progress.finish();
 
   auto [gx, gy] = globalBatch(dist.size(), o.batch);
   auto ref = trainReference(gx, gy, o.warmup + o.steps);
@@ -86,12 +109,20 @@ int runDdp(const Options& o) {
                 dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), o.hook.c_str(),
                 static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel);
   }
+  if (log) {
+    Record r("bench");
+    r.set("name", "ddp").set("mode", "ddp").set("transport", dist.world()->transportName()).set("hook", o.hook)
+        .set("params", countParams(net)).set("batch_per_rank", o.batch).set("steps", o.steps).set("ms_per_step", dt * 1e3)
+        .set("samples_per_s", dist.size() * o.batch / dt);
+    if (dist.size() > 1) r.set("hidden_fraction", hidden / o.steps);
+    log->write(r.set("wrong", all.wrong).set("tensors", all.tensors).set("max_err", all.max_rel));
+  }
   return mine.wrong == 0 && all.wrong == 0 ? 0 : 1;
 }
 
 }  // namespace
 
-int runDataParallel(int threads, int batch, int steps, int warmup, double tol);  // data_parallel_bench.cc
+int runDataParallel(int threads, int batch, int steps, int warmup, double tol, MetricsLog* log);  // data_parallel_bench.cc
 
 void addDdpCommand(CLI::App& app) {
   auto o = std::make_shared<Options>();
@@ -101,12 +132,18 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--warmup", o->warmup, "untimed steps first");
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
   sub->add_option("--threads", o->threads, "dp: replica threads");
+  o->observe.addOptions(sub);
   sub->add_option("--hook", o->hook, "ddp: none, fp16 or bf16 gradient compression")
       ->check(CLI::IsMember({"none", "fp16", "bf16"}));
   sub->callback([o] {
     int rc = 1;
     try {
-      rc = o->mode == "ddp" ? runDdp(*o) : runDataParallel(o->threads, o->batch, o->steps, o->warmup, kTolerance);
+      if (o->mode == "ddp") {
+        rc = runDdp(*o);
+      } else {
+        auto log = o->observe.open(true, "dp", 1, runConfig(*o));
+        rc = runDataParallel(o->threads, o->batch, o->steps, o->warmup, kTolerance, log.get());
+      }
     } catch (const std::exception& e) {
       std::fprintf(stderr, "dtrain-bench ddp: %s\n", e.what());
     }

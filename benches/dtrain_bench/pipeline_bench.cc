@@ -10,6 +10,8 @@
 //   #wrong         gradient elements of every stage (summed over the ranks) that differ from the one-process
 //                  run's by more than 1e-4 of its largest, plus 1 when the batch loss does; the program
 //                  exits 1 when any configuration had one
+// Progress on stderr counts the configurations; --metrics FILE adds a step record per timed step
+// (bubble_fraction of rank 0's stage) and a bench record per configuration (observe.h).
 #include "pipeline_bench.h"
 
 #include <torch/torch.h>
@@ -22,6 +24,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
 #include "dtrain/pipeline.h"
+#include "observe.h"
 
 namespace dtrain::bench {
 namespace {
@@ -34,6 +37,7 @@ struct Options {
   int warmup = 1;
   std::vector<int> micro{1, 2, 4, 8, 16};
   std::string schedule = "both";
+  Observe observe;
 };
 
 torch::nn::Sequential deepMlp(const Options& o) {
@@ -58,46 +62,123 @@ std::string joinInts(const std::vector<double>& v, const char* fmt) {
   return s;
 }
 
+// What every configuration shares: the stage, the batch and the one-process reference to check against.
+struct Bench {
+  const Options& o;
+  std::shared_ptr<comm::ProcessGroup> pg;
+  int P, rank;
+  torch::nn::Sequential stage;
+  at::Tensor x, y;
+  double ref_ms = 0, ref_loss = 0;
+  std::map<std::string, at::Tensor> ref_grads;
+  MetricsLog* log = nullptr;
+  int64_t steps_logged = 0;
+};
+
+// One configuration: warm-up and timed steps (each a step record), the check against the reference,
+// the row. Returns the wrong results over every rank.
+int64_t measure(Bench& b, PipelineSchedule sched, int M) {
+  const Options& o = b.o;
+  const int P = b.P, rank = b.rank;
+  Pipeline pipe(b.stage, b.pg, PipelineOptions{M, sched});
+  double step_ms = 0, busy_ms = 0, loss = 0;
+  int64_t wrong = 0;
+  const PipelineStats* st = nullptr;
+  BytesSentMeter sent;
+  for (int i = 0; i < o.warmup + o.steps; ++i) {
+    b.stage->zero_grad();
+    loss = pipe.step(rank == 0 ? b.x : at::Tensor(), rank == P - 1 ? b.y : at::Tensor(), lossFn);
+    st = &pipe.stats();
+    if (i < o.warmup) {
+      sent.sinceLast();  // the timed steps' bytes only
+      continue;
+    }
+    step_ms += st->step_ms;
+    busy_ms += st->forward_ms + st->backward_ms;
+    if (b.log) {  // rank 0's stage: its own idle share; the loss is known on the last stage only
+      Record r("step");
+      r.set("step", ++b.steps_logged).set("time_s", b.log->seconds()).set("schedule", scheduleName(sched))
+          .set("micro_batches", M).set("step_s", st->step_ms / 1e3).set("samples_per_s", o.batch / (st->step_ms / 1e3))
+          .set("bubble_fraction", 1.0 - (st->forward_ms + st->backward_ms) / st->step_ms);
+      if (P == 1) r.set("loss", loss);
+      b.log->write(r.set("bytes_sent", sent.sinceLast()).set("rss_bytes", residentBytes()));
+    }
+  }
+  // Verify against the one-process run: the loss (counted once, on the last stage) and every
+  // gradient element of this rank's stage; the counts are summed over the ranks.
+  if (rank == P - 1 && !(std::abs(loss - b.ref_loss) <= 1e-4 * std::abs(b.ref_loss))) wrong += 1;
+  for (auto& p : b.stage->named_parameters()) {
+    const at::Tensor& want = b.ref_grads.at(p.key());
+    const double tol = 1e-4 * std::max(1.0, want.abs().max().item<double>());
+    wrong += (p.value().grad() - want).abs().gt(tol).sum().item<int64_t>();
+  }
+  b.pg->allreduce(&wrong, 1, comm::DType::i64)->wait();
+  std::array<double, 4> mine{step_ms / o.steps, 1.0 - busy_ms / step_ms, static_cast<double>(st->peak_stored_activations),
+                             static_cast<double>(st->peak_activation_bytes) / (1 << 20)};
+  std::vector<double> all(4 * static_cast<size_t>(P));
+  b.pg->allgather(mine.data(), all.data(), 4, comm::DType::f64)->wait();
+  if (rank != 0) return wrong;
+  double step = 0, bubble = 0;
+  std::vector<double> peaks, mbs;
+  for (int s = 0; s < P; ++s) {
+    step = std::max(step, all[4 * s]);
+    bubble += all[4 * s + 1] / P;
+    peaks.push_back(all[4 * s + 2]);
+    mbs.push_back(all[4 * s + 3]);
+  }
+  const double theory = static_cast<double>(P - 1) / (M + P - 1);
+  std::printf("%-6s %4d %9.1f %8.3f %8.3f %14s %16s %8.2f %7lld\n", scheduleName(sched), M, step, bubble, theory,
+              joinInts(peaks, "%.0f").c_str(), joinInts(mbs, "%.1f").c_str(), b.ref_ms / step,
+              static_cast<long long>(wrong));
+  std::fflush(stdout);
+  if (b.log) {
+    b.log->write(Record("bench").set("name", "pipeline").set("schedule", scheduleName(sched)).set("micro_batches", M)
+                     .set("stages", P).set("step_ms", step).set("bubble_fraction", bubble).set("theory_bubble", theory)
+                     .set("speedup", b.ref_ms / step).set("wrong", wrong));
+  }
+  return wrong;
+}
+
+// The one-process reference: rank 0 times it alone (the others wait), then every rank computes its
+// loss and gradients, by parameter name, to check its own stage against.
+void reference(Bench& b, torch::nn::Sequential& model) {
+  if (b.rank == 0) {
+    for (int i = 0; i <= b.o.steps; ++i) {
+      model->zero_grad();
+      auto t0 = std::chrono::steady_clock::now();
+      lossFn(model->forward(b.x), b.y).backward();
+      if (i > 0) b.ref_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+    }
+    b.ref_ms /= b.o.steps;
+  }
+  b.pg->barrier()->wait();
+  model->zero_grad();
+  auto l = lossFn(model->forward(b.x), b.y);
+  l.backward();
+  b.ref_loss = l.item<double>();
+  for (auto& p : model->named_parameters()) b.ref_grads[p.key()] = p.value().grad().clone();
+}
+
 int run(const Options& o) {
   torch::set_num_threads(1);
   auto dist = dtrain::init();
-  auto& pg = dist.world();
   const int P = dist.size(), rank = dist.rank();
   auto model = deepMlp(o);
   auto g = at::make_generator<at::CPUGeneratorImpl>(1);
-  auto x = at::randn({o.batch, o.width}, g), y = at::randn({o.batch, o.width}, g);
-
-  // The one-process reference: rank 0 times it alone (the others wait), then every rank computes its
-  // loss and gradients, by parameter name, to check its own stage against.
-  double ref_ms = 0, ref_loss = 0;
-  if (rank == 0) {
-    for (int i = 0; i <= o.steps; ++i) {
-      model->zero_grad();
-      auto t0 = std::chrono::steady_clock::now();
-      lossFn(model->forward(x), y).backward();
-      if (i > 0) ref_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
-    }
-    ref_ms /= o.steps;
-  }
-  pg->barrier()->wait();
-  model->zero_grad();
-  {
-    auto l = lossFn(model->forward(x), y);
-    l.backward();
-    ref_loss = l.item<double>();
-  }
-  std::map<std::string, at::Tensor> ref_grads;
-  for (auto& p : model->named_parameters()) ref_grads[p.key()] = p.value().grad().clone();
-  int64_t total_wrong = 0;
-
-  auto stage = pipelineStage(model, rank, P);
+  Bench b{o, dist.world(), P, rank, nullptr, at::randn({o.batch, o.width}, g), at::randn({o.batch, o.width}, g)};
+  reference(b, model);
+  b.stage = pipelineStage(model, rank, P);
   int64_t stage_params = 0;
-  for (auto& p : stage->parameters()) stage_params += p.numel();
+  for (auto& p : b.stage->parameters()) stage_params += p.numel();
+  auto log = o.observe.open(rank == 0, "pipeline", P, Record().set("layers", o.layers).set("width", o.width)
+                                                         .set("batch", o.batch).set("steps", o.steps).set("warmup", o.warmup)
+                                                         .set("schedule", o.schedule).set("transport", b.pg->transportName()));
+  b.log = log.get();
   if (rank == 0) {
     std::printf("# dtrain-bench pipeline: P=%d layers=%d width=%d batch=%d params/stage0=%lld threads=1 "
                 "transport=%s one-process step %.1f ms\n",
-                P, o.layers, o.width, o.batch, static_cast<long long>(stage_params), pg->transportName().c_str(),
-                ref_ms);
+                P, o.layers, o.width, o.batch, static_cast<long long>(stage_params), b.pg->transportName().c_str(),
+                b.ref_ms);
     std::printf("%-6s %4s %9s %8s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory", "peak_act",
                 "peak_MB", "speedup", "#wrong");
     std::fflush(stdout);
@@ -105,53 +186,17 @@ int run(const Options& o) {
   std::vector<PipelineSchedule> schedules;
   if (o.schedule != "1f1b") schedules.push_back(PipelineSchedule::gpipe);
   if (o.schedule != "gpipe") schedules.push_back(PipelineSchedule::one_f_one_b);
-
+  Progress progress("pipeline", static_cast<int64_t>(schedules.size() * o.micro.size()),
+                    o.observe.progress(rank == 0, "configuration"));
+  int64_t total_wrong = 0, done = 0;
   for (auto sched : schedules) {
     for (int M : o.micro) {
-      Pipeline pipe(stage, pg, PipelineOptions{M, sched});
-      double step_ms = 0, busy_ms = 0, loss = 0;
-      int64_t wrong = 0;
-      const PipelineStats* st = nullptr;
-      for (int i = 0; i < o.warmup + o.steps; ++i) {
-        stage->zero_grad();
-        loss = pipe.step(rank == 0 ? x : at::Tensor(), rank == P - 1 ? y : at::Tensor(), lossFn);
-        st = &pipe.stats();
-        if (i >= o.warmup) {
-          step_ms += st->step_ms;
-          busy_ms += st->forward_ms + st->backward_ms;
-        }
-      }
-      // Verify against the one-process run: the loss (counted once, on the last stage) and every
-      // gradient element of this rank's stage; the counts are summed over the ranks.
-      if (rank == P - 1 && !(std::abs(loss - ref_loss) <= 1e-4 * std::abs(ref_loss))) wrong += 1;
-      for (auto& p : stage->named_parameters()) {
-        const at::Tensor& want = ref_grads.at(p.key());
-        const double tol = 1e-4 * std::max(1.0, want.abs().max().item<double>());
-        wrong += (p.value().grad() - want).abs().gt(tol).sum().item<int64_t>();
-      }
-      pg->allreduce(&wrong, 1, comm::DType::i64)->wait();
-      total_wrong += wrong;
-      std::array<double, 4> mine{step_ms / o.steps, 1.0 - busy_ms / step_ms,
-                                 static_cast<double>(st->peak_stored_activations),
-                                 static_cast<double>(st->peak_activation_bytes) / (1 << 20)};
-      std::vector<double> all(4 * static_cast<size_t>(P));
-      pg->allgather(mine.data(), all.data(), 4, comm::DType::f64)->wait();
-      if (rank == 0) {
-        double step = 0, bubble = 0;
-        std::vector<double> peaks, mbs;
-        for (int s = 0; s < P; ++s) {
-          step = std::max(step, all[4 * s]);
-          bubble += all[4 * s + 1] / P;
-          peaks.push_back(all[4 * s + 2]);
-          mbs.push_back(all[4 * s + 3]);
-        }
-        std::printf("%-6s %4d %9.1f %8.3f %8.3f %14s %16s %8.2f %7lld\n", scheduleName(sched), M, step, bubble,
-                    static_cast<double>(P - 1) / (M + P - 1), joinInts(peaks, "%.0f").c_str(),
-                    joinInts(mbs, "%.1f").c_str(), ref_ms / step, static_cast<long long>(wrong));
-        std::fflush(stdout);
-      }
+      progress.clear();  // rank 0's row goes where the bar was
+      total_wrong += measure(b, sched, M);
+      progress.update(++done, fmt::format("{} M={}", scheduleName(sched), M));
     }
   }
+  progress.finish();
   if (total_wrong > 0 && rank == 0)
     std::fprintf(stderr, "dtrain-bench pipeline: %lld wrong results\n", static_cast<long long>(total_wrong));
   return total_wrong > 0 ? 1 : 0;
@@ -168,6 +213,7 @@ void addPipelineCommand(CLI::App& app) {
   sub->add_option("--steps", o->steps, "timed steps per configuration");
   sub->add_option("--warmup", o->warmup, "untimed steps first");
   sub->add_option("--micro", o->micro, "micro-batch counts")->delimiter(',');
+  o->observe.addOptions(sub);
   sub->add_option("--schedule", o->schedule, "gpipe, 1f1b or both")->check(CLI::IsMember({"gpipe", "1f1b", "both"}));
   sub->callback([o] {
     int rc = 1;

@@ -15,6 +15,7 @@
 // tensor pushed every step with rank-dependent gradients (BSP's mean, closed form), in mlp mode the
 // trained parameters against one process training on every worker's batch (rank 0), in sparse mode a row
 // table of known pushes and the dense allreduce of rank-dependent values against their average.
+// Progress on stderr counts the timed steps; --metrics FILE adds a bench record "ps-mlp" or "ps-sparse".
 #include "ps_bench.h"
 
 #include <torch/torch.h>
@@ -27,6 +28,7 @@
 #include "dtrain/distributed.h"
 #include "dtrain/ps.h"
 #include "dtrain/ps_module.h"
+#include "observe.h"
 
 namespace dtrain::bench {
 namespace {
@@ -42,6 +44,7 @@ struct Options {
   int64_t dim = 64;
   int64_t rows = 10000;
   int dense_steps = 5;
+  Observe observe;
 };
 
 ps::PSOptions psOptions(const Options& o) {
@@ -135,7 +138,7 @@ int64_t checkMlp(torch::nn::Sequential& trained, int world, int batch, int steps
   return wrong;
 }
 
-int64_t runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check) {
+int64_t runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check, MetricsLog* log) {
   auto net = referenceMlp();
   int64_t nparams = 0;
   for (const auto& p : net->parameters()) nparams += p.numel();
@@ -159,10 +162,21 @@ int64_t runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCh
   dist.world()->barrier()->wait();
   int64_t b0 = w.bytesSent() + w.bytesReceived();
   auto t0 = Clock::now();
-  for (int i = 0; i < o.steps; ++i) last_loss = step();
+  Progress progress("ps", o.steps, o.observe.progress(dist.isMain(), "step"));
+  for (int i = 0; i < o.steps; ++i) {
+    last_loss = step();
+    progress.update(i + 1, fmt::format("loss {:.4f}", last_loss));
+  }
   dist.world()->barrier()->wait();
   double dt = seconds(t0) / o.steps;
   double bytes = static_cast<double>(w.bytesSent() + w.bytesReceived() - b0) / o.steps;
+  progress.finish();
+  if (log) {
+    log->write(Record("bench").set("name", "ps-mlp").set("workers", dist.size()).set("servers", w.numServers())
+                   .set("params", nparams).set("batch_per_worker", o.batch).set("steps", o.steps)
+                   .set("ms_per_step", dt * 1e3).set("samples_per_s", dist.size() * o.batch / dt)
+                   .set("bytes_per_step_per_worker", bytes).set("first_loss", first_loss).set("last_loss", last_loss));
+  }
   if (dist.isMain()) {
     std::printf("dtrain-ps workers=%d servers=%d params=%lld batch_per_worker=%d ms_per_step=%.1f samples_per_s=%.1f "
                 "MB_per_step_per_worker=%.1f loss %.4f -> %.4f\n",
@@ -200,7 +214,11 @@ void runSparse(const Options& o, ps::Worker& w, const Distributed& dist, DenseCh
   pull_s = push_s = 0;
   int64_t b0 = w.bytesSent() + w.bytesReceived();
   auto t0 = Clock::now();
-  for (int i = 0; i < o.steps; ++i) step();
+  Progress progress("ps", o.steps, o.observe.progress(dist.isMain(), "step"));
+  for (int i = 0; i < o.steps; ++i) {
+    step();
+    progress.update(i + 1);
+  }
   dist.world()->barrier()->wait();
   double sparse_s = seconds(t0) / o.steps;
   double sparse_bytes = static_cast<double>(w.bytesSent() + w.bytesReceived() - b0) / o.steps;
@@ -229,7 +247,7 @@ int64_t checkDense(const Options& o, const at::Tensor& grad, int W, const char* 
 }
 
 // The dense alternative, timed after the PS servers have finished (so they take no CPU from it).
-int64_t runDense(const Options& o, const Distributed& dist, const SparseResult& r, int servers) {
+int64_t runDense(const Options& o, const Distributed& dist, const SparseResult& r, int servers, MetricsLog* log) {
   double sparse_s = r.ms / 1e3, sparse_bytes = r.bytes;
   const int W = dist.size();
   auto grad = densePattern(o).mul_(dist.rank() + 1);
@@ -257,6 +275,13 @@ int64_t runDense(const Options& o, const Distributed& dist, const SparseResult& 
                 dist.world()->transportName().c_str(), dense_s * 1e3);
     std::printf("  speedup=%.1fx\n", dense_s / sparse_s);
   }
+  if (log) {
+    log->write(Record("bench").set("name", "ps-sparse").set("workers", W).set("servers", servers)
+                   .set("table_rows", o.table_rows).set("dim", o.dim).set("rows_per_step", o.rows)
+                   .set("sparse_ms_per_step", sparse_s * 1e3).set("pull_ms", r.pull_ms).set("push_ms", r.push_ms)
+                   .set("sparse_bytes_per_step_per_worker", sparse_bytes).set("dense_ms_per_step", dense_s * 1e3)
+                   .set("speedup", dense_s / sparse_s));
+  }
   return wrong;
 }
 
@@ -273,14 +298,16 @@ int run(const Options& o) {
   auto dist = dtrain::init();  // the workers' own group (barriers, the dense allreduce)
   ps::Worker w(ps::storeFromEnv(), dist.rank(), dist.size(), std::atoi(s), p);
   DenseCheck check(w, p, dist.size());
+  auto log = o.observe.open(dist.isMain(), "ps", dist.size(),
+                            Record().set("mode", o.mode).set("steps", o.steps).set("warmup", o.warmup).set("servers", w.numServers()));
   SparseResult r;
   int64_t wrong = 0;
-  if (o.mode == "mlp") wrong += runMlp(o, w, dist, check);
+  if (o.mode == "mlp") wrong += runMlp(o, w, dist, check, log.get());
   else runSparse(o, w, dist, check, r);
   wrong += check.verify();
   if (o.mode == "sparse") wrong += checkRows(w, dist.size(), p, o.dim);
   w.finish();
-  if (o.mode == "sparse") wrong += runDense(o, dist, r, w.numServers());
+  if (o.mode == "sparse") wrong += runDense(o, dist, r, w.numServers(), log.get());
   dist.world()->allreduce(&wrong, 1, comm::DType::i64)->wait();  // over every worker
   if (dist.isMain()) std::printf("  #wrong %lld\n", static_cast<long long>(wrong));
   return wrong == 0 ? 0 : 1;
@@ -303,6 +330,7 @@ void addPsCommand(CLI::App& app) {
   sub->add_option("--dim", o->dim, "sparse: floats per row");
   sub->add_option("--rows", o->rows, "sparse: random rows touched per step");
   sub->add_option("--dense-steps", o->dense_steps, "sparse: timed dense allreduce steps");
+  o->observe.addOptions(sub);
   sub->callback([o] {
     int rc = 1;
     try {

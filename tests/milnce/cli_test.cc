@@ -6,6 +6,9 @@
 #include <fstream>
 #include <string>
 
+#include <nlohmann/json.hpp>
+#include <vector>
+
 #include "harness.h"
 
 namespace {
@@ -15,6 +18,49 @@ std::pair<int, std::string> run(const std::string& cmd) { return dtrain::test::r
 
 const std::string kMilnce = DTRAIN_BIN_DIR "/milnce";
 const std::string kRun = DTRAIN_BIN_DIR "/dtrain-run";
+
+// metrics.jsonl of the run below (docs/OBSERVABILITY.md): 200 videos over 2 ranks in batches of 16 are
+// 6 steps an epoch, 4 epochs in two runs (2, then resumed for 2 more).
+void checkMetrics(const std::string& path) {
+  std::ifstream m(path);
+  std::vector<nlohmann::json> runs, steps, evals;
+  for (std::string l; std::getline(m, l);) {
+    auto j = nlohmann::json::parse(l);
+    (j["kind"] == "run" ? runs : j["kind"] == "step" ? steps : evals).push_back(j);
+    if (j["kind"] != "run" && j["kind"] != "step") EXPECT_EQ(j["kind"], "eval") << l;
+  }
+  ASSERT_EQ(runs.size(), 2u);  // the first run and the resumed one, appended
+  for (const auto& r : runs) {
+    EXPECT_EQ(r["app"], "milnce");
+    EXPECT_EQ(r["world_size"], 2);
+    EXPECT_GT(r["start_unix"].get<double>(), 1.7e9);
+    EXPECT_EQ(r["config"]["batch"], 16);
+  }
+  EXPECT_EQ(runs[1]["config"]["resume"], true);
+  ASSERT_EQ(steps.size(), 24u);
+  for (size_t i = 0; i < steps.size(); ++i) {
+    const auto& st = steps[i];
+    EXPECT_EQ(st["step"], i + 1) << st;
+    EXPECT_EQ(st["epoch"], i / 6) << st;
+    for (const char* f : {"time_s", "loss", "lr", "samples_per_s", "step_s", "comm_s", "exposed_comm_s", "compute_s",
+                          "hidden_fraction"})
+      EXPECT_TRUE(st[f].is_number()) << f << " in " << st;
+    EXPECT_GT(st["loss"].get<double>(), 0) << st;
+    EXPECT_NEAR(st["compute_s"].get<double>(), st["step_s"].get<double>() - st["exposed_comm_s"].get<double>(), 1e-9);
+    EXPECT_GT(st["bytes_sent"].get<uint64_t>(), 0u) << st;  // the embeddings' allgather at least
+    EXPECT_GT(st["rss_bytes"].get<uint64_t>(), uint64_t{10} << 20) << st;
+    EXPECT_FALSE(st.contains("bubble_fraction")) << st;
+  }
+  // Before training (epoch 0), after epochs 1 and 2; resumed: before (epoch 2 again), after 3 and 4.
+  std::vector<int> eval_epochs;
+  for (const auto& e : evals) {
+    eval_epochs.push_back(e["epoch"]);
+    EXPECT_EQ(e["step"], 6 * e["epoch"].get<int>()) << e;
+    for (const char* f : {"R@1", "R@5", "R@10"}) EXPECT_TRUE(e[f].get<double>() >= 0 && e[f].get<double>() <= 100) << e;
+    EXPECT_GE(e["median_rank"].get<double>(), 1) << e;
+  }
+  EXPECT_EQ(eval_epochs, (std::vector<int>{0, 1, 2, 2, 3, 4}));
+}
 
 TEST(MilNceCli, GenerateTrainResumeEvaluate) {
   dtrain::test::TempDir dir;
@@ -33,15 +79,55 @@ TEST(MilNceCli, GenerateTrainResumeEvaluate) {
   EXPECT_NE(second.find("resumed from epoch 2"), std::string::npos) << second;
   EXPECT_NE(second.find("after training (4 epochs)"), std::string::npos) << second;
   EXPECT_NE(second.find("chance"), std::string::npos) << second;
-  // Four epochs of metrics, one JSON line each.
-  std::ifstream m(out + "/metrics.jsonl");
-  int lines = 0;
-  for (std::string l; std::getline(m, l);) ++lines;
-  EXPECT_EQ(lines, 4);
+  checkMetrics(out + "/metrics.jsonl");
   auto [rc3, ev] = run(kMilnce + " eval --data " + data + " --run " + out);
   ASSERT_EQ(rc3, 0) << ev;
   EXPECT_NE(ev.find("epoch 4"), std::string::npos) << ev;
   EXPECT_TRUE(std::ifstream(out + "/eval-epoch4.json").good());
+}
+
+size_t count(const std::string& s, const std::string& what) {
+  size_t n = 0;
+  for (size_t at = s.find(what); at != std::string::npos; at = s.find(what, at + 1)) ++n;
+  return n;
+}
+
+// Progress on a terminal and elsewhere (issue 11): gen-data under a pseudo-terminal (script) draws a bar
+// redrawn in place and ends it with a newline; into a pipe it writes exactly one line per video and no
+// carriage return. Then dtrain-bench's per-size progress into a pipe, one line per size.
+TEST(MilNceCli, ProgressOnTerminalAndInPipe) {
+  dtrain::test::TempDir dir;
+  const std::string gen = kMilnce + " gen-data --videos 1500 --eval-videos 10 --seed 3 --out " + dir.path();
+  auto [rc, tty] = run("script -qfec '" + gen + "/a' /dev/null");
+  ASSERT_EQ(rc, 0) << tty;
+  // The terminal turns each newline into \r\n; the redraws are the other carriage returns.
+  const size_t redraws = count(tty, "\rgen-data [");
+  EXPECT_GE(redraws, 2u) << tty;  // ~1 s of work, redrawn every 0.1 s
+  EXPECT_EQ(count(tty, "gen-data: "), 0u) << tty;
+  const size_t last = tty.rfind("\rgen-data [");
+  ASSERT_NE(last, std::string::npos) << tty;
+  const std::string final_bar = tty.substr(last, tty.find('\n', last) - last);
+  EXPECT_NE(final_bar.find("video 1510/1510 (100%)"), std::string::npos) << final_bar;
+  EXPECT_EQ(final_bar.substr(final_bar.size() - 1), "\r") << "the bar ends with a newline:" << final_bar;
+
+  auto [rc2, piped] = run(gen + "/b 2>&1 | cat");
+  ASSERT_EQ(rc2, 0) << piped;
+  EXPECT_EQ(count(piped, "\r"), 0u);
+  EXPECT_EQ(count(piped, "\ngen-data: video "), 1509u);  // 1510 lines, each after a newline but the first
+  EXPECT_EQ(piped.rfind("gen-data: video 1/1510 (0%)", 0), 0u) << piped.substr(0, 200);
+  EXPECT_NE(piped.find("\ngen-data: video 1510/1510 (100%) in "), std::string::npos);
+  EXPECT_EQ(count(piped, "\n"), 1511u);  // and the final "wrote ..." line
+
+  auto [rc3, bench] = run(DTRAIN_BIN_DIR "/dtrain-bench allreduce --min-bytes 1K --max-bytes 16K --iters 5 2>&1 | cat");
+  ASSERT_EQ(rc3, 0) << bench;
+  EXPECT_EQ(count(bench, "allreduce: size "), 5u) << bench;  // 1K 2K 4K 8K 16K
+  EXPECT_NE(bench.find("allreduce: size 5/5 (100%)"), std::string::npos) << bench;
+  EXPECT_EQ(count(bench, "\r"), 0u) << bench;
+  auto [rc4, bench_tty] =
+      run("script -qfec '" DTRAIN_BIN_DIR "/dtrain-bench allreduce --min-bytes 1K --max-bytes 16K --iters 5' /dev/null");
+  ASSERT_EQ(rc4, 0) << bench_tty;
+  EXPECT_GE(count(bench_tty, "\rallreduce ["), 1u) << bench_tty;
+  EXPECT_EQ(count(bench_tty, "allreduce: size"), 0u) << bench_tty;
 }
 
 TEST(MilNceCli, BadInputIsNamed) {

@@ -112,10 +112,16 @@ TEST_F(Slurm, SbatchMilnceTrain) {
   ASSERT_EQ(rc, 0) << out << "\njob.log:\n" << log;
   EXPECT_NE(log.find("before training"), std::string::npos) << log;
   EXPECT_NE(log.find("after training (2 epochs)"), std::string::npos) << log;
+  // Rank 0's metrics (docs/OBSERVABILITY.md): 200 videos over 2 ranks in batches of 16 are 6 steps an
+  // epoch; evaluations before training and after each of the 2 epochs.
   std::ifstream metrics(dir_.path() + "/run/metrics.jsonl");
-  int lines = 0;
-  for (std::string l; std::getline(metrics, l);) ++lines;
-  EXPECT_EQ(lines, 2) << log;
+  int steps = 0, evals = 0;
+  for (std::string l; std::getline(metrics, l);) {
+    steps += l.find("{\"kind\":\"step\"") == 0;
+    evals += l.find("{\"kind\":\"eval\"") == 0;
+  }
+  EXPECT_EQ(steps, 12) << log;
+  EXPECT_EQ(evals, 3) << log;
 }
 
 // A task whose variables are forged to describe another world (two nodes instead of one): both ranks

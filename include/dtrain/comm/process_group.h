@@ -69,6 +69,12 @@ struct P2POp {
   uint32_t tag = 0;
 };
 
+// Payload bytes this process has sent so far in the collectives and point-to-point ops of all its
+// process groups (every send the algorithms hand to a transport; for shm's direct allreduce, which
+// shares a staging area instead of sending, what its peers read of this rank's: 2(n-1)/n of the
+// buffer, as a ring sends). Monotonic; take differences (dtrain::BytesSentMeter).
+uint64_t bytesSent();
+
 class ProcessGroup {
  public:
   // Collective: all `size` ranks call it with the same store (keys under the store are used for the

@@ -29,6 +29,9 @@ void allreduceDirect(Context& c, Staging& st, const void* in, void* out, size_t 
   char* dst = static_cast<char*>(out);
   std::vector<size_t> sl(n + 1);
   bool first_wait = true;
+  // What the peers read of this rank's (bytesSent()): its staged input but its own slice, and its
+  // reduced slice once per peer; 2 (n - 1) / n of the buffer, as a ring sends.
+  size_t shared = 0;
   for (size_t off = 0; off < count; off += chunk_elems) {
     const size_t len = std::min(chunk_elems, count - off);
     const uint64_t g = st.nextChunk();
@@ -46,6 +49,7 @@ void allreduceDirect(Context& c, Staging& st, const void* in, void* out, size_t 
     st.waitFor(Staging::kInReady, g, c.deadline, c.label, "to stage its input", first_wait);
     first_wait = false;
     const size_t a = sl[me], cnt = sl[me + 1] - sl[me];
+    shared += (len - cnt + static_cast<size_t>(n - 1) * cnt) * es;
     char* res = dst + (off + a) * es;
     bool first = true;
     for (int q = 0; q < n; ++q) {
@@ -63,6 +67,7 @@ void allreduceDirect(Context& c, Staging& st, const void* in, void* out, size_t 
     std::memcpy(o + sl[me + 1] * es, result + sl[me + 1] * es, (len - sl[me + 1]) * es);
     st.publish(Staging::kDone, g);
   }
+  bytes_sent.fetch_add(shared, std::memory_order_relaxed);
 }
 
 }  // namespace dtrain::comm::algo

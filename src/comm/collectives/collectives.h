@@ -5,6 +5,7 @@
 // where sizes, transports and topology decide; the algorithms themselves (allreduce_ring.cc,
 // allreduce_rd.cc, allreduce_direct.cc, broadcast.cc, ...) never choose.
 #pragma once
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <vector>
@@ -15,6 +16,9 @@
 #include "dtrain/comm/types.h"
 
 namespace dtrain::comm::algo {
+
+// Payload bytes this process sent through Context::run (comm::bytesSent(); src/comm/group/counters.cc).
+extern std::atomic<uint64_t> bytes_sent;
 
 // Everything an algorithm needs: the transport, who we are, the op's label and deadline, and a
 // scratch buffer owned by the group (reused across ops).
@@ -36,6 +40,9 @@ struct Context {
     if (traced) trace::timeline::sending(ops);
     tx->run(ops, deadline, label);
     if (traced) trace::timeline::received(ops);
+    uint64_t sent = 0;
+    for (const auto& op : ops) sent += op.kind == transport::Op::kSend ? op.bytes : 0;
+    bytes_sent.fetch_add(sent, std::memory_order_relaxed);
   }
   // Before writing the output from data received into scratch: every rank's call is this one.
   void compareCalls() { tx->compareCalls(label, deadline); }
