@@ -16,6 +16,7 @@
 #include "dtrain/distributed.h"
 #include "dtrain/metrics.h"
 #include "dtrain/sampler.h"
+#include "dtrain/trace.h"
 
 struct NetImpl : torch::nn::Module {
   NetImpl() : fc1(register_module("fc1", torch::nn::Linear(16, 64))), fc2(register_module("fc2", torch::nn::Linear(64, 4))) {}
@@ -61,10 +62,17 @@ int main(int argc, char** argv) try {
     for (int64_t b = 0; b + batch <= idx.size(0); b += batch) {
       auto rows = idx.narrow(0, b, batch);
       opt.zero_grad();
-      auto loss = torch::nn::functional::cross_entropy(model->forward(data.index_select(0, rows)),
-                                                       labels.index_select(0, rows));
+      torch::Tensor loss;
+      {
+        DTRAIN_SPAN("forward", "compute");  // your own spans, on the timeline (DTRAIN_TIMELINE=DIR)
+        loss = torch::nn::functional::cross_entropy(model->forward(data.index_select(0, rows)),
+                                                    labels.index_select(0, rows));
+      }
       loss.backward();  // gradients averaged across ranks, overlapped with backward
-      opt.step();
+      {
+        DTRAIN_SPAN("optimizer.step", "optim");
+        opt.step();
+      }
       sum += loss.item<double>();
       ++steps;
       if (log) {

@@ -17,6 +17,7 @@
 #include "dtrain/checkpoint.h"
 #include "dtrain/metrics.h"
 #include "dtrain/sampler.h"
+#include "dtrain/trace.h"
 
 namespace milnce {
 
@@ -40,15 +41,19 @@ Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const Tra
 
 double Trainer::lossAndBackward(const Batch& local, bool sync) {
   const int64_t b = local.video.size(0), k = local.text.size(1), w = local.text.size(2);
-  auto v = model_->encodeVideo(local.video);                 // [b, D]
-  auto t = model_->encodeText(local.text.reshape({b * k, w}));  // [b*K, D]
-  auto& pg = *dist_.world();
-  // Every rank scores its clips against every rank's captions; the gradient of the gathered
-  // embeddings is summed across ranks and each rank keeps its own slice (AllGatherGrad::sum), so
-  // with DDP's averaging the update equals one process on the global batch.
-  auto all_v = dtrain::allGather(v, pg);
-  auto all_t = dtrain::allGather(t, pg);
-  auto loss = milNceLoss(all_v, all_t) / o_.accum;
+  at::Tensor loss;
+  {
+    DTRAIN_SPAN("forward", "compute");  // on the timeline (DTRAIN_TIMELINE) and in flight-recorder dumps
+    auto v = model_->encodeVideo(local.video);                 // [b, D]
+    auto t = model_->encodeText(local.text.reshape({b * k, w}));  // [b*K, D]
+    auto& pg = *dist_.world();
+    // Every rank scores its clips against every rank's captions; the gradient of the gathered
+    // embeddings is summed across ranks and each rank keeps its own slice (AllGatherGrad::sum), so
+    // with DDP's averaging the update equals one process on the global batch.
+    auto all_v = dtrain::allGather(v, pg);
+    auto all_t = dtrain::allGather(t, pg);
+    loss = milNceLoss(all_v, all_t) / o_.accum;
+  }
   if (sync) {
     loss.backward();
   } else {
@@ -61,6 +66,7 @@ double Trainer::lossAndBackward(const Batch& local, bool sync) {
 void Trainer::optimizerStep(int64_t step, int64_t total, int64_t warmup_steps) {
   double lr = learningRate(o_.lr, step, total, warmup_steps);
   for (auto& g : opt_->param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
+  DTRAIN_SPAN("optimizer.step", "optim");
   opt_->step();
   opt_->zero_grad();
 }
@@ -243,7 +249,10 @@ class Job {
       for (int a = 0; a < o_.accum; ++a) {
         int64_t m = s * o_.accum + a;
         std::vector<int64_t> rows(idx.begin() + m * o_.batch, idx.begin() + (m + 1) * o_.batch);
-        Batch batch = makeBatch(data_, rows, o_.loader, rng);
+        Batch batch = [&] {
+          DTRAIN_SPAN("data.wait", "data");
+          return makeBatch(data_, rows, o_.loader, rng);
+        }();
         loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == o_.accum) / o_.accum;
       }
       const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
