@@ -4,6 +4,8 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dtrain/trace.h"
+
 namespace dtrain::bench {
 
 torch::nn::Sequential referenceMlp() {
@@ -36,7 +38,13 @@ torch::optim::SGD makeSgd(torch::nn::Sequential& net) {
 
 void sgdStep(torch::nn::Sequential& net, torch::optim::SGD& opt, const at::Tensor& x, const at::Tensor& y) {
   opt.zero_grad();
-  torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+  at::Tensor loss;
+  {
+    DTRAIN_SPAN("forward", "compute");
+    loss = torch::nn::functional::cross_entropy(net->forward(x), y);
+  }
+  loss.backward();
+  DTRAIN_SPAN("optimizer.step", "optim");
   opt.step();
 }
 

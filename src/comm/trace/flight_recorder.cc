@@ -291,16 +291,6 @@ std::string takeRequest() {
   if (r->on()) r->issued(first);
 }
 
-std::string errorText(const std::exception_ptr& error) {
-  try {
-    std::rethrow_exception(error);
-  } catch (const std::exception& e) {
-    return e.what();
-  } catch (...) {
-    return "an exception that is not a std::exception";
-  }
-}
-
 }  // namespace
 
 const char* stateName(State s) {
