@@ -165,7 +165,7 @@ int run(const Options& o) {
   const int P = dist.size(), rank = dist.rank();
   auto model = deepMlp(o);
   auto g = at::make_generator<at::CPUGeneratorImpl>(1);
-  Bench b{o, dist.world(), P, rank, nullptr, at::randn({o.batch, o.width}, g), at::randn({o.batch, o.width}, g)};
+  Bench b{o, dist.world(), P, rank, nullptr, at::randn({o.batch, o.width}, g), at::randn({o.batch, o.width}, g), 0, 0, {}, nullptr, 0};
   reference(b, model);
   b.stage = pipelineStage(model, rank, P);
   int64_t stage_params = 0;

@@ -27,7 +27,9 @@ void checkMetrics(const std::string& path) {
   for (std::string l; std::getline(m, l);) {
     auto j = nlohmann::json::parse(l);
     (j["kind"] == "run" ? runs : j["kind"] == "step" ? steps : evals).push_back(j);
-    if (j["kind"] != "run" && j["kind"] != "step") EXPECT_EQ(j["kind"], "eval") << l;
+    if (j["kind"] != "run" && j["kind"] != "step") {
+      EXPECT_EQ(j["kind"], "eval") << l;
+    }
   }
   ASSERT_EQ(runs.size(), 2u);  // the first run and the resumed one, appended
   for (const auto& r : runs) {

@@ -13,6 +13,7 @@
 #include <set>
 #include <thread>
 
+#include <fmt/compile.h>
 #include <fmt/ranges.h>
 
 #include "comm/collectives/collectives.h"
@@ -275,7 +276,7 @@ struct ProcessGroup::Impl {
     uint64_t s = seq++;
     t.label.op = op;
     t.label.seq = static_cast<uint32_t>(s);
-    t.label.what = fmt::format("{} seq={} {} x {}{}", transport::opName(op), s, dtypeName(dt), count, extra);
+    t.label.what = fmt::format(FMT_COMPILE("{} seq={} {} x {}{}"), transport::opName(op), s, dtypeName(dt), count, extra);
     t.label.timeout = opts.timeout;
     t.deadline = Clock::now() + opts.timeout;
     auto& fp = t.label.fp;
@@ -368,7 +369,7 @@ WorkPtr ProcessGroup::allreduce(const void* in, void* out, size_t count, DType t
                                 AllreduceAlgorithm algo) {
   impl_->checkBuf(in, count, "input", "allreduce");
   impl_->checkBuf(out, count, "output", "allreduce");
-  return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, fmt::format(" {}", reduceOpName(op)),
+  return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, std::string(" ") + reduceOpName(op),
                                          [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, algo); }, 0,
                                          static_cast<uint8_t>(algo)));
 }
