@@ -95,7 +95,21 @@ Event& ThreadBuffer::next(uint32_t arena) {
   Chunk* c = tail;
   uint32_t n = c->published.load(std::memory_order_relaxed);
   if (n == Chunk::kEvents || c->arena_used + arena > Chunk::kArena) {
-    auto* fresh = new Chunk;
+    Chunk* fresh = nullptr;
+    {
+      std::lock_guard<std::mutex> g(spare_mu);
+      if (!spare.empty()) {
+        fresh = spare.back();
+        spare.pop_back();
+      }
+    }
+    if (fresh) {
+      fresh->published.store(0, std::memory_order_relaxed);
+      fresh->next.store(nullptr, std::memory_order_relaxed);
+      fresh->arena_used = 0;
+    } else {
+      fresh = new Chunk;
+    }
     c->next.store(fresh, std::memory_order_release);
     tail = c = fresh;
     n = 0;
@@ -103,6 +117,18 @@ Event& ThreadBuffer::next(uint32_t arena) {
   Event& e = c->events[n];
   e = Event{};
   return e;
+}
+
+void ThreadBuffer::recycle(Chunk* c) {
+  constexpr size_t kKeep = 64;
+  {
+    std::lock_guard<std::mutex> g(spare_mu);
+    if (spare.size() < kKeep) {
+      spare.push_back(c);
+      return;
+    }
+  }
+  delete c;
 }
 
 void ThreadBuffer::publish() {

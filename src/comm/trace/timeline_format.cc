@@ -1,110 +1,205 @@
 // The timeline's events as Chrome Trace Event Format JSON (one object per line), formatted by the
 // writer thread from the raw fields the recording threads stored.
-#include <fmt/format.h>
-
-#include <iterator>
+//
+// Every op of a tight loop of small collectives becomes an event, so this is written for speed: each
+// event is printed straight into the output string's tail (room reserved for its worst case, then
+// trimmed), integers with std::to_chars; no format strings parsed per event.
+#include <algorithm>
+#include <charconv>
+#include <cstring>
+#include <vector>
 
 #include "comm/trace/timeline_buffer.h"
 
 namespace dtrain::comm::trace::timeline {
 
-void appendJsonString(std::string& out, const char* s) {
-  out += '"';
-  for (const char* p = s; *p; ++p) {
-    const auto c = static_cast<unsigned char>(*p);
-    if (c == '"' || c == '\\') {
-      out += '\\';
-      out += static_cast<char>(c);
-    } else if (c < 0x20) {
-      fmt::format_to(std::back_inserter(out), "\\u{:04x}", c);
-    } else {
-      out += static_cast<char>(c);
-    }
-  }
-  out += '"';
-}
-
 namespace {
 
-void appendName(std::string& out, const Event& e) {
-  if (e.index < 0) return appendJsonString(out, e.name);
-  appendJsonString(out, e.name);
-  out.pop_back();  // the closing quote: the index goes inside
-  fmt::format_to(std::back_inserter(out), "{}\"", e.index);
+// Prints into a reserved stretch of memory (the caller reserves the worst case).
+struct Printer {
+  char* p;
+
+  void raw(const char* s, size_t n) {
+    std::memcpy(p, s, n);
+    p += n;
+  }
+  template <size_t N>
+  void lit(const char (&s)[N]) {
+    raw(s, N - 1);
+  }
+  template <typename T>
+  void num(T v) {
+    p = std::to_chars(p, p + 24, v).ptr;
+  }
+  // A JSON string: quotes, backslashes and control characters escaped (worst case 6 bytes a byte).
+  void str(const char* s) {
+    *p++ = '"';
+    static const char kHex[] = "0123456789abcdef";
+    for (; *s; ++s) {
+      const auto c = static_cast<unsigned char>(*s);
+      if (c == '"' || c == '\\') {
+        *p++ = '\\';
+        *p++ = static_cast<char>(c);
+      } else if (c < 0x20) {
+        raw("\\u00", 4);
+        *p++ = kHex[c >> 4];
+        *p++ = kHex[c & 15];
+      } else {
+        *p++ = static_cast<char>(c);
+      }
+    }
+    *p++ = '"';
+  }
+};
+
+size_t escapedBound(const char* s) { return s ? 6 * std::strlen(s) + 2 : 2; }
+
+// The most an event can print.
+size_t bound(const Event& e) {
+  size_t n = 512 + escapedBound(e.name) + escapedBound(e.cat);
+  for (const Arg& a : e.args) n += a.key ? escapedBound(a.key) + 24 : 0;
+  if (e.kind == Event::kOp) {
+    n += escapedBound(e.group) + escapedBound(e.op_dtype) + escapedBound(e.algorithm) + escapedBound(e.text);
+    n += 24 * static_cast<size_t>(e.npeers) + escapedBound(e.name);
+  }
+  return e.kind == Event::kAsync ? 2 * n : n;  // kAsync prints the common part twice
+}
+
+void name(Printer& o, const Event& e) {
+  o.str(e.name);
+  if (e.index < 0) return;
+  --o.p;  // the closing quote: the index goes inside
+  o.num(e.index);
+  *o.p++ = '"';
 }
 
 // {"ph":P,"name":N,"cat":C,"ts":T,"pid":R,"tid":T  (no closing brace)
-void appendCommon(std::string& out, const char* ph, const Event& e, int pid, uint64_t tid, int64_t ts) {
-  fmt::format_to(std::back_inserter(out), "{{\"ph\":\"{}\",\"name\":", ph);
-  appendName(out, e);
-  out += ",\"cat\":";
-  appendJsonString(out, e.cat);
-  fmt::format_to(std::back_inserter(out), ",\"ts\":{},\"pid\":{},\"tid\":{}", ts, pid, tid);
+void common(Printer& o, char ph, const Event& e, int pid, uint64_t tid, int64_t ts) {
+  o.lit("{\"ph\":\"");
+  *o.p++ = ph;
+  o.lit("\",\"name\":");
+  name(o, e);
+  o.lit(",\"cat\":");
+  o.str(e.cat);
+  o.lit(",\"ts\":");
+  o.num(ts);
+  o.lit(",\"pid\":");
+  o.num(pid);
+  o.lit(",\"tid\":");
+  o.num(tid);
 }
 
-void appendArgs(std::string& out, const Event& e) {
+void args(Printer& o, const Event& e) {
   bool any = false;
   for (const Arg& a : e.args) {
     if (!a.key) continue;
-    out += any ? "," : ",\"args\":{";
+    if (any) *o.p++ = ',';
+    else o.lit(",\"args\":{");
     any = true;
-    appendJsonString(out, a.key);
-    fmt::format_to(std::back_inserter(out), ":{}", a.value);
+    o.str(a.key);
+    *o.p++ = ':';
+    o.num(a.value);
   }
-  if (any) out += '}';
+  if (any) *o.p++ = '}';
 }
 
-void appendOpArgs(std::string& out, const Event& e) {
-  out += ",\"args\":{\"group\":";
-  appendJsonString(out, e.group);
-  if (e.seq != OpRecord::kNoSeq) fmt::format_to(std::back_inserter(out), ",\"seq\":{}", e.seq);
-  out += ",\"op\":";
-  appendJsonString(out, e.name);
-  out += ",\"dtype\":";
-  appendJsonString(out, e.op_dtype);
-  fmt::format_to(std::back_inserter(out), ",\"count\":{},\"bytes\":{}", e.count, e.bytes);
+void opArgs(Printer& o, const Event& e) {
+  o.lit(",\"args\":{\"group\":");
+  o.str(e.group);
+  if (e.seq != OpRecord::kNoSeq) {
+    o.lit(",\"seq\":");
+    o.num(e.seq);
+  }
+  o.lit(",\"op\":");
+  o.str(e.name);
+  o.lit(",\"dtype\":");
+  o.str(e.op_dtype);
+  o.lit(",\"count\":");
+  o.num(e.count);
+  o.lit(",\"bytes\":");
+  o.num(e.bytes);
   if (*e.algorithm) {
-    out += ",\"algorithm\":";
-    appendJsonString(out, e.algorithm);
+    o.lit(",\"algorithm\":");
+    o.str(e.algorithm);
   }
-  if (e.root >= 0) fmt::format_to(std::back_inserter(out), ",\"root\":{}", e.root);
-  out += ",\"peers\":[";
-  for (int i = 0; i < e.npeers; ++i) fmt::format_to(std::back_inserter(out), "{}{}", i ? "," : "", e.peers[i]);
-  fmt::format_to(std::back_inserter(out), "],\"{}\":{},\"queued_us\":{}", e.args[0].key, e.args[0].value, e.queued_us);
+  if (e.root >= 0) {
+    o.lit(",\"root\":");
+    o.num(e.root);
+  }
+  o.lit(",\"peers\":[");
+  for (int i = 0; i < e.npeers; ++i) {
+    if (i) *o.p++ = ',';
+    o.num(e.peers[i]);
+  }
+  o.lit("],\"");
+  o.raw(e.args[0].key, std::strlen(e.args[0].key));
+  o.lit("\":");
+  o.num(e.args[0].value);
+  o.lit(",\"queued_us\":");
+  o.num(e.queued_us);
   if (e.failed) {
-    out += ",\"error\":";
-    appendJsonString(out, e.text ? e.text : "");
+    o.lit(",\"error\":");
+    o.str(e.text ? e.text : "");
   }
-  out += '}';
+  *o.p++ = '}';
+}
+
+void print(Printer& o, const Event& e, int pid, uint64_t tid, int64_t ts) {
+  switch (e.kind) {
+    case Event::kSpan:
+    case Event::kOp:
+      common(o, 'X', e, pid, tid, ts);
+      o.lit(",\"dur\":");
+      o.num(e.dur);
+      if (e.kind == Event::kOp) opArgs(o, e);
+      else args(o, e);
+      *o.p++ = '}';
+      return;
+    case Event::kAsync:  // a begin and an end, on one line
+      common(o, 'b', e, pid, tid, ts);
+      o.lit(",\"id\":");
+      o.num(e.id);
+      args(o, e);
+      o.lit("},");
+      common(o, 'e', e, pid, tid, ts + e.dur);
+      o.lit(",\"id\":");
+      o.num(e.id);
+      *o.p++ = '}';
+      return;
+    case Event::kFlowOut:
+    case Event::kFlowIn:
+      common(o, e.kind == Event::kFlowOut ? 's' : 'f', e, pid, tid, ts);
+      o.lit(",\"id\":");
+      o.num(e.id);
+      if (e.kind == Event::kFlowIn) o.lit(",\"bp\":\"e\"");
+      *o.p++ = '}';
+      return;
+  }
+}
+
+// A writer-thread buffer that only grows, so printing an event never clears memory first; the event
+// is then appended to the output at its actual length.
+char* scratch(size_t n) {
+  static thread_local std::vector<char> buf;
+  if (buf.size() < n) buf.resize(std::max(n, 2 * buf.size()));
+  return buf.data();
 }
 
 }  // namespace
 
+void appendJsonString(std::string& out, const char* s) {
+  char* start = scratch(escapedBound(s));
+  Printer o{start};
+  o.str(s);
+  out.append(start, static_cast<size_t>(o.p - start));
+}
+
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us) {
-  const int64_t ts = e.ts + skew_us;
-  switch (e.kind) {
-    case Event::kSpan:
-    case Event::kOp:
-      appendCommon(out, "X", e, pid, tid, ts);
-      fmt::format_to(std::back_inserter(out), ",\"dur\":{}", e.dur);
-      if (e.kind == Event::kOp) appendOpArgs(out, e);
-      else appendArgs(out, e);
-      out += '}';
-      return;
-    case Event::kAsync:  // a begin and an end, on one line
-      appendCommon(out, "b", e, pid, tid, ts);
-      fmt::format_to(std::back_inserter(out), ",\"id\":{}", e.id);
-      appendArgs(out, e);
-      out += "},";
-      appendCommon(out, "e", e, pid, tid, ts + e.dur);
-      fmt::format_to(std::back_inserter(out), ",\"id\":{}}}", e.id);
-      return;
-    case Event::kFlowOut:
-    case Event::kFlowIn:
-      appendCommon(out, e.kind == Event::kFlowOut ? "s" : "f", e, pid, tid, ts);
-      fmt::format_to(std::back_inserter(out), ",\"id\":{}{}}}", e.id, e.kind == Event::kFlowIn ? ",\"bp\":\"e\"" : "");
-      return;
-  }
+  char* start = scratch(bound(e) + 2);
+  Printer o{start};
+  o.lit("\n,");  // events follow the header's first entry, one a line
+  print(o, e, pid, tid, e.ts + skew_us);
+  out.append(start, static_cast<size_t>(o.p - start));
 }
 
 }  // namespace dtrain::comm::trace::timeline

@@ -92,13 +92,12 @@ void drain(WriterState& w, ThreadBuffer& b, std::string& out) {
     Chunk* c = b.head;
     const uint32_t n = c->published.load(std::memory_order_acquire);
     for (; b.read < n; ++b.read) {
-      out += "\n,";
       format(out, c->events[b.read], w.pid, b.thread, w.skew_us);
     }
     Chunk* next = c->next.load(std::memory_order_acquire);
     if (!next) return;
     if (c->published.load(std::memory_order_acquire) != b.read) continue;  // published before it moved on
-    delete c;
+    b.recycle(c);
     b.head = next;
     b.read = 0;
   }
