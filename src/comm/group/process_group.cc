@@ -184,14 +184,8 @@ struct ProcessGroup::Impl {
   void execute(Task& t) {
     trace::opStarted(*t.rec);
     if (broken) {
-      std::string why;
-      try {
-        std::rethrow_exception(broken);
-      } catch (const std::exception& e) {
-        why = e.what();
-      }
-      finish(t, std::make_exception_ptr(
-                    Error(fmt::format("[rank {}] {} not run: this group failed earlier: {}", rank, t.label.what, why))));
+      finish(t, std::make_exception_ptr(Error(fmt::format("[rank {}] {} not run: this group failed earlier: {}", rank,
+                                                          t.label.what, trace::errorText(broken)))));
       return;
     }
     try {

@@ -268,4 +268,10 @@ std::string interfaceAddress(const std::string& ifname) {
   throw RendezvousError(fmt::format("network interface '{}' (DTRAIN_IFNAME) has no IP address", ifname));
 }
 
+std::string hostName() {
+  char host[HOST_NAME_MAX + 1] = {};
+  if (::gethostname(host, sizeof host - 1) != 0) return "";
+  return host;
+}
+
 }  // namespace dtrain::comm::net

@@ -56,5 +56,7 @@ class Socket {
 std::string localAddressFor(const std::string& remote);
 // The first IPv4 (else IPv6) address of interface `ifname`; RendezvousError if none.
 std::string interfaceAddress(const std::string& ifname);
+// This machine's host name ("" if the kernel will not say).
+std::string hostName();
 
 }  // namespace dtrain::comm::net

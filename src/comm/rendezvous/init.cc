@@ -137,16 +137,6 @@ WorldInfo detectWorld(const Environment& env, const InitOptions& o) {
 
 using namespace rendezvous;
 
-namespace {
-
-std::string hostname() {
-  char h[256] = {0};
-  gethostname(h, sizeof h - 1);
-  return h;
-}
-
-}  // namespace
-
 GroupOptions GroupOptions::fromEnv() {
   const Environment env = Environment::read();
   checkStoreVariables(env);
@@ -176,7 +166,7 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
     w.nodes = {{0}};
     if (info) *info = w;
     auto world = ProcessGroup::create(nullptr, 0, 1, group);
-    trace::timeline::startWorld(timeline, *world, nullptr, hostname());
+    trace::timeline::startWorld(timeline, *world, nullptr, net::hostName());
     return world;
   }
   JobStore js = openJobStore(env, o, {"world", w.rank, "", /*may_host=*/true, group.timeout});
@@ -189,7 +179,7 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
   View mine;
   mine.world = w;
   mine.host_id = transport::hostId();
-  mine.hostname = hostname();
+  mine.hostname = net::hostName();
   w.nodes = agreeOnWorld(*js.store, mine, js.where, group.timeout, js.hosted);
   if (info) *info = w;
   auto world = ProcessGroup::create(js.store, w.rank, w.size, group);

@@ -11,40 +11,19 @@
 #include <cstring>
 #include <map>
 
+#include "comm/net/socket.h"
 #include "comm/trace/flight_recorder.h"
+#include "comm/util/json_text.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::comm::trace::flight {
 
 namespace {
 
-// A JSON string literal.
-std::string quoted(std::string_view s) {
-  std::string out = "\"";
-  for (char c : s) {
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (static_cast<unsigned char>(c) < 0x20) {
-          out += fmt::format("\\u{:04x}", c);
-        } else {
-          out += c;
-        }
-    }
-  }
-  return out + "\"";
-}
+using dtrain::detail::jsonQuoted;
 
 std::string orNull(int64_t us) { return us == 0 ? "null" : std::to_string(us); }
 
-std::string hostName() {
-  char host[HOST_NAME_MAX + 1] = {};
-  if (::gethostname(host, sizeof host - 1) != 0) return "";
-  return host;
-}
 
 int globalRank(const GroupInfo& g, int group_rank) {
   return group_rank >= 0 && static_cast<size_t>(group_rank) < g.global_ranks.size()
@@ -63,10 +42,10 @@ std::string formatEntry(const Entry& e) {
       "{{\"id\": {}, \"group\": {}, \"seq\": {}, \"op\": {}, \"dtype\": {}, \"count\": {}, \"bytes\": {}, "
       "\"root\": {}, \"peers\": [{}], \"peers_total\": {}, \"algorithm\": {}, \"state\": \"{}\", "
       "\"issued_us\": {}, \"started_us\": {}, \"finished_us\": {}",
-      e.id, quoted(g ? g->name : ""), e.seq == OpRecord::kNoSeq ? "null" : std::to_string(e.seq), quoted(e.op),
-      quoted(e.dtype), e.count, e.bytes, e.root >= 0 && g ? globalRank(*g, e.root) : e.root, peers, e.npeers,
-      quoted(e.algorithm), stateName(e.state), e.issued_us, orNull(e.started_us), orNull(e.finished_us));
-  if (e.state == State::failed) out += ", \"error\": " + quoted(e.error);
+      e.id, jsonQuoted(g ? g->name : ""), e.seq == OpRecord::kNoSeq ? "null" : std::to_string(e.seq), jsonQuoted(e.op),
+      jsonQuoted(e.dtype), e.count, e.bytes, e.root >= 0 && g ? globalRank(*g, e.root) : e.root, peers, e.npeers,
+      jsonQuoted(e.algorithm), stateName(e.state), e.issued_us, orNull(e.started_us), orNull(e.finished_us));
+  if (e.state == State::failed) out += ", \"error\": " + jsonQuoted(e.error);
   return out + "}";
 }
 
@@ -78,7 +57,7 @@ std::string formatGroups(const std::vector<Entry>& entries) {
   std::string out;
   for (const auto& [name, g] : groups) {
     out += fmt::format("{}\n    {}: {{\"rank\": {}, \"size\": {}, \"ranks\": [{}]}}", out.empty() ? "" : ",",
-                       quoted(name), g->rank, g->size, fmt::join(g->global_ranks, ", "));
+                       jsonQuoted(name), g->rank, g->size, fmt::join(g->global_ranks, ", "));
   }
   return out;
 }
@@ -89,10 +68,10 @@ std::string formatSpans(const std::vector<::dtrain::trace::OpenSpans>& threads, 
     std::string spans;
     for (size_t i = 0; i < t.names.size(); ++i) {
       spans += fmt::format("{}{{\"name\": {}, \"since_us\": {}, \"open_us\": {}}}", i ? ", " : "",
-                           quoted(t.names[i]), t.since_us[i], now - t.since_us[i]);
+                           jsonQuoted(t.names[i]), t.since_us[i], now - t.since_us[i]);
     }
     out += fmt::format("{}\n    {{\"thread\": {}, \"name\": {}, \"spans\": [{}]}}", out.empty() ? "" : ",", t.thread,
-                       quoted(t.thread_name), spans);
+                       jsonQuoted(t.thread_name), spans);
   }
   return out;
 }
@@ -119,7 +98,7 @@ std::string formatDump(const Snapshot& s, const std::string& reason,
       "{{\n  \"format\": \"dtrain-flight-recorder\", \"version\": 1,\n  \"rank\": {}, \"world_size\": {}, "
       "\"host\": {}, \"pid\": {}, \"job\": {},\n  \"reason\": {},\n  \"wall_us\": {}, \"steady_us\": {},\n"
       "  \"capacity\": {}, \"recorded\": {}, \"dropped\": {},\n  \"groups\": {{{}\n  }},\n  \"entries\": [",
-      s.rank, s.world_size, quoted(hostName()), ::getpid(), quoted(s.job), quoted(reason), wall, steady, s.capacity,
+      s.rank, s.world_size, jsonQuoted(net::hostName()), ::getpid(), jsonQuoted(s.job), jsonQuoted(reason), wall, steady, s.capacity,
       s.recorded, s.recorded - s.entries.size(), formatGroups(s.entries));
   for (size_t i = 0; i < s.entries.size(); ++i) out += (i ? ",\n    " : "\n    ") + formatEntry(s.entries[i]);
   out += "\n  ],\n  \"threads\": [" + formatSpans(spans, steady) + "\n  ]\n}\n";

@@ -92,6 +92,5 @@ std::vector<ThreadBuffer*>& registry();
 std::vector<std::pair<uint64_t, std::string>>& pendingNames();
 // Appends one event as JSON, preceded by "\n," (timeline_format.cc).
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us);
-void appendJsonString(std::string& out, const char* s);
 
 }  // namespace dtrain::comm::trace::timeline

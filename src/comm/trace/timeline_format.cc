@@ -31,7 +31,8 @@ struct Printer {
   void num(T v) {
     p = std::to_chars(p, p + 24, v).ptr;
   }
-  // A JSON string: quotes, backslashes and control characters escaped (worst case 6 bytes a byte).
+  // A JSON string (as detail::appendJsonQuoted, with every control character as \u00XX), straight into
+  // reserved memory: this is the per-event path (worst case 6 bytes a byte).
   void str(const char* s) {
     *p++ = '"';
     static const char kHex[] = "0123456789abcdef";
@@ -186,13 +187,6 @@ char* scratch(size_t n) {
 }
 
 }  // namespace
-
-void appendJsonString(std::string& out, const char* s) {
-  char* start = scratch(escapedBound(s));
-  Printer o{start};
-  o.str(s);
-  out.append(start, static_cast<size_t>(o.p - start));
-}
 
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us) {
   char* start = scratch(bound(e) + 2);

@@ -15,6 +15,7 @@
 #include <limits>
 
 #include "comm/trace/timeline_buffer.h"
+#include "comm/util/json_text.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::comm::trace::timeline {
@@ -105,7 +106,7 @@ void startWorld(const Config& c, ProcessGroup& world, Store* store, const std::s
   std::string other = fmt::format(
       "\"rank\":{},\"world_size\":{},\"clock_offset_us\":{},\"clock_rtt_us\":{},\"clock_synced\":{},\"host\":", rank,
       world.size(), s.offset_us, s.rtt_us, s.synced ? "true" : "false");
-  appendJsonString(other, host.c_str());
+  dtrain::detail::appendJsonQuoted(other, host);
   other += fmt::format(",\"process_id\":{}", static_cast<long>(::getpid()));
   openFile((fs::path(c.dir) / fmt::format("trace-rank{}.json", rank)).string(), rank, c.skew_us, other);
 }

@@ -22,6 +22,7 @@
 #include <thread>
 
 #include "comm/trace/timeline_buffer.h"
+#include "comm/util/json_text.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::comm::trace::timeline {
@@ -81,7 +82,7 @@ bool writeAt(WriterState& w, const std::string& text, off_t at) {
 void appendThreadName(std::string& out, int pid, uint64_t tid, const std::string& name) {
   fmt::format_to(std::back_inserter(out), "\n,{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":",
                  pid, tid);
-  appendJsonString(out, name.c_str());
+  dtrain::detail::appendJsonQuoted(out, name);
   fmt::format_to(std::back_inserter(out), "}}}}\n,{{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":{},\"tid\":{},"
                  "\"args\":{{\"sort_index\":{}}}}}", pid, tid, tid);
 }

@@ -13,43 +13,26 @@
 #include <filesystem>
 #include <fstream>
 
+#include "comm/util/json_text.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain {
 namespace {
 
-// A JSON string literal: quotes, backslashes and control characters escaped; other bytes (UTF-8)
-// as they are.
-std::string quote(std::string_view s) {
-  std::string out = "\"";
-  for (char ch : s) {
-    const auto c = static_cast<unsigned char>(ch);
-    switch (c) {
-      case '"': out += "\\\""; break;
-      case '\\': out += "\\\\"; break;
-      case '\n': out += "\\n"; break;
-      case '\r': out += "\\r"; break;
-      case '\t': out += "\\t"; break;
-      default:
-        if (c < 0x20) out += fmt::format("\\u{:04x}", c);
-        else out += ch;
-    }
-  }
-  return out + "\"";
-}
+using detail::jsonQuoted;
 
 }  // namespace
 
 Record& Record::setRaw(std::string_view key, const std::string& json_value) {
   if (!body_.empty()) body_ += ',';
-  body_ += quote(key);
+  body_ += jsonQuoted(key);
   body_ += ':';
   body_ += json_value;
   return *this;
 }
 
 Record& Record::set(std::string_view key, double v) { return setRaw(key, std::isfinite(v) ? fmt::format("{}", v) : "null"); }
-Record& Record::set(std::string_view key, std::string_view v) { return setRaw(key, quote(v)); }
+Record& Record::set(std::string_view key, std::string_view v) { return setRaw(key, jsonQuoted(v)); }
 Record& Record::set(std::string_view key, bool v) { return setRaw(key, v ? "true" : "false"); }
 Record& Record::set(std::string_view key, const Record& nested) { return setRaw(key, nested.json()); }
 
