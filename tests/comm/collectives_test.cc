@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include <numeric>
+#include <thread>
 
 #include "comm_test_util.h"
 
@@ -91,6 +92,35 @@ TEST_P(Collectives, Allreduce) {
 // the same bits (one reducer per block, or both sides of an exchange computing the same expression),
 // avg included (divided once per block). Inputs are irregular floats, so a rank that summed in its own
 // order would differ in the last bits; each rank's result is allgathered and compared byte for byte.
+// Ops issued and not waited for run on the group's thread: after a loop in which the issuing thread
+// ran every op itself (wait() helps), and then issued from a thread that never waits for them. Polls
+// isCompleted() (bounded by the group's 60 s timeout) instead of waiting.
+TEST_P(Collectives, OpsNobodyWaitsForStillComplete) {
+  runGroup([&](ProcessGroup& pg) {
+    auto completes = [](const comm::WorkPtr& w) {
+      const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+      while (!w->isCompleted() && std::chrono::steady_clock::now() < until)
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      return w->isCompleted();
+    };
+    std::vector<int32_t> x(64, 1);
+    for (int i = 0; i < 300; ++i) pg.allreduce(x.data(), x.size(), comm::DType::i32)->wait();
+    std::vector<int32_t> a(64, 1), b(64, 2);
+    auto wa = pg.allreduce(a.data(), a.size(), comm::DType::i32);
+    auto wb = pg.allreduce(b.data(), b.size(), comm::DType::i32);
+    EXPECT_TRUE(completes(wa));
+    EXPECT_TRUE(completes(wb));
+    comm::WorkPtr wc;
+    std::vector<int32_t> c(64, 3);
+    std::thread([&] { wc = pg.allreduce(c.data(), c.size(), comm::DType::i32); }).join();
+    EXPECT_TRUE(completes(wc));
+    const int n = pg.size();
+    EXPECT_EQ(a[0], n);
+    EXPECT_EQ(b[63], 2 * n);
+    EXPECT_EQ(c[5], 3 * n);
+  });
+}
+
 TEST_P(Collectives, AllreduceLeavesEveryRankBitIdentical) {
   runGroup([](ProcessGroup& pg) {
     const int n = pg.size(), r = pg.rank();

@@ -6,6 +6,7 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -177,6 +178,64 @@ TEST_F(Timeline, MergeKeepsACutFileAndNamesACorruptOne) {
   Merged junk = mergeTimeline(dir.path());
   EXPECT_EQ(junk.exit_code, 1);
   EXPECT_NE(junk.output.find("trace-rank0.json is not a dtrain timeline"), std::string::npos) << junk.output;
+}
+
+// The writer appends each round's events after the last (in whole blocks where the file system takes
+// O_DIRECT, keeping the partial last block to write again): after every flush the file is the complete
+// JSON of everything recorded so far, ending with the closer and nothing after it. Ops alternate in size
+// and type, so the writer's copy of the last op's constant part is replaced as often as it is used.
+void checkFileAfterEachFlush(const std::string& dir) {
+  auto results = runRanks(1, [&](int) {
+    setenv("DTRAIN_TIMELINE", dir.c_str(), 1);
+    auto world = comm::initWorld();
+    std::vector<float> f(300, 1.0f);
+    std::vector<double> d(70, 1.0);
+    const std::string file = dir + "/trace-rank0.json";
+    size_t ops = 0;
+    for (int round = 0; round < 12; ++round) {
+      for (int i = 0; i < 150; ++i, ops += 2) {
+        DTRAIN_SPAN(std::string("it ") + std::to_string(i));
+        world->allreduce(f.data(), f.size() - static_cast<size_t>(i % 3), comm::DType::f32)->wait();
+        world->allreduce(d.data(), d.size(), comm::DType::f64)->wait();
+      }
+      dtrain::trace::flush();
+      std::ifstream in(file);
+      const std::string text((std::istreambuf_iterator<char>(in)), {});
+      ASSERT_GE(text.size(), 4u);
+      EXPECT_EQ(text.substr(text.size() - 4), "\n]}\n") << "round " << round;
+      const json trace = json::parse(text);
+      auto all = eventsOf(trace, "X", 0, "allreduce");
+      ASSERT_EQ(all.size(), ops) << "round " << round;
+      for (size_t k = 0; k < all.size(); ++k) {
+        const auto& a = all[k].at("args");
+        const bool single = k % 2 == 0;
+        const size_t i = (k / 2) % 150;
+        EXPECT_EQ(a.at("dtype"), single ? "f32" : "f64") << k;
+        EXPECT_EQ(a.at("count").get<size_t>(), single ? 300 - i % 3 : 70u) << k;
+        EXPECT_EQ(a.at("bytes").get<size_t>(), single ? 4 * (300 - i % 3) : 560u) << k;
+        EXPECT_EQ(a.at("seq").get<size_t>(), k) << k;
+        EXPECT_EQ(a.at("op"), "allreduce");
+        EXPECT_EQ(a.at("group"), "world");
+        checkComplete(all[k]);
+      }
+      EXPECT_EQ(eventsOf(trace, "X", 0, "it 149").size(), static_cast<size_t>(round + 1));
+    }
+  });
+  expectAllOk(results);
+}
+
+TEST_F(Timeline, FileIsWholeAfterEveryFlush) {
+  TempDir dir;
+  checkFileAfterEachFlush(dir.path());
+}
+
+// The same in /dev/shm (tmpfs: O_DIRECT may be refused there, and then the writer writes through the
+// page cache instead).
+TEST_F(Timeline, FileIsWholeAfterEveryFlushOnTmpfs) {
+  char tmpl[] = "/dev/shm/dtrain-timeline-XXXXXX";
+  ASSERT_NE(mkdtemp(tmpl), nullptr) << "/dev/shm: " << std::strerror(errno);
+  checkFileAfterEachFlush(tmpl);
+  fs::remove_all(tmpl);
 }
 
 // Offsets measured 10 us short of what a message's order allows: merge moves rank 1's by just that.

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <charconv>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "comm/trace/timeline_buffer.h"
@@ -104,13 +105,20 @@ void args(Printer& o, const Event& e) {
   if (any) *o.p++ = '}';
 }
 
-void opArgs(Printer& o, const Event& e) {
+// An op's event in two parts: what stays the same from one op to the next in a loop (name, group, dtype,
+// count, peers...), which ends inside "args", and what changes (sequence number, queue time, error,
+// time and duration). The writer keeps the last op's first part as text (see OpPrefix).
+void opPrefix(Printer& o, const Event& e, int pid, uint64_t tid) {
+  o.lit("{\"ph\":\"X\",\"name\":");
+  name(o, e);
+  o.lit(",\"cat\":");
+  o.str(e.cat);
+  o.lit(",\"pid\":");
+  o.num(pid);
+  o.lit(",\"tid\":");
+  o.num(tid);
   o.lit(",\"args\":{\"group\":");
   o.str(e.group);
-  if (e.seq != OpRecord::kNoSeq) {
-    o.lit(",\"seq\":");
-    o.num(e.seq);
-  }
   o.lit(",\"op\":");
   o.str(e.name);
   o.lit(",\"dtype\":");
@@ -136,24 +144,78 @@ void opArgs(Printer& o, const Event& e) {
   o.raw(e.args[0].key, std::strlen(e.args[0].key));
   o.lit("\":");
   o.num(e.args[0].value);
+}
+
+void opRest(Printer& o, const Event& e, int64_t ts) {
+  if (e.seq != OpRecord::kNoSeq) {
+    o.lit(",\"seq\":");
+    o.num(e.seq);
+  }
   o.lit(",\"queued_us\":");
   o.num(e.queued_us);
   if (e.failed) {
     o.lit(",\"error\":");
     o.str(e.text ? e.text : "");
   }
+  o.lit("},\"ts\":");
+  o.num(ts);
+  o.lit(",\"dur\":");
+  o.num(e.dur);
   *o.p++ = '}';
 }
 
+// The last op's first part, and what it was printed from: a loop of one collective prints it once.
+struct OpPrefix {
+  bool valid = false;
+  int pid = 0;
+  uint64_t tid = 0;
+  std::string name, cat, group, dtype, algorithm, size_key;
+  uint64_t count = 0, bytes = 0;
+  int64_t size_value = 0;
+  int32_t root = -1;
+  std::vector<int> peers;
+  std::string text;
+
+  bool matches(const Event& e, int p, uint64_t t) const {
+    return valid && p == pid && t == tid && e.index < 0 && e.count == count && e.bytes == bytes && e.root == root &&
+           e.args[0].value == size_value && static_cast<size_t>(e.npeers) == peers.size() &&
+           std::equal(peers.begin(), peers.end(), e.peers) && name == e.name && cat == e.cat && group == e.group &&
+           dtype == e.op_dtype && algorithm == e.algorithm && size_key == e.args[0].key;
+  }
+  void keep(const Event& e, int p, uint64_t t, const char* from, const char* to) {
+    valid = e.index < 0;
+    pid = p;
+    tid = t;
+    name = e.name;
+    cat = e.cat;
+    group = e.group;
+    dtype = e.op_dtype;
+    algorithm = e.algorithm;
+    size_key = e.args[0].key;
+    count = e.count;
+    bytes = e.bytes;
+    size_value = e.args[0].value;
+    root = e.root;
+    peers.assign(e.peers, e.peers + e.npeers);
+    text.assign(from, to);
+  }
+};
+thread_local OpPrefix t_last_op;  // the writer's (format() runs on the writer thread, or at exit)
+
 void print(Printer& o, const Event& e, int pid, uint64_t tid, int64_t ts) {
   switch (e.kind) {
+    case Event::kOp: {
+      char* from = o.p;
+      opPrefix(o, e, pid, tid);
+      t_last_op.keep(e, pid, tid, from, o.p);
+      opRest(o, e, ts);
+      return;
+    }
     case Event::kSpan:
-    case Event::kOp:
       common(o, 'X', e, pid, tid, ts);
       o.lit(",\"dur\":");
       o.num(e.dur);
-      if (e.kind == Event::kOp) opArgs(o, e);
-      else args(o, e);
+      args(o, e);
       *o.p++ = '}';
       return;
     case Event::kAsync:  // a begin and an end, on one line
@@ -189,6 +251,16 @@ char* scratch(size_t n) {
 }  // namespace
 
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us) {
+  if (e.kind == Event::kOp && t_last_op.matches(e, pid, tid)) {  // a loop's next op: its first part is known
+    const std::string& prefix = t_last_op.text;
+    char* start = scratch(prefix.size() + 160 + (e.failed ? escapedBound(e.text) : 0));
+    Printer o{start};
+    o.lit("\n,");
+    o.raw(prefix.data(), prefix.size());
+    opRest(o, e, e.ts + skew_us);
+    out.append(start, static_cast<size_t>(o.p - start));
+    return;
+  }
   char* start = scratch(bound(e) + 2);
   Printer o{start};
   o.lit("\n,");  // events follow the header's first entry, one a line
