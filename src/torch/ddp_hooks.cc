@@ -74,6 +74,7 @@ std::shared_ptr<HookLane> HookRunner::open(int bucket, int rank, std::string hoo
 
 void HookRunner::loop() {
   trace::setThreadName("ddp hooks");
+  comm::IssueAndMoveOn move_on;  // continuations never wait for the collectives they issue
   auto& q = *q_;
   std::unique_lock<std::mutex> lk(q.mu);
   // The front lane can move on: its next slot is filled, or it is sealed with nothing left.

@@ -89,7 +89,7 @@ struct Task {
   bool collective = true;
   std::function<void(algo::Context&)> fn;
   Clock::time_point pushed_at;   // set by OpQueue::push
-  bool issuer_may_help = false;  // pushed by a thread other than the worker (it may wait and run it)
+  bool issuer_may_help = false;  // pushed by a thread other than the worker, outside IssueAndMoveOn
 };
 
 // The ops of one group, run one at a time in issue order: by the group's worker thread, or by a thread
@@ -111,7 +111,7 @@ class OpQueue : public WorkExecutor {
     bool wake;
     {
       std::lock_guard<std::mutex> g(mu_);
-      t.issuer_may_help = std::this_thread::get_id() != worker_id_;
+      t.issuer_may_help = !issuingAndMovingOn() && std::this_thread::get_id() != worker_id_;
       last_push_ = t.pushed_at;
       queue_.push_back(std::move(t));
       wake = !watching_;
