@@ -2,8 +2,10 @@
 // size, the group and the transport. Every rank computes the same answer from the same inputs (sizes
 // and the transport's properties, which the ranks agreed on when it was built), so all ranks run the
 // same algorithm. Where a forced choice cannot apply (direct without a staging area), the automatic
-// choice among the others is made instead. New families (hierarchical, compressed) join here.
+// choice among the others is made instead. New families (compressed) join here.
 #include <cstring>
+
+#include "dtrain/comm/error.h"
 
 #include "comm/collectives/collectives.h"
 
@@ -29,6 +31,14 @@ bool smallForTree(const Context& c, size_t count, DType t) {
 
 AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, AllreduceAlgorithm asked) {
   const size_t bytes = count * dtypeSize(t);
+  // A group across hosts: in stages (shm within each host, tcp across) whenever some host has more than
+  // one rank, since then the stages keep (L-1)/L of the flat ring's cross-host traffic inside the hosts
+  // and their latency is log2(hosts) tcp rounds instead of log2(ranks). Forced, it runs on any layout
+  // across hosts (one rank per host: the cross-host stage alone).
+  if (c.hier && (asked == AllreduceAlgorithm::hierarchical ||
+                 (asked == AllreduceAlgorithm::automatic && c.hier->someHostShared()))) {
+    return AllreduceAlgorithm::hierarchical;
+  }
   if (asked == AllreduceAlgorithm::ring || asked == AllreduceAlgorithm::recursive_doubling) return asked;
   if (c.tx && c.tx->staging() &&
       (asked == AllreduceAlgorithm::direct || !c.tx->oversubscribed() || bytes > kDirectOversubscribedMinBytes)) {
@@ -48,6 +58,9 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
     case AllreduceAlgorithm::direct:
       c.algorithm = "direct";
       return allreduceDirect(c, *c.tx->staging(), in, out, count, t, op);
+    case AllreduceAlgorithm::hierarchical:
+      c.algorithm = "hierarchical";
+      return allreduceHierarchical(c, *c.hier, in, out, count, t, op);
     case AllreduceAlgorithm::ring:
       c.algorithm = "ring";
       return allreduceRing(c, in, out, count, t, op);
@@ -55,6 +68,16 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
       c.algorithm = "recursive_doubling";
       return allreduceRecursiveDoubling(c, in, out, count, t, op);
   }
+}
+
+AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& s) {
+  for (auto a : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling,
+                 AllreduceAlgorithm::direct, AllreduceAlgorithm::hierarchical}) {
+    if (s == allreduceAlgorithmName(a)) return a;
+  }
+  if (s == "recursive_doubling") return AllreduceAlgorithm::recursive_doubling;
+  throw InvalidArgument(
+      fmt::format("DTRAIN_ALGO='{}' (expected auto, ring, recursive_doubling (or rd), direct or hierarchical)", s));
 }
 
 void broadcast(Context& c, void* buf, size_t count, DType t, int root) {

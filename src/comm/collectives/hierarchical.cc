@@ -1,0 +1,212 @@
+// Hierarchical allreduce: shared memory within each host, TCP across hosts (docs/SLOW-LINKS.md).
+//
+// The group's ranks are grouped by host at creation (hosts are known at rendezvous: every rank
+// publishes transport::hostId()). Each host with more than one rank gets its own shm transport among
+// its ranks (the "local" transport); the cross-host stage runs on the group's TCP mesh through a view
+// that renumbers a few of its ranks as a group of their own (no new connection).
+//
+// The buffer is cut into S shards, S the largest number of ranks on any host (evenBlocks). On a host
+// of L ranks, local rank i owns the contiguous shards [i*S/L, (i+1)*S/L) (at least one each, as S >= L),
+// so hosts of different sizes (2+1) own the same shards through different ranks. Then:
+//   1. within each host, a reduce-scatter leaves each rank the host's sum of the shards it owns;
+//   2. for every shard, the ranks that own it (one per host) allreduce it over TCP; the shards of
+//      different local ranks travel at the same time; a rank that owns several shards (on a smaller
+//      host) runs them one after another, in shard order (the same order on every rank: no deadlock);
+//   3. within each host, an allgather hands every rank every shard.
+// avg reduces as sum and the owners divide their shards once, by the group size, before the allgather:
+// every rank ends bit-identical, and integers equal the flat algorithms exactly.
+//
+// Errors: every stage shares the op's deadline; a failure in any stage fails the op, and the group then
+// aborts both transports (process_group.cc), so ranks waiting in the other stage fail too. Errors of the
+// local (shm) transport name ranks by their index on the host: they are rewritten to group ranks.
+#include <algorithm>
+#include <cctype>
+#include <cstring>
+
+#include <fmt/ranges.h>
+
+#include "comm/collectives/collectives.h"
+#include "comm/collectives/kernels.h"
+#include "dtrain/comm/error.h"
+
+namespace dtrain::comm::algo {
+
+namespace {
+
+// Some ranks of a transport, renumbered 0..n-1 in the order given, with a tag offset so that the
+// frames of consecutive shards between the same two ranks never pass for each other.
+class SubsetView final : public transport::Transport {
+ public:
+  SubsetView(transport::Transport& base, std::vector<int> ranks, int me, uint32_t tag_base)
+      : Transport(me, static_cast<int>(ranks.size())), base_(base), ranks_(std::move(ranks)), tag_base_(tag_base) {}
+  const char* name() const override { return base_.name(); }
+  void run(std::vector<transport::Op>& ops, transport::Deadline deadline, const transport::Label& label) override {
+    std::vector<transport::Op> mapped = ops;
+    for (auto& op : mapped) {
+      op.peer = ranks_.at(static_cast<size_t>(op.peer));
+      op.tag += tag_base_;
+    }
+    base_.run(mapped, deadline, label);
+  }
+  void abort(const std::exception&) noexcept override {}  // the group aborts the base transport
+  std::string peerName(int peer) const override { return base_.peerName(ranks_.at(static_cast<size_t>(peer))); }
+
+ private:
+  transport::Transport& base_;
+  std::vector<int> ranks_;
+  uint32_t tag_base_;
+};
+
+// The local transport's message with its ranks (indices on this host) renamed to group ranks, up to the
+// first message it quotes from another rank (those already name group ranks).
+std::string toGroupRanks(const std::string& msg, const std::vector<int>& local_to_group) {
+  size_t quoted = msg.find("[rank", 1);
+  if (quoted == std::string::npos) quoted = msg.size();
+  std::string out;
+  size_t i = 0;
+  while (i < quoted) {
+    size_t k = msg.find("rank ", i);
+    if (k == std::string::npos || k >= quoted) break;
+    size_t d = k + 5, e = d;
+    while (e < msg.size() && std::isdigit(static_cast<unsigned char>(msg[e]))) ++e;
+    out.append(msg, i, d - i);
+    if (e > d && e - d < 6) {
+      size_t local = std::stoul(msg.substr(d, e - d));
+      out += local < local_to_group.size() ? std::to_string(local_to_group[local]) : msg.substr(d, e - d);
+    } else {
+      out.append(msg, d, e - d);
+    }
+    i = e;
+  }
+  out.append(msg, i, std::string::npos);
+  return out;
+}
+
+[[noreturn]] void rethrowAsGroup(const std::exception& e, const std::vector<int>& local_to_group) {
+  transport::throwOfKind(transport::errorKindOf(e), toGroupRanks(e.what(), local_to_group));
+}
+
+// Shard s's owner on a host of `local` ranks when there are `shards` shards: shards [i*S/L, (i+1)*S/L)
+// belong to local rank i.
+int ownerOf(size_t s, int local, int shards) {
+  int i = 0;
+  while (i + 1 < local && static_cast<size_t>((i + 1) * shards / local) <= s) ++i;
+  return i;
+}
+
+}  // namespace
+
+std::vector<std::string> exchangeHostIds(Store& store, int rank, int size, bool need_one_host,
+                                         AllreduceAlgorithm group_algo) {
+  const std::string mine = transport::hostId();
+  store.set(fmt::format("host/{}", rank), toBytes(fmt::format("{}\n{}", allreduceAlgorithmName(group_algo), mine)));
+  std::vector<std::string> ids;
+  std::vector<int> elsewhere;
+  std::string first_algo;
+  for (int r = 0; r < size; ++r) {
+    const std::string v = toString(store.get(fmt::format("host/{}", r)));
+    const size_t nl = v.find('\n');
+    const std::string algo = v.substr(0, nl);
+    ids.push_back(nl == std::string::npos ? "" : v.substr(nl + 1));
+    if (ids.back() != mine) elsewhere.push_back(r);
+    if (r == 0) first_algo = algo;
+    if (algo != first_algo) {  // the ranks would run different algorithms and wait for each other
+      throw InvalidArgument(fmt::format("[rank {}] ranks force different allreduce algorithms (DTRAIN_ALGO or "
+                                        "GroupOptions::allreduce_algorithm): rank 0 {}, rank {} {}",
+                                        rank, first_algo, r, algo));
+    }
+  }
+  if (need_one_host && !elsewhere.empty()) {
+    throw RendezvousError(fmt::format("[rank {}] DTRAIN_TRANSPORT=shm but ranks {} run on another host", rank,
+                                      fmt::join(elsewhere, ", ")));
+  }
+  return ids;
+}
+
+std::unique_ptr<Hierarchy> makeHierarchy(const std::shared_ptr<Store>& store, int rank, const std::vector<std::string>& host_ids,
+                                         const transport::TransportOptions& opts) {
+  auto h = std::make_unique<Hierarchy>();
+  std::vector<std::string> seen;  // hosts in order of their lowest rank
+  for (int r = 0; r < static_cast<int>(host_ids.size()); ++r) {
+    auto it = std::find(seen.begin(), seen.end(), host_ids[r]);
+    if (it == seen.end()) {
+      seen.push_back(host_ids[r]);
+      h->hosts.emplace_back();
+      it = seen.end() - 1;
+    }
+    const int index = static_cast<int>(it - seen.begin());
+    if (r == rank) {
+      h->host = index;
+      h->local_rank = static_cast<int>(h->hosts[index].size());
+    }
+    h->hosts[index].push_back(r);
+  }
+  if (h->hosts.size() < 2) return nullptr;  // one host: the flat algorithms (over shm) are the choice
+  for (const auto& ranks : h->hosts) h->shards = std::max(h->shards, static_cast<int>(ranks.size()));
+  const auto& mine = h->hosts[h->host];
+  if (mine.size() > 1) {
+    h->local_store = std::make_shared<PrefixStore>(fmt::format("hier/host{}", h->host), store);
+    h->local = transport::createTransport("shm", *h->local_store, h->local_rank, static_cast<int>(mine.size()), opts);
+  }
+  return h;
+}
+
+// The local and cross-host stages are described in the labels of their frames and errors.
+void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, size_t count, DType t, ReduceOp op) {
+  const size_t es = dtypeSize(t);
+  const ReduceOp stage_op = op == ReduceOp::avg ? ReduceOp::sum : op;
+  const std::vector<int>& host_ranks = h.hosts[h.host];
+  const int local_size = static_cast<int>(host_ranks.size());
+  const std::vector<size_t> shard_counts = evenBlocks(count, h.shards);
+  const std::vector<size_t> shard_off = prefixOffsets(shard_counts);
+  // This host's split of the buffer: local rank i's region is the shards it owns.
+  std::vector<size_t> region(static_cast<size_t>(local_size), 0);
+  for (int s = 0; s < h.shards; ++s) region[static_cast<size_t>(ownerOf(s, local_size, h.shards))] += shard_counts[s];
+  const std::vector<size_t> region_off = prefixOffsets(region);
+  const size_t mine = region[static_cast<size_t>(h.local_rank)];
+  if (h.shard.size() < mine * es) h.shard.resize(mine * es);
+  char* shard = reinterpret_cast<char*>(h.shard.data());
+
+  transport::Label local_label = c.label;
+  local_label.what += fmt::format(" (hierarchical, within host {} of ranks {})", h.host, fmt::join(host_ranks, ", "));
+  Context lc{h.local.get(), h.local_rank, local_size, local_label, c.deadline, h.local_scratch};
+  // 1. Within the host: each rank gets the host's reduction of its region.
+  if (h.local) {
+    try {
+      lc.guard_output = h.local->beginCollective(local_label, c.deadline);
+      reduceScatterv(lc, in, shard, region, t, stage_op);
+    } catch (const std::exception& e) {
+      rethrowAsGroup(e, host_ranks);
+    }
+  } else if (mine) {
+    std::memcpy(shard, in, mine * es);
+  }
+  // 2. Across hosts, shard by shard: the owners of each shard (one per host) allreduce it.
+  transport::Label cross_label = c.label;
+  cross_label.what += " (hierarchical, across hosts)";
+  const int hosts = static_cast<int>(h.hosts.size());
+  for (int s = 0; s < h.shards; ++s) {
+    if (ownerOf(s, local_size, h.shards) != h.local_rank || shard_counts[s] == 0) continue;
+    std::vector<int> owners;
+    for (const auto& ranks : h.hosts)
+      owners.push_back(ranks[static_cast<size_t>(ownerOf(s, static_cast<int>(ranks.size()), h.shards))]);
+    SubsetView view(*c.tx, std::move(owners), h.host, static_cast<uint32_t>(s + 1) << 16);
+    Context xc{&view, h.host, hosts, cross_label, c.deadline, h.cross_scratch};
+    char* p = shard + (shard_off[s] - region_off[static_cast<size_t>(h.local_rank)]) * es;
+    allreduce(xc, p, p, shard_counts[s], t, stage_op, AllreduceAlgorithm::automatic);
+  }
+  if (op == ReduceOp::avg) divideBy(shard, mine, t, c.size);
+  // 3. Within the host: every rank gets every region.
+  if (!h.local) {
+    if (mine) std::memcpy(out, shard, mine * es);
+    return;
+  }
+  try {
+    allgatherv(lc, shard, out, region, t);
+    h.local->compareCalls(local_label, c.deadline);
+  } catch (const std::exception& e) {
+    rethrowAsGroup(e, host_ranks);
+  }
+}
+
+}  // namespace dtrain::comm::algo
