@@ -211,18 +211,29 @@ TEST(HierarchicalChoice, DtrainAlgoMustAgree) {
   expectAllOk(results);
 }
 
-// Rank 3 (the second rank of host b) is SIGKILLed during a stream of large hierarchical allreduces.
-// Every survivor raises IoError or TimeoutError naming rank 3, within 2x the timeout, whichever stage
-// it was in (the shm stage on host b, the tcp stage, or the shm stage on host a behind them).
-TEST(HierarchicalFaults, KilledRankIsNamedByEveryone) {
+// A rank is SIGKILLed during a stream of large hierarchical allreduces. Every survivor raises IoError or
+// TimeoutError naming it, within 2x the timeout, whichever stage it was in (the shm stage on the
+// victim's host, the tcp stage, or the shm stage of another host behind them).
+struct Victim {
+  std::string name;
+  std::vector<std::string> hosts;
+  int rank;
+};
+void PrintTo(const Victim& v, std::ostream* os) { *os << v.name; }
+
+class HierarchicalFaults : public ::testing::TestWithParam<Victim> {};
+
+TEST_P(HierarchicalFaults, KilledRankIsNamedByEveryone) {
   StoreServer server;
   const auto timeout = std::chrono::seconds(5);
-  auto results = runRanks(4, [&](int rank) {
-    setenv("DTRAIN_HOST_ID", rank < 2 ? "a" : "b", 1);
-    auto pg = ProcessGroup::create(server.client(), rank, 4, options(timeout));
+  const Victim v = GetParam();
+  const int world = static_cast<int>(v.hosts.size());
+  auto results = runRanks(world, [&](int rank) {
+    setenv("DTRAIN_HOST_ID", v.hosts[static_cast<size_t>(rank)].c_str(), 1);
+    auto pg = ProcessGroup::create(server.client(), rank, world, options(timeout));
     std::vector<float> buf(1 << 20, 1.0f);
     pg->allreduce(buf.data(), buf.size(), DType::f32)->wait();
-    if (rank == 3) {
+    if (rank == v.rank) {
       std::thread([] {
         std::this_thread::sleep_for(std::chrono::milliseconds(100));
         kill(getpid(), SIGKILL);
@@ -231,26 +242,33 @@ TEST(HierarchicalFaults, KilledRankIsNamedByEveryone) {
     const auto t0 = Clock::now();
     try {
       for (int i = 0; i < 100000; ++i) pg->allreduce(buf.data(), buf.size(), DType::f32)->wait();
-      ADD_FAILURE() << "rank " << rank << ": allreduce kept succeeding after rank 3 was killed";
+      ADD_FAILURE() << "rank " << rank << ": allreduce kept succeeding after rank " << v.rank << " was killed";
     } catch (const Error& e) {
       const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
       const std::string msg = e.what();
-      printf("rank %d failed after %.2fs: %s\n", rank, secs, msg.c_str());
       EXPECT_TRUE(dynamic_cast<const IoError*>(&e) || dynamic_cast<const TimeoutError*>(&e)) << msg;
       EXPECT_EQ(msg.rfind(fmt::format("[rank {}]", rank), 0), 0u) << msg;
-      EXPECT_NE(msg.find("rank 3 ("), std::string::npos) << msg;
+      EXPECT_NE(msg.find(fmt::format("rank {} (", v.rank)), std::string::npos) << msg;
       EXPECT_NE(msg.find("allreduce seq="), std::string::npos) << msg;
+      EXPECT_NE(msg.find("hierarchical"), std::string::npos) << msg;
       EXPECT_LT(secs, 2.0 * 5) << msg;
     }
   }, std::chrono::seconds(60));
   for (const auto& c : results) {
-    if (c.rank == 3) {
+    if (c.rank == v.rank) {
       EXPECT_EQ(c.signal, SIGKILL) << c.describe();
     } else {
       EXPECT_TRUE(c.ok()) << c.describe();
     }
   }
 }
+
+INSTANTIATE_TEST_SUITE_P(Victims, HierarchicalFaults,
+                         ::testing::Values(Victim{"hosts2x2_rank3", {"a", "a", "b", "b"}, 3},
+                                           Victim{"hosts2x2_rank0", {"a", "a", "b", "b"}, 0},
+                                           Victim{"hosts2plus1_alone", {"a", "a", "b"}, 2},
+                                           Victim{"hosts2plus1_shared", {"a", "a", "b"}, 1}),
+                         [](const ::testing::TestParamInfo<Victim>& p) { return p.param.name; });
 
 }  // namespace
 }  // namespace dtrain::test
