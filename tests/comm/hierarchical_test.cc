@@ -4,7 +4,7 @@
 // hosts. Results must equal the flat ring's (exactly for integers, within rounding for floats) and the
 // locally computed value, on layouts 2x2, 2x1, 3x1, 2+1 and 2+1 with the hosts' ranks interleaved, for
 // every dtype and reduce op, counts 0, 1, a prime and a multi-segment size; every rank must end
-// bit-identical. A rank killed mid-op must fail every other rank, naming it, within the deadline.
+// bit-identical; broadcast (hierarchical too) from every root. A rank killed mid-op must fail every other rank, naming it, within the deadline.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -89,6 +89,26 @@ TEST_P(Hierarchical, EqualsFlat) {
           }
           ASSERT_EQ(hier.bytes.back(), 0xEE) << what << ": wrote past the end";
           ASSERT_EQ(inplace.bytes.back(), 0xEE) << what << ": wrote past the end (in place)";
+        }
+  });
+}
+
+// Broadcast goes hierarchical where some host has several ranks (to one rank per host over tcp, then
+// within each host over shm): every root, every dtype, every count, including a root that is not its
+// host's lowest rank.
+TEST_P(Hierarchical, BroadcastFromEveryRoot) {
+  runLayout(GetParam(), [](ProcessGroup& pg) {
+    const int n = pg.size(), r = pg.rank();
+    for (DType t : comm::kAllDTypes)
+      for (size_t count : kCounts)
+        for (int root = 0; root < n; ++root) {
+          Buf buf(t, count);
+          for (size_t i = 0; i < count; ++i) buf.set(i, r == root ? inputValue(root, i, ReduceOp::sum) : 0);
+          pg.broadcast(buf.data(), count, t, root)->wait();
+          for (size_t i = 0; i < count; ++i)
+            ASSERT_EQ(buf.at(i), inputValue(root, i, ReduceOp::sum))
+                << comm::dtypeName(t) << " x " << count << " root " << root << " rank " << r << ": element " << i;
+          ASSERT_EQ(buf.bytes.back(), 0xEE) << "wrote past the end";
         }
   });
 }

@@ -111,6 +111,7 @@ void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t co
 void allreduceDirect(Context& c, transport::Staging& st, const void* in, void* out, size_t count, DType t,
                      ReduceOp op);
 void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, size_t count, DType t, ReduceOp op);
+void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DType t, int root);
 void broadcastTree(Context& c, void* buf, size_t count, DType t, int root);
 void broadcastScatterAllgather(Context& c, void* buf, size_t count, DType t, int root);
 void reduceTree(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);

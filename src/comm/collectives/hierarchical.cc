@@ -151,6 +151,53 @@ std::unique_ptr<Hierarchy> makeHierarchy(const std::shared_ptr<Store>& store, in
   return h;
 }
 
+namespace {
+
+// A stage's label: the op's, its text saying which stage (errors name the stage).
+transport::Label stageLabel(const Context& c, const Hierarchy& h, bool local) {
+  transport::Label l = c.label;
+  if (local) {
+    l.what += fmt::format(" (hierarchical, within host {} of ranks {})", h.host, fmt::join(h.hosts[h.host], ", "));
+  } else {
+    l.what += " (hierarchical, across hosts)";
+  }
+  return l;
+}
+
+}  // namespace
+
+// Broadcast: the root sends to one rank of every other host over tcp (the lowest; on the root's host
+// the root itself), then each of them broadcasts within its host over shm. The cross-host links carry
+// the buffer once per host instead of once per rank.
+void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DType t, int root) {
+  std::vector<int> leaders;
+  int root_host = 0;
+  for (int k = 0; k < static_cast<int>(h.hosts.size()); ++k) {
+    const auto& ranks = h.hosts[static_cast<size_t>(k)];
+    const bool has_root = std::find(ranks.begin(), ranks.end(), root) != ranks.end();
+    if (has_root) root_host = k;
+    leaders.push_back(has_root ? root : ranks[0]);
+  }
+  const int leader = leaders[static_cast<size_t>(h.host)];
+  if (leader == c.rank) {
+    SubsetView view(*c.tx, leaders, h.host, 0);
+    Context xc{&view, h.host, static_cast<int>(leaders.size()), stageLabel(c, h, false), c.deadline, h.cross_scratch};
+    broadcast(xc, buf, count, t, root_host);
+  }
+  if (!h.local) return;
+  const transport::Label ll = stageLabel(c, h, true);
+  const auto& mine = h.hosts[static_cast<size_t>(h.host)];
+  const int local_root = static_cast<int>(std::find(mine.begin(), mine.end(), leader) - mine.begin());
+  try {
+    Context lc{h.local.get(), h.local_rank, static_cast<int>(mine.size()), ll, c.deadline, h.local_scratch};
+    lc.guard_output = h.local->beginCollective(ll, c.deadline);
+    broadcast(lc, buf, count, t, local_root);
+    h.local->compareCalls(ll, c.deadline);
+  } catch (const std::exception& e) {
+    rethrowAsGroup(e, mine);
+  }
+}
+
 // The local and cross-host stages are described in the labels of their frames and errors.
 void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, size_t count, DType t, ReduceOp op) {
   const size_t es = dtypeSize(t);
@@ -167,8 +214,7 @@ void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, 
   if (h.shard.size() < mine * es) h.shard.resize(mine * es);
   char* shard = reinterpret_cast<char*>(h.shard.data());
 
-  transport::Label local_label = c.label;
-  local_label.what += fmt::format(" (hierarchical, within host {} of ranks {})", h.host, fmt::join(host_ranks, ", "));
+  const transport::Label local_label = stageLabel(c, h, true);
   Context lc{h.local.get(), h.local_rank, local_size, local_label, c.deadline, h.local_scratch};
   // 1. Within the host: each rank gets the host's reduction of its region.
   if (h.local) {
@@ -182,8 +228,7 @@ void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, 
     std::memcpy(shard, in, mine * es);
   }
   // 2. Across hosts, shard by shard: the owners of each shard (one per host) allreduce it.
-  transport::Label cross_label = c.label;
-  cross_label.what += " (hierarchical, across hosts)";
+  const transport::Label cross_label = stageLabel(c, h, false);
   const int hosts = static_cast<int>(h.hosts.size());
   for (int s = 0; s < h.shards; ++s) {
     if (ownerOf(s, local_size, h.shards) != h.local_rank || shard_counts[s] == 0) continue;

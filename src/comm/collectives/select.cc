@@ -82,6 +82,14 @@ AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& s) {
 
 void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
   if (c.size == 1) return;
+  // Across hosts with several ranks on some host: the root's data crosses to each other host once, then
+  // spreads within each host over shm (the tree's and the scatter-allgather's cross-host rounds and
+  // bytes both shrink).
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    broadcastHierarchical(c, *c.hier, buf, count, t, root);
+    return;
+  }
   if (smallForTree(c, count, t)) {
     c.algorithm = "tree";
     broadcastTree(c, buf, count, t, root);
