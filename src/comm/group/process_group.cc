@@ -400,9 +400,10 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
     DTRAIN_CHECK(store != nullptr, InvalidArgument, "[rank {}] a process group of {} ranks needs a store", rank, size);
     std::string kind = opts.transport;
     std::vector<std::string> hosts;
-    hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
-    const bool one_host = std::count(hosts.begin(), hosts.end(), hosts[0]) == size;
-    if (kind == "auto" || kind == "shm") kind = one_host ? "shm" : "tcp";
+    if (kind == "auto" || kind == "shm") {  // DTRAIN_TRANSPORT=tcp: no hosts, no hierarchy
+      hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
+      kind = std::count(hosts.begin(), hosts.end(), hosts[0]) == size ? "shm" : "tcp";
+    }
     transport::TransportOptions to;
     to.timeout = opts.timeout;
     to.listen_host = opts.listen_host;
