@@ -64,11 +64,20 @@ struct Context {
   // The group's hosts when it spans several (see Hierarchy); null otherwise and in the stages' contexts.
   Hierarchy* hier = nullptr;
 
+  // A stage's context (hierarchical.cc): its ranks as the group's, so that traces name the real peers.
+  const std::vector<int>* group_ranks = nullptr;
+
   void run(std::vector<transport::Op>& ops) {
     const bool traced = trace::timeline::on();  // flow events: this rank's sends meet the peers' receives
-    if (traced) trace::timeline::sending(ops);
+    std::vector<transport::Op> named;
+    if (traced && group_ranks) {
+      named = ops;
+      for (auto& op : named) op.peer = (*group_ranks)[static_cast<size_t>(op.peer)];
+    }
+    const std::vector<transport::Op>& seen = group_ranks ? named : ops;
+    if (traced) trace::timeline::sending(seen);
     tx->run(ops, deadline, label);
-    if (traced) trace::timeline::received(ops);
+    if (traced) trace::timeline::received(seen);
     uint64_t sent = 0;
     for (const auto& op : ops) sent += op.kind == transport::Op::kSend ? op.bytes : 0;
     bytes_sent.fetch_add(sent, std::memory_order_relaxed);

@@ -182,6 +182,7 @@ void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DT
   if (leader == c.rank) {
     SubsetView view(*c.tx, leaders, h.host, 0);
     Context xc{&view, h.host, static_cast<int>(leaders.size()), stageLabel(c, h, false), c.deadline, h.cross_scratch};
+    xc.group_ranks = &leaders;
     broadcast(xc, buf, count, t, root_host);
   }
   if (!h.local) return;
@@ -191,6 +192,7 @@ void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DT
   try {
     Context lc{h.local.get(), h.local_rank, static_cast<int>(mine.size()), ll, c.deadline, h.local_scratch};
     lc.guard_output = h.local->beginCollective(ll, c.deadline);
+    lc.group_ranks = &mine;
     broadcast(lc, buf, count, t, local_root);
     h.local->compareCalls(ll, c.deadline);
   } catch (const std::exception& e) {
@@ -216,6 +218,7 @@ void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, 
 
   const transport::Label local_label = stageLabel(c, h, true);
   Context lc{h.local.get(), h.local_rank, local_size, local_label, c.deadline, h.local_scratch};
+  lc.group_ranks = &host_ranks;
   // 1. Within the host: each rank gets the host's reduction of its region.
   if (h.local) {
     try {
@@ -235,8 +238,9 @@ void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, 
     std::vector<int> owners;
     for (const auto& ranks : h.hosts)
       owners.push_back(ranks[static_cast<size_t>(ownerOf(s, static_cast<int>(ranks.size()), h.shards))]);
-    SubsetView view(*c.tx, std::move(owners), h.host, static_cast<uint32_t>(s + 1) << 16);
+    SubsetView view(*c.tx, owners, h.host, static_cast<uint32_t>(s + 1) << 16);
     Context xc{&view, h.host, hosts, cross_label, c.deadline, h.cross_scratch};
+    xc.group_ranks = &owners;
     char* p = shard + (shard_off[s] - region_off[static_cast<size_t>(h.local_rank)]) * es;
     allreduce(xc, p, p, shard_counts[s], t, stage_op, AllreduceAlgorithm::automatic);
   }
