@@ -12,6 +12,7 @@
 
 #include <fmt/format.h>
 
+#include <random>
 #include <thread>
 
 #include "comm/collectives/collectives.h"
@@ -122,11 +123,9 @@ TEST_P(Hierarchical, EveryRankBitIdentical) {
       for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg})
         for (size_t count : {size_t(37), size_t(12007)}) {
           Buf buf(t, count);
-          uint64_t x = 0x9E3779B97F4A7C15ull * static_cast<uint64_t>(r + 1);
-          for (size_t i = 0; i < count; ++i) {
-            x ^= x << 13, x ^= x >> 7, x ^= x << 17;
-            buf.set(i, (static_cast<double>(x % 2000001) - 1000000.0) / 999983.0 * (1 + i % 7));
-          }
+          std::mt19937_64 rng(static_cast<uint64_t>(r) * 7919 + count);
+          std::uniform_real_distribution<double> value(-1000.0, 1000.0);
+          for (size_t i = 0; i < count; ++i) buf.set(i, value(rng));
           pg.allreduce(buf.data(), buf.data(), count, t, op, AllreduceAlgorithm::hierarchical)->wait();
           const size_t bytes = count * comm::dtypeSize(t);
           std::vector<uint8_t> all(bytes * static_cast<size_t>(n));
