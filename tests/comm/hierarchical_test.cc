@@ -4,7 +4,7 @@
 // hosts. Results must equal the flat ring's (exactly for integers, within rounding for floats) and the
 // locally computed value, on layouts 2x2, 2x1, 3x1, 2+1 and 2+1 with the hosts' ranks interleaved, for
 // every dtype and reduce op, counts 0, 1, a prime and a multi-segment size; every rank must end
-// bit-identical; broadcast (hierarchical too) from every root. A rank killed mid-op must fail every other rank, naming it, within the deadline.
+// bit-identical; broadcast and allgather (hierarchical too). A rank killed mid-op must fail every other rank, naming it, within the deadline.
 #include <gtest/gtest.h>
 #include <signal.h>
 #include <stdlib.h>
@@ -110,6 +110,39 @@ TEST_P(Hierarchical, BroadcastFromEveryRoot) {
             ASSERT_EQ(buf.at(i), inputValue(root, i, ReduceOp::sum))
                 << comm::dtypeName(t) << " x " << count << " root " << root << " rank " << r << ": element " << i;
           ASSERT_EQ(buf.bytes.back(), 0xEE) << "wrote past the end";
+        }
+  });
+}
+
+// Allgather goes hierarchical too (blocks to the host's lowest rank, bundles across hosts, broadcast
+// within hosts): even and uneven blocks (empty ones included), every dtype, out of place and in place.
+TEST_P(Hierarchical, AllgatherEqualsExpected) {
+  runLayout(GetParam(), [](ProcessGroup& pg) {
+    const int n = pg.size(), r = pg.rank();
+    for (DType t : comm::kAllDTypes)
+      for (size_t count : kCounts)
+        for (bool uneven : {false, true}) {
+          std::vector<size_t> counts(static_cast<size_t>(n), count);
+          if (uneven)
+            for (int q = 0; q < n; ++q) counts[static_cast<size_t>(q)] = q % 2 ? count / 2 : count + q;
+          std::vector<size_t> off(1, 0);
+          for (size_t k : counts) off.push_back(off.back() + k);
+          const size_t mine = counts[static_cast<size_t>(r)];
+          Buf in(t, mine), out(t, off.back()), inplace(t, off.back());
+          for (size_t i = 0; i < mine; ++i) in.set(i, inputValue(r, i, ReduceOp::sum));
+          for (size_t i = 0; i < mine; ++i) inplace.set(off[static_cast<size_t>(r)] + i, inputValue(r, i, ReduceOp::sum));
+          pg.allgatherv(in.data(), out.data(), counts, t)->wait();
+          void* at = static_cast<char*>(inplace.data()) + off[static_cast<size_t>(r)] * comm::dtypeSize(t);
+          pg.allgatherv(at, inplace.data(), counts, t)->wait();
+          for (int q = 0; q < n; ++q)
+            for (size_t i = 0; i < counts[static_cast<size_t>(q)]; ++i) {
+              const size_t j = off[static_cast<size_t>(q)] + i;
+              ASSERT_EQ(out.at(j), inputValue(q, i, ReduceOp::sum))
+                  << comm::dtypeName(t) << " x " << count << (uneven ? " uneven" : "") << ": rank " << r
+                  << " has a wrong element " << i << " of rank " << q << "'s block";
+              ASSERT_EQ(inplace.at(j), out.at(j)) << "in place differs at " << j;
+            }
+          ASSERT_EQ(out.bytes.back(), 0xEE) << "wrote past the end";
         }
   });
 }

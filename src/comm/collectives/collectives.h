@@ -125,8 +125,12 @@ void broadcastTree(Context& c, void* buf, size_t count, DType t, int root);
 void broadcastScatterAllgather(Context& c, void* buf, size_t count, DType t, int root);
 void reduceTree(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
 void reduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
-// out receives every rank's block in rank order; counts[r] is rank r's element count.
+// out receives every rank's block in rank order; counts[r] is rank r's element count. An entry point
+// (select.cc): the ring, or hierarchical across hosts.
 void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t);
+void allgathervRing(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t);
+void allgathervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                            DType t);
 // Ring allgather of blocks already in place in buf (rank r owns block r); used by several algorithms.
 void ringAllgatherInPlace(Context& c, void* buf, const std::vector<size_t>& counts, DType t, uint32_t tag0);
 // in holds sum(counts) elements; out receives the reduced block of this rank (counts[rank] elements).

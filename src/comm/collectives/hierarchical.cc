@@ -22,6 +22,7 @@
 #include <algorithm>
 #include <cctype>
 #include <cstring>
+#include <functional>
 
 #include <fmt/ranges.h>
 
@@ -197,6 +198,71 @@ void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DT
     h.local->compareCalls(ll, c.deadline);
   } catch (const std::exception& e) {
     rethrowAsGroup(e, mine);
+  }
+}
+
+// Allgather: each host's ranks hand their blocks to the host's lowest rank (shm); those exchange one
+// bundle per host over tcp (a ring), place every block in rank order, and broadcast the whole output
+// within their host (shm).
+void allgathervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                            DType t) {
+  const size_t es = dtypeSize(t);
+  const std::vector<size_t> off = prefixOffsets(counts);
+  const auto& mine = h.hosts[static_cast<size_t>(h.host)];
+  std::vector<int> leaders;
+  std::vector<size_t> bundle;
+  for (const auto& ranks : h.hosts) {
+    leaders.push_back(ranks[0]);
+    bundle.push_back(0);
+    for (int r : ranks) bundle.back() += counts[static_cast<size_t>(r)];
+  }
+  const std::vector<size_t> bundle_off = prefixOffsets(bundle);
+  const bool leader = h.local_rank == 0;
+  char* bundles = leader ? static_cast<char*>(c.scratch(off.back() * es)) : nullptr;
+  const transport::Label ll = stageLabel(c, h, true);
+  Context lc{h.local.get(), h.local_rank, static_cast<int>(mine.size()), ll, c.deadline, h.local_scratch};
+  lc.group_ranks = &mine;
+  // Errors of the shm stages name ranks by their index on the host: rewritten to group ranks.
+  auto local = [&](const std::function<void()>& stage) {
+    try {
+      stage();
+    } catch (const std::exception& e) {
+      rethrowAsGroup(e, mine);
+    }
+  };
+  local([&] {
+    std::vector<transport::Op> ops;
+    size_t at = bundle_off[static_cast<size_t>(h.host)];
+    for (size_t i = 0; leader && i < mine.size(); at += counts[static_cast<size_t>(mine[i])], ++i) {
+      const size_t bytes = counts[static_cast<size_t>(mine[i])] * es;
+      if (i == 0 && bytes) std::memcpy(bundles + at * es, in, bytes);
+      if (i > 0) ops.push_back(transport::recvOp(static_cast<int>(i), 0, bundles + at * es, bytes));
+      if (i > 0) ops.back().to_scratch = true;
+    }
+    if (!leader) ops.push_back(transport::sendOp(0, 0, in, counts[static_cast<size_t>(c.rank)] * es));
+    if (h.local) lc.guard_output = h.local->beginCollective(ll, c.deadline);
+    if (!ops.empty()) lc.run(ops);
+  });
+  if (leader) {
+    SubsetView view(*c.tx, leaders, h.host, 0);
+    Context xc{&view, h.host, static_cast<int>(leaders.size()), stageLabel(c, h, false), c.deadline, h.cross_scratch};
+    xc.group_ranks = &leaders;
+    ringAllgatherInPlace(xc, bundles, bundle, t, 0);
+    if (h.local) local([&] { h.local->compareCalls(ll, c.deadline); });  // before this rank writes the output
+    for (size_t k = 0; k < h.hosts.size(); ++k) {
+      size_t from = bundle_off[k];
+      for (int r : h.hosts[k]) {
+        const size_t n = counts[static_cast<size_t>(r)];
+        if (n) std::memcpy(static_cast<char*>(out) + off[static_cast<size_t>(r)] * es, bundles + from * es, n * es);
+        from += n;
+      }
+    }
+  }
+  if (h.local) {
+    local([&] {
+      broadcast(lc, out, off.back(), t, 0);
+      h.local->compareCalls(ll, c.deadline);
+    });
   }
 }
 

@@ -99,6 +99,18 @@ void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
   }
 }
 
+void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t) {
+  // Across hosts with several ranks on some host: each host's blocks cross the host links once as one
+  // bundle (a host link carries (hosts-1)/hosts of the output instead of the flat ring's (n-1)/n).
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    allgathervHierarchical(c, *c.hier, in, out, counts, t);
+    return;
+  }
+  c.algorithm = "ring";
+  allgathervRing(c, in, out, counts, t);
+}
+
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
   if (c.size == 1) {
     if (in != out && count) std::memmove(out, in, count * dtypeSize(t));
