@@ -263,6 +263,30 @@ TEST(HierarchicalChoice, DtrainAlgoMustAgree) {
   expectAllOk(results);
 }
 
+// Calls that differ in their arguments are still caught through the stages: rank 3 allreduces one element
+// fewer than the others, at the same point. Every rank fails with a ProtocolError naming the mismatched
+// calls, long before the deadline (shm compares the calls of a host's ranks, tcp every frame's).
+TEST(HierarchicalMismatch, DifferentCountsFailEveryRank) {
+  StoreServer server;
+  auto results = runRanks(4, [&](int rank) {
+    setenv("DTRAIN_HOST_ID", rank < 2 ? "a" : "b", 1);
+    auto pg = ProcessGroup::create(server.client(), rank, 4, options(std::chrono::seconds(20)));
+    std::vector<float> x(1000, 1.0f);
+    pg->allreduce(x.data(), x.size(), DType::f32)->wait();
+    const auto t0 = Clock::now();
+    try {
+      pg->allreduce(x.data(), rank == 3 ? 999 : 1000, DType::f32)->wait();
+      ADD_FAILURE() << "rank " << rank << ": mismatched allreduce succeeded";
+    } catch (const ProtocolError& e) {
+      const std::string msg = e.what();
+      EXPECT_NE(msg.find("f32 x 999"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("f32 x 1000"), std::string::npos) << msg;
+      EXPECT_LT(std::chrono::duration<double>(Clock::now() - t0).count(), 10.0) << msg;
+    }
+  });
+  expectAllOk(results);
+}
+
 // A rank is SIGKILLed during a stream of large hierarchical allreduces. Every survivor raises IoError or
 // TimeoutError naming it, within 2x the timeout, whichever stage it was in (the shm stage on the
 // victim's host, the tcp stage, or the shm stage of another host behind them).
