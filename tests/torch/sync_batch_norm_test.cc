@@ -179,6 +179,7 @@ struct Holder : torch::nn::Module {
     torch::nn::ModuleDict dict;
     dict->update({{"bn3", torch::nn::BatchNorm3d(2).ptr()}});
     register_module("dict", dict);
+    register_module("list", torch::nn::ModuleList(torch::nn::Linear(2, 2), torch::nn::BatchNorm1d(2)));
     register_module("bn", torch::nn::BatchNorm2d(torch::nn::BatchNormOptions(5).momentum(0.5).eps(0.01)));
   }
 };
@@ -197,7 +198,7 @@ TEST(SyncBatchNorm, ConvertReplacesEveryBatchNormAndSharesTensors) {
                  dynamic_cast<torch::nn::BatchNorm3dImpl*>(m.get()));
     syncs += dynamic_cast<SyncBatchNormImpl*>(m.get()) != nullptr;
   }
-  EXPECT_EQ(syncs, 3);
+  EXPECT_EQ(syncs, 4);
   auto after = out->named_parameters();
   ASSERT_EQ(after.keys(), before.keys());
   for (const auto& p : before) EXPECT_TRUE(after[p.key()].is_same(p.value())) << p.key();
@@ -213,6 +214,13 @@ TEST(SyncBatchNorm, ConvertReplacesEveryBatchNormAndSharesTensors) {
   ASSERT_TRUE(seq);
   EXPECT_TRUE(std::dynamic_pointer_cast<SyncBatchNormImpl>(seq->ptr(1)));
   EXPECT_EQ(seq->forward(torch::randn({5, 3})).size(1), 4);
+  // ModuleDict and ModuleList hand out the new layer too (their own lists, not just the registry).
+  auto dict = std::dynamic_pointer_cast<torch::nn::ModuleDictImpl>(out->named_children()["dict"]);
+  ASSERT_TRUE(dict);
+  EXPECT_TRUE(std::dynamic_pointer_cast<SyncBatchNormImpl>((*dict)["bn3"]));
+  auto list = std::dynamic_pointer_cast<torch::nn::ModuleListImpl>(out->named_children()["list"]);
+  ASSERT_TRUE(list);
+  EXPECT_TRUE(std::dynamic_pointer_cast<SyncBatchNormImpl>(list->ptr(1)));
   // A BatchNorm root becomes a new SyncBatchNorm; anything else is refused by the constructor.
   EXPECT_TRUE(std::dynamic_pointer_cast<SyncBatchNormImpl>(convertSyncBatchNorm(torch::nn::BatchNorm1d(2).ptr(), pg)));
   EXPECT_NE(errorOf([&] { SyncBatchNormImpl(*torch::nn::Linear(2, 2), pg); }).find("BatchNorm1d/2d/3d only"),
