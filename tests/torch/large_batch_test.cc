@@ -121,9 +121,9 @@ std::vector<torch::optim::OptimizerParamGroup> groupsFor(Net& n, const Options& 
 
 // ---- against the references, one process ----
 
-class LarsRef : public ::testing::TestWithParam<bool> {};  // param: BERT split
+class LargeBatchLars : public ::testing::TestWithParam<bool> {};  // param: BERT split
 
-TEST_P(LarsRef, EqualsPaperAlgorithm) {
+TEST_P(LargeBatchLars, EqualsPaperAlgorithm) {
   bool split = GetParam();
   Net model = makeNet(), ref = makeNet();
   auto o = LarsOptions(0).momentum(0.9).weight_decay(0.01).trust_coefficient(0.02);
@@ -137,7 +137,10 @@ TEST_P(LarsRef, EqualsPaperAlgorithm) {
   // The trust ratio matters here: plain momentum SGD would be far away.
   EXPECT_GT((model->fc2->weight - makeNet()->fc2->weight).abs().max().item<double>(), 1e-4);
 }
-INSTANTIATE_TEST_SUITE_P(Groups, LarsRef, ::testing::Values(false, true));
+INSTANTIATE_TEST_SUITE_P(Groups, LargeBatchLars, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& info) {
+                           return std::string(info.param ? "BiasesExcluded" : "OneGroup");
+                         });
 
 struct LambCase {
   bool split;
@@ -145,9 +148,13 @@ struct LambCase {
   double trust_max;
 };
 
-class LambRef : public ::testing::TestWithParam<LambCase> {};
+void PrintTo(const LambCase& c, std::ostream* os) {
+  *os << "split=" << c.split << " max_norm=" << c.max_norm << " trust_max=" << c.trust_max;
+}
 
-TEST_P(LambRef, EqualsPaperAlgorithm) {
+class LargeBatchLamb : public ::testing::TestWithParam<LambCase> {};
+
+TEST_P(LargeBatchLamb, EqualsPaperAlgorithm) {
   auto c = GetParam();
   Net model = makeNet(), ref = makeNet();
   auto o = LambOptions(0).weight_decay(0.01).max_grad_norm(c.max_norm).trust_max(c.trust_max);
@@ -168,11 +175,17 @@ TEST_P(LambRef, EqualsPaperAlgorithm) {
   EXPECT_NEAR(opt.lastGradNorm(), r.last_norm, 1e-9);
   expectClose(*model, *ref, 1e-6, fmt::format("LAMB split={} max_norm={}", c.split, c.max_norm));
 }
-INSTANTIATE_TEST_SUITE_P(Cases, LambRef,
+INSTANTIATE_TEST_SUITE_P(Cases, LargeBatchLamb,
                          ::testing::Values(LambCase{false, 0.0, std::numeric_limits<double>::infinity()},
                                            LambCase{true, 0.0, std::numeric_limits<double>::infinity()},
                                            LambCase{true, 0.1, std::numeric_limits<double>::infinity()},
-                                           LambCase{false, 0.1, 0.5}));
+                                           LambCase{false, 0.1, 0.5}),
+                         [](const ::testing::TestParamInfo<LambCase>& info) {
+                           const auto& c = info.param;
+                           return fmt::format("{}_{}_{}", c.split ? "Split" : "OneGroup",
+                                              c.max_norm > 0 ? "Clipped" : "Unclipped",
+                                              std::isinf(c.trust_max) ? "PhiIdentity" : "PhiClamped");
+                         });
 
 // ---- zero norms: the trust ratio is 1 ----
 
