@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <tuple>
 
 #include <unistd.h>
 
@@ -60,6 +61,7 @@ struct RefLars {
 struct RefLamb {
   double lr = 0, beta1 = 0.9, beta2 = 0.999, eps = 1e-6, wd = 0.01, max_norm = 0;
   double trust_min = 0, trust_max = std::numeric_limits<double>::infinity();
+  bool bias_correction = true;
   int t = 0;
   std::vector<torch::Tensor> m, v;
   double last_norm = 0;
@@ -76,7 +78,8 @@ struct RefLamb {
       auto w = params[i].clone(), g = params[i].grad() * scale;
       m[i] = beta1 * m[i] + (1 - beta1) * g;
       v[i] = beta2 * v[i] + (1 - beta2) * g * g;
-      auto mhat = m[i] / (1 - std::pow(beta1, t)), vhat = v[i] / (1 - std::pow(beta2, t));
+      auto mhat = bias_correction ? m[i] / (1 - std::pow(beta1, t)) : m[i];
+      auto vhat = bias_correction ? v[i] / (1 - std::pow(beta2, t)) : v[i];
       auto u = mhat / (vhat.sqrt() + eps) + (excluded[i] ? 0.0 : wd) * w;
       double phi = std::min(std::max(norm2(w), trust_min), trust_max), un = norm2(u);
       double ratio = !excluded[i] && phi != 0 && un != 0 ? phi / un : 1.0;
@@ -121,35 +124,40 @@ std::vector<torch::optim::OptimizerParamGroup> groupsFor(Net& n, const Options& 
 
 // ---- against the references, one process ----
 
-class LargeBatchLars : public ::testing::TestWithParam<bool> {};  // param: BERT split
+class LargeBatchLars : public ::testing::TestWithParam<std::tuple<bool, double>> {};  // BERT split, momentum
 
 TEST_P(LargeBatchLars, EqualsPaperAlgorithm) {
-  bool split = GetParam();
+  auto [split, momentum] = GetParam();
   Net model = makeNet(), ref = makeNet();
-  auto o = LarsOptions(0).momentum(0.9).weight_decay(0.01).trust_coefficient(0.02);
+  auto o = LarsOptions(0).momentum(momentum).weight_decay(0.01).trust_coefficient(0.02);
   Lars opt(groupsFor(model, o, split), o);
   RefLars r;
+  r.momentum = momentum;
   auto sched = schedule(0.5);
   auto excluded = excludedOf(ref, split);
   train(model, 6, [&](int s) { sched.apply(opt, s), opt.step(); });
   train(ref, 6, [&](int s) { r.lr = sched.lr(s), r.step(ref->parameters(), excluded); });
-  expectClose(*model, *ref, 1e-6, split ? "LARS, biases excluded" : "LARS, one group");
+  expectClose(*model, *ref, 1e-6, fmt::format("LARS split={} momentum={}", split, momentum));
   // The trust ratio matters here: plain momentum SGD would be far away.
   EXPECT_GT((model->fc2->weight - makeNet()->fc2->weight).abs().max().item<double>(), 1e-4);
 }
-INSTANTIATE_TEST_SUITE_P(Groups, LargeBatchLars, ::testing::Values(false, true),
-                         [](const ::testing::TestParamInfo<bool>& info) {
-                           return std::string(info.param ? "BiasesExcluded" : "OneGroup");
+INSTANTIATE_TEST_SUITE_P(Groups, LargeBatchLars,
+                         ::testing::Combine(::testing::Values(false, true), ::testing::Values(0.9, 0.0)),
+                         [](const ::testing::TestParamInfo<std::tuple<bool, double>>& info) {
+                           return fmt::format("{}_{}", std::get<0>(info.param) ? "BiasesExcluded" : "OneGroup",
+                                              std::get<1>(info.param) > 0 ? "Momentum" : "NoMomentum");
                          });
 
 struct LambCase {
   bool split;
   double max_norm;
   double trust_max;
+  bool bias_correction = true;
 };
 
 void PrintTo(const LambCase& c, std::ostream* os) {
-  *os << "split=" << c.split << " max_norm=" << c.max_norm << " trust_max=" << c.trust_max;
+  *os << "split=" << c.split << " max_norm=" << c.max_norm << " trust_max=" << c.trust_max
+      << " bias_correction=" << c.bias_correction;
 }
 
 class LargeBatchLamb : public ::testing::TestWithParam<LambCase> {};
@@ -157,11 +165,13 @@ class LargeBatchLamb : public ::testing::TestWithParam<LambCase> {};
 TEST_P(LargeBatchLamb, EqualsPaperAlgorithm) {
   auto c = GetParam();
   Net model = makeNet(), ref = makeNet();
-  auto o = LambOptions(0).weight_decay(0.01).max_grad_norm(c.max_norm).trust_max(c.trust_max);
+  auto o = LambOptions(0).weight_decay(0.01).max_grad_norm(c.max_norm).trust_max(c.trust_max).bias_correction(
+      c.bias_correction);
   Lamb opt(groupsFor(model, o, c.split), o);
   RefLamb r;
   r.max_norm = c.max_norm;
   r.trust_max = c.trust_max;
+  r.bias_correction = c.bias_correction;
   auto sched = schedule(0.01);
   auto excluded = excludedOf(ref, c.split);
   bool clipped = false;
@@ -179,12 +189,14 @@ INSTANTIATE_TEST_SUITE_P(Cases, LargeBatchLamb,
                          ::testing::Values(LambCase{false, 0.0, std::numeric_limits<double>::infinity()},
                                            LambCase{true, 0.0, std::numeric_limits<double>::infinity()},
                                            LambCase{true, 0.1, std::numeric_limits<double>::infinity()},
-                                           LambCase{false, 0.1, 0.5}),
+                                           LambCase{false, 0.1, 0.5},
+                                           LambCase{true, 0.1, std::numeric_limits<double>::infinity(), false}),
                          [](const ::testing::TestParamInfo<LambCase>& info) {
                            const auto& c = info.param;
-                           return fmt::format("{}_{}_{}", c.split ? "Split" : "OneGroup",
+                           return fmt::format("{}_{}_{}{}", c.split ? "Split" : "OneGroup",
                                               c.max_norm > 0 ? "Clipped" : "Unclipped",
-                                              std::isinf(c.trust_max) ? "PhiIdentity" : "PhiClamped");
+                                              std::isinf(c.trust_max) ? "PhiIdentity" : "PhiClamped",
+                                              c.bias_correction ? "" : "_NoBiasCorrection");
                          });
 
 // ---- zero norms: the trust ratio is 1 ----
