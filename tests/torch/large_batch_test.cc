@@ -223,6 +223,26 @@ TEST(LargeBatch, ZeroNormsGiveTrustRatioOne) {
   EXPECT_TRUE(torch::allclose(w3, -0.1 * g3 / (g3.abs() + 1e-6), 0, 1e-12)) << w3;
 }
 
+TEST(LargeBatch, StepWithClosureReturnsItsLoss) {
+  Net n = makeNet();
+  Lamb lamb(n->parameters(), LambOptions(0.01));
+  Lars lars(n->parameters(), LarsOptions(0.1));
+  auto [x, y] = batch(0, 3);
+  std::vector<torch::optim::Optimizer*> opts = {&lamb, &lars};
+  for (auto* opt : opts) {
+    auto before = n->fc1->weight.clone();
+    auto loss = opt->step([&] {
+      opt->zero_grad();
+      auto l = torch::nn::functional::cross_entropy(n->forward(x), y);
+      l.backward();  // the closure runs with gradients on, although step() itself does not track them
+      return l;
+    });
+    ASSERT_TRUE(loss.defined());
+    EXPECT_GT(loss.item<double>(), 0);
+    EXPECT_FALSE(torch::equal(before, n->fc1->weight));
+  }
+}
+
 // ---- the BERT split ----
 
 TEST(LargeBatch, DecayGroupsExcludeBiasesAndNormWeights) {

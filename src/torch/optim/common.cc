@@ -15,6 +15,12 @@ void checkOption(bool ok, const char* who, const char* what, double value, const
   if (!ok) throw InvalidArgument(fmt::format("{}: {} (got {}) in {}", who, what, value, where));
 }
 
+torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
+  if (!closure) return {};
+  at::AutoGradMode enable_grad(true);
+  return closure();
+}
+
 std::string groupName(size_t index) { return fmt::format("parameter group {}", index); }
 
 std::string stateKey(const torch::Tensor& param) {

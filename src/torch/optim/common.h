@@ -11,6 +11,9 @@ namespace dtrain::optim::detail {
 // Throws dtrain::InvalidArgument "<who>: <what> (got <value>) in <where>" unless ok.
 void checkOption(bool ok, const char* who, const char* what, double value, const std::string& where);
 
+// The loss of the closure, run with gradients enabled (torch::optim's convention); undefined without one.
+torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure);
+
 // "the defaults" or "parameter group i".
 std::string groupName(size_t index);
 

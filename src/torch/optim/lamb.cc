@@ -98,11 +98,7 @@ Lamb::Lamb(std::vector<torch::Tensor> params, LambOptions defaults)
 
 torch::Tensor Lamb::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = detail::evaluate(closure);
   checkLamb(static_cast<const LambOptions&>(defaults()), "the defaults");
   checkGroups(param_groups_);  // options may have been changed since construction
   // FusedLAMB: g / max(‖G‖ / max_grad_norm, 1), one norm over all groups.

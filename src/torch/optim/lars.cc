@@ -67,11 +67,7 @@ Lars::Lars(std::vector<torch::Tensor> params, LarsOptions defaults)
 
 torch::Tensor Lars::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
-  torch::Tensor loss;
-  if (closure) {
-    at::AutoGradMode enable_grad(true);
-    loss = closure();
-  }
+  torch::Tensor loss = detail::evaluate(closure);
   checkGroups(param_groups_);  // options may have been changed since construction
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const LarsOptions&>(group.options());
