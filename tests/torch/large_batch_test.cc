@@ -11,6 +11,7 @@
 #include <filesystem>
 #include <functional>
 #include <limits>
+#include <sstream>
 #include <tuple>
 
 #include <unistd.h>
@@ -198,6 +199,114 @@ INSTANTIATE_TEST_SUITE_P(Cases, LargeBatchLamb,
                                               std::isinf(c.trust_max) ? "PhiIdentity" : "PhiClamped",
                                               c.bias_correction ? "" : "_NoBiasCorrection");
                          });
+
+// ---- against PyTorch (python3-torch), a second reference written in Python ----
+
+// A quadratic problem: grad = scale·(w − target), for a 3x4 weight (decayed, adapted) and a
+// 4-vector bias (excluded). The Python side writes the same algorithms as PyTorch code, with its own
+// warm-up + cosine schedule, and prints the final values.
+constexpr const char* kPythonReference = R"PY(
+import math, torch
+torch.set_default_dtype(torch.float64)
+@DATA@
+def lr_at(s, base):  # warm-up 3 steps from base to 3*base, cosine to 0 at step 8
+    peak = 3 * base
+    if s < 3:
+        return base + (peak - base) * s / 3
+    return peak * (1 + math.cos(math.pi * (min(s, 8) - 3) / 5)) / 2
+def grads(ws):
+    return [sc * (w - t) for w, t, sc in zip(ws, T, S)]
+def lamb(ws, b1=0.9, b2=0.999, eps=1e-6, wd=0.01, max_norm=0.5):
+    m = [torch.zeros_like(w) for w in ws]; v = [torch.zeros_like(w) for w in ws]
+    for s in range(6):
+        gs = grads(ws)
+        gnorm = torch.norm(torch.stack([g.norm() for g in gs])).item()
+        gs = [g / (gnorm / max_norm if gnorm > max_norm else 1.0) for g in gs]
+        for i, (w, g) in enumerate(zip(ws, gs)):
+            m[i].mul_(b1).add_(g, alpha=1 - b1); v[i].mul_(b2).addcmul_(g, g, value=1 - b2)
+            u = (m[i] / (1 - b1 ** (s + 1))) / ((v[i] / (1 - b2 ** (s + 1))).sqrt() + eps)
+            ratio = 1.0
+            if not EXCLUDED[i]:
+                u = u + wd * w
+                wn, un = w.norm().item(), u.norm().item()
+                ratio = wn / un if wn > 0 and un > 0 else 1.0
+            w.sub_(lr_at(s, 0.01) * ratio * u)
+    return ws
+def lars(ws, mom=0.9, wd=0.01, eta=0.02, eps=1e-8):
+    buf = [None] * len(ws)
+    for s in range(6):
+        gs = grads(ws)
+        for i, (w, g) in enumerate(zip(ws, gs)):
+            decay = 0.0 if EXCLUDED[i] else wd
+            local = 1.0
+            wn, gn = w.norm().item(), g.norm().item()
+            if not EXCLUDED[i] and wn > 0 and gn > 0:
+                local = eta * wn / (gn + decay * wn + eps)
+            d = lr_at(s, 0.5) * local * (g + decay * w)
+            buf[i] = d.clone() if buf[i] is None else buf[i].mul_(mom).add_(d)
+            w.sub_(buf[i])
+    return ws
+out = lamb([w.clone() for w in W0]) + lars([w.clone() for w in W0])
+print(" ".join("%.17g" % x for w in out for x in w.flatten().tolist()))
+)PY";
+
+std::string pyList(const torch::Tensor& t) {
+  std::string out = "torch.tensor([";
+  auto flat = t.flatten();
+  for (int64_t i = 0; i < flat.numel(); ++i) out += fmt::format("{:.17g},", flat[i].item<double>());
+  return out + fmt::format("]).reshape({})", fmt::join(t.sizes(), ","));
+}
+
+TEST(LargeBatch, EqualsPyTorchWrittenReference) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(42);
+  std::vector<torch::Tensor> w0 = {at::randn({3, 4}, g, torch::kDouble), at::randn({4}, g, torch::kDouble)};
+  std::vector<torch::Tensor> target = {at::randn({3, 4}, g, torch::kDouble), at::randn({4}, g, torch::kDouble)};
+  std::vector<double> scale = {1.0, 2.0};
+  std::string data = fmt::format("W0 = [{}, {}]\nT = [{}, {}]\nS = [1.0, 2.0]\nEXCLUDED = [False, True]",
+                                 pyList(w0[0]), pyList(w0[1]), pyList(target[0]), pyList(target[1]));
+  std::string code = kPythonReference;
+  code.replace(code.find("@DATA@"), 6, data);
+  std::string printed = runPython(code);
+  ASSERT_FALSE(printed.empty());
+  std::vector<double> want;
+  std::istringstream is(printed);
+  for (double x; is >> x;) want.push_back(x);
+
+  auto run = [&](auto make, double base_lr) {
+    std::vector<torch::Tensor> ws = {w0[0].clone(), w0[1].clone()};
+    auto opt = make(ws);
+    auto sched = schedule(base_lr);  // warm-up 3 steps to 3x, cosine to 0 at step 8, as the Python side
+    for (int s = 0; s < 6; ++s) {
+      torch::NoGradGuard no_grad;
+      for (size_t i = 0; i < ws.size(); ++i) ws[i].mutable_grad() = scale[i] * (ws[i] - target[i]);
+      sched.apply(*opt, s);
+      opt->step();
+    }
+    return torch::cat({ws[0].flatten(), ws[1].flatten()});
+  };
+  auto lamb = run([](auto& ws) {
+    auto o = LambOptions(0).weight_decay(0.01).max_grad_norm(0.5);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{ws[0]}, std::make_unique<LambOptions>(o));
+    groups.emplace_back(std::vector<torch::Tensor>{ws[1]},
+                        std::make_unique<LambOptions>(LambOptions(o).weight_decay(0).adapt(false)));
+    return std::make_unique<Lamb>(groups, o);
+  }, 0.01);
+  auto lars = run([](auto& ws) {
+    auto o = LarsOptions(0).momentum(0.9).weight_decay(0.01).trust_coefficient(0.02);
+    std::vector<torch::optim::OptimizerParamGroup> groups;
+    groups.emplace_back(std::vector<torch::Tensor>{ws[0]}, std::make_unique<LarsOptions>(o));
+    groups.emplace_back(std::vector<torch::Tensor>{ws[1]},
+                        std::make_unique<LarsOptions>(LarsOptions(o).weight_decay(0).adapt(false)));
+    return std::make_unique<Lars>(groups, o);
+  }, 0.5);
+  auto got = torch::cat({lamb, lars});
+  ASSERT_EQ(static_cast<int64_t>(want.size()), got.numel()) << printed;
+  auto expected = torch::tensor(want, torch::kDouble);
+  double diff = (got - expected).abs().max().item<double>();
+  EXPECT_LE(diff, 1e-6) << "LAMB then LARS against the Python reference\ngot " << got << "\nwant " << expected;
+  EXPECT_GT((lamb - torch::cat({w0[0].flatten(), w0[1].flatten()})).abs().max().item<double>(), 1e-3);
+}
 
 // ---- zero norms: the trust ratio is 1 ----
 
