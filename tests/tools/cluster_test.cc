@@ -1,5 +1,5 @@
 // scripts/cluster.sh, the emulated cluster: a short run on 2 hosts x 2 processes at 1 Gbit/s, the
-// hierarchical collectives' equality checks on 3 hosts x 2 processes, a killed
+// hierarchical collectives' equality checks on 3 hosts x 2 processes, the PyTorch peer under torchrun, a killed
 // host making the other host's ranks fail promptly, cut/restore/add-host, and no namespace left behind,
 // also when the one shot is stopped by SIGTERM. Needs root (ip netns, tc), as CI has; without it the
 // tests fail with the script's reason rather than skipping.
@@ -95,6 +95,17 @@ TEST(Cluster, HierarchicalEqualsFlatOnEveryLayout) {
   EXPECT_EQ(passed, 6u) << r.out;
   for (int h = 0; h < 3; ++h)
     EXPECT_NE(r.out.find("host " + std::to_string(h) + " exited with 0"), std::string::npos) << r.out;
+  expectGone(rigName(r.out));
+}
+
+// The PyTorch peer runs on the rig the same way (one torchrun per host), for side-by-side comparisons.
+TEST(Cluster, TorchrunRunsThePyTorchPeer) {
+  auto r = cluster("--hosts 2 --gbit 1 --no-rate-check --launcher torchrun --timeout 150 -- " +
+                       std::string(DTRAIN_SOURCE_DIR) + "/benches/peers/torch_ddp.py env 2 8 --hook fp16 --warmup 1",
+                   200);
+  EXPECT_EQ(r.code, 0) << r.out;
+  EXPECT_NE(r.out.find("torch-ddp world=2 params=7912458 batch_per_rank=8"), std::string::npos) << r.out;
+  EXPECT_NE(r.out.find("hook=fp16 bytes_per_step=15824916"), std::string::npos) << r.out;
   expectGone(rigName(r.out));
 }
 
