@@ -3,7 +3,7 @@
 // (scripts/cluster.sh), where the hosts are network namespaces. Results must equal the flat ring's
 // (exactly for integers, within rounding for floats) and the locally computed value, for every dtype and
 // reduce op, counts 0, 1, a prime and a multi-segment size; every rank must end bit-identical; broadcast
-// and allgather (hierarchical too where a host has several ranks).
+// allgather and reduce_scatter (hierarchical too where a host has several ranks).
 #pragma once
 #include <gtest/gtest.h>
 
@@ -136,6 +136,39 @@ inline void checkInterleavedWithOtherOps(ProcessGroup& pg) {
         ->wait();
     ASSERT_EQ(b[3], k);
   }
+}
+
+// Reduce-scatter goes hierarchical too where a host has several ranks: even and uneven blocks (empty
+// ones included), every dtype and reduce op, out of place and in place (the output inside the input at
+// this rank's block).
+inline void checkReduceScatterEqualsExpected(ProcessGroup& pg) {
+  const int n = pg.size(), r = pg.rank();
+  for (DType t : comm::kAllDTypes)
+    for (size_t count : kCounts)
+      for (ReduceOp op : comm::kAllReduceOps)
+        for (bool uneven : {false, true}) {
+          std::vector<size_t> counts(static_cast<size_t>(n), count);
+          if (uneven)
+            for (int q = 0; q < n; ++q) counts[static_cast<size_t>(q)] = q % 2 ? count / 2 : count + q;
+          std::vector<size_t> off(1, 0);
+          for (size_t k : counts) off.push_back(off.back() + k);
+          const size_t mine = counts[static_cast<size_t>(r)];
+          Buf in(t, off.back()), out(t, mine);
+          for (size_t i = 0; i < off.back(); ++i) in.set(i, inputValue(r, i, op));
+          Buf inplace = in;
+          pg.reduceScatterv(in.data(), out.data(), counts, t, op)->wait();
+          void* at = static_cast<char*>(inplace.data()) + off[static_cast<size_t>(r)] * comm::dtypeSize(t);
+          pg.reduceScatterv(inplace.data(), at, counts, t, op)->wait();
+          const std::string what = fmt::format("reduce_scatter {} {} x {}{} world {} rank {}", comm::reduceOpName(op),
+                                               comm::dtypeName(t), count, uneven ? " uneven" : "", n, r);
+          for (size_t i = 0; i < mine; ++i) {
+            const double want = expectedReduce(n, off[static_cast<size_t>(r)] + i, op, t);
+            ASSERT_TRUE(close(out.at(i), want, t)) << what << ": element " << i << " is " << out.at(i)
+                                                   << ", expected " << want;
+            ASSERT_EQ(inplace.at(off[static_cast<size_t>(r)] + i), out.at(i)) << what << ": in place differs at " << i;
+          }
+          ASSERT_EQ(out.bytes.back(), 0xEE) << what << ": wrote past the end";
+        }
 }
 
 }  // namespace dtrain::test

@@ -48,6 +48,9 @@ TEST_P(Rig, BroadcastFromEveryRoot) {
 TEST_P(Rig, AllgatherEqualsExpected) {
   if (auto* g = group()) dtrain::test::checkAllgatherEqualsExpected(*g);
 }
+TEST_P(Rig, ReduceScatterEqualsExpected) {
+  if (auto* g = group()) dtrain::test::checkReduceScatterEqualsExpected(*g);
+}
 TEST_P(Rig, EveryRankBitIdentical) {
   if (auto* g = group()) dtrain::test::checkEveryRankBitIdentical(*g);
 }

@@ -62,6 +62,7 @@ class Hierarchical : public ::testing::TestWithParam<Layout> {};
 TEST_P(Hierarchical, EqualsFlat) { runLayout(GetParam(), checkEqualsFlat); }
 TEST_P(Hierarchical, BroadcastFromEveryRoot) { runLayout(GetParam(), checkBroadcastFromEveryRoot); }
 TEST_P(Hierarchical, AllgatherEqualsExpected) { runLayout(GetParam(), checkAllgatherEqualsExpected); }
+TEST_P(Hierarchical, ReduceScatterEqualsExpected) { runLayout(GetParam(), checkReduceScatterEqualsExpected); }
 TEST_P(Hierarchical, EveryRankBitIdentical) { runLayout(GetParam(), checkEveryRankBitIdentical); }
 TEST_P(Hierarchical, InterleavedWithOtherOps) { runLayout(GetParam(), checkInterleavedWithOtherOps); }
 

@@ -83,15 +83,15 @@ TEST(Cluster, TwoHostsTwoProcessesRunTheBenchmarkAndCleanUp) {
 }
 
 // The hierarchical collectives on real (emulated) hosts: 3 hosts x 2 processes, whose sub-groups give
-// the layouts 3x2, 2x2, 2x1, 3x1 and 2+1 (hierarchical_rig_worker.cc). Every rank must pass all 25
-// checks (5 checks x 5 layouts, a rank outside a layout passing it trivially).
+// the layouts 3x2, 2x2, 2x1, 3x1 and 2+1 (hierarchical_rig_worker.cc). Every rank must pass all 30
+// checks (6 checks x 5 layouts, a rank outside a layout passing it trivially).
 TEST(Cluster, HierarchicalEqualsFlatOnEveryLayout) {
   auto r = cluster("--hosts 3 --nproc-per-host 2 --gbit 1 --no-rate-check --bin-dir " + kBin +
                        " --env DTRAIN_TIMEOUT=60 --timeout 150 -- " + kBin + "/hierarchical_rig_worker",
                    200);
   EXPECT_EQ(r.code, 0) << r.out;
   size_t passed = 0;
-  for (size_t at = 0; (at = r.out.find("[  PASSED  ] 25 tests.", at)) != std::string::npos; ++at) ++passed;
+  for (size_t at = 0; (at = r.out.find("[  PASSED  ] 30 tests.", at)) != std::string::npos; ++at) ++passed;
   EXPECT_EQ(passed, 6u) << r.out;
   for (int h = 0; h < 3; ++h)
     EXPECT_NE(r.out.find("host " + std::to_string(h) + " exited with 0"), std::string::npos) << r.out;

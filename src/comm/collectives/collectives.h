@@ -31,7 +31,7 @@ struct Hierarchy {
   int shards = 1;                       // the most ranks on any host: the buffer is cut into this many shards
   std::shared_ptr<Store> local_store;
   std::unique_ptr<transport::Transport> local;  // shm among this host's ranks; null when alone on its host
-  std::vector<uint8_t> local_scratch, cross_scratch, shard;
+  std::vector<uint8_t> local_scratch, cross_scratch, shard, packed;
   bool someHostShared() const { return shards > 1; }
 };
 
@@ -134,7 +134,11 @@ void allgathervHierarchical(Context& c, Hierarchy& h, const void* in, void* out,
 // Ring allgather of blocks already in place in buf (rank r owns block r); used by several algorithms.
 void ringAllgatherInPlace(Context& c, void* buf, const std::vector<size_t>& counts, DType t, uint32_t tag0);
 // in holds sum(counts) elements; out receives the reduced block of this rank (counts[rank] elements).
+// An entry point (select.cc): the ring, or hierarchical across hosts.
 void reduceScatterv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op);
+void reduceScattervRing(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op);
+void reduceScattervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                                DType t, ReduceOp op);
 void alltoall(Context& c, const void* in, void* out, size_t count_per_rank, DType t);
 void gather(Context& c, const void* in, void* out, size_t count, DType t, int root);
 void scatter(Context& c, const void* in, void* out, size_t count, DType t, int root);

@@ -324,4 +324,110 @@ void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, 
   }
 }
 
+// Reduce-scatter: every rank's block is cut into S shards (S as for allreduce); on each host, local
+// rank i owns the same shards of every block. 1. Within the host, a reduce-scatter hands each owner the
+// host's sum of its shards of all blocks (packed by owner, then shard, then block in host order). 2. For
+// each shard, its owners (one per host) reduce-scatter it so that each gets the sum of that shard of
+// its own host's blocks: a host link carries (hosts-1)/hosts of the input instead of the flat ring's
+// (n-1)/n. 3. Within the host, each owner sends every local rank its shards.
+void reduceScattervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                                DType t, ReduceOp op) {
+  const size_t es = dtypeSize(t);
+  const ReduceOp stage_op = op == ReduceOp::avg ? ReduceOp::sum : op;
+  const auto& mine = h.hosts[static_cast<size_t>(h.host)];
+  const int L = static_cast<int>(mine.size()), S = h.shards;
+  const std::vector<size_t> off = prefixOffsets(counts);
+  std::vector<int> order;  // the blocks in host order
+  for (const auto& ranks : h.hosts) order.insert(order.end(), ranks.begin(), ranks.end());
+  std::vector<std::vector<size_t>> piece(counts.size()), piece_off(counts.size());  // [rank][shard]
+  for (size_t r = 0; r < counts.size(); ++r) {
+    piece[r] = evenBlocks(counts[r], S);
+    piece_off[r] = prefixOffsets(piece[r]);
+  }
+  auto shardTotal = [&](int s, const std::vector<int>& ranks) {
+    size_t n = 0;
+    for (int r : ranks) n += piece[static_cast<size_t>(r)][static_cast<size_t>(s)];
+    return n;
+  };
+  // 1. Pack by owner, shard, block; reduce-scatter within the host.
+  std::vector<size_t> region(static_cast<size_t>(L), 0);
+  if (h.packed.size() < off.back() * es) h.packed.resize(off.back() * es);
+  char* packed = reinterpret_cast<char*>(h.packed.data());
+  size_t at = 0;
+  for (int i = 0; i < L; ++i)
+    for (int s = 0; s < S; ++s) {
+      if (ownerOf(static_cast<size_t>(s), L, S) != i) continue;
+      for (int r : order) {
+        const size_t n = piece[static_cast<size_t>(r)][static_cast<size_t>(s)];
+        if (n) std::memcpy(packed + at * es, static_cast<const char*>(in) + (off[r] + piece_off[r][s]) * es, n * es);
+        at += n;
+        region[static_cast<size_t>(i)] += n;
+      }
+    }
+  const transport::Label ll = stageLabel(c, h, true);
+  Context lc{h.local.get(), h.local_rank, L, ll, c.deadline, h.local_scratch};
+  lc.group_ranks = &mine;
+  const size_t my_region = region[static_cast<size_t>(h.local_rank)];
+  if (h.shard.size() < my_region * es) h.shard.resize(my_region * es);
+  char* shard = h.local ? reinterpret_cast<char*>(h.shard.data()) : packed;
+  if (h.local) {
+    try {
+      lc.guard_output = h.local->beginCollective(ll, c.deadline);
+      reduceScatterv(lc, packed, shard, region, t, stage_op);
+    } catch (const std::exception& e) {
+      rethrowAsGroup(e, mine);
+    }
+  }
+  // 2. Across hosts, shard by shard; the results (this host's blocks' pieces) go back into `packed`.
+  const int hosts = static_cast<int>(h.hosts.size());
+  std::vector<size_t> result_at(static_cast<size_t>(S), 0);
+  size_t from = 0, to = 0;
+  for (int s = 0; s < S; ++s) {
+    if (ownerOf(static_cast<size_t>(s), L, S) != h.local_rank) continue;
+    std::vector<int> owners;
+    std::vector<size_t> per_host;
+    for (const auto& ranks : h.hosts) {
+      owners.push_back(ranks[static_cast<size_t>(ownerOf(static_cast<size_t>(s), static_cast<int>(ranks.size()), S))]);
+      per_host.push_back(shardTotal(s, ranks));
+    }
+    SubsetView view(*c.tx, owners, h.host, static_cast<uint32_t>(s + 1) << 16);
+    Context xc{&view, h.host, hosts, stageLabel(c, h, false), c.deadline, h.cross_scratch};
+    xc.group_ranks = &owners;
+    result_at[static_cast<size_t>(s)] = to;
+    reduceScatterv(xc, shard + from * es, packed + to * es, per_host, t, stage_op);
+    from += shardTotal(s, order);
+    to += per_host[static_cast<size_t>(h.host)];
+  }
+  // 3. Within the host: each rank's pieces from their owners (its own last, once calls are compared).
+  auto deliver = [&](bool own) {
+    std::vector<transport::Op> ops;
+    for (int s = 0; s < S; ++s) {
+      const int owner = ownerOf(static_cast<size_t>(s), L, S);
+      size_t at = result_at[static_cast<size_t>(s)];
+      for (int j = 0; j < L; ++j) {
+        const int r = mine[static_cast<size_t>(j)];
+        const size_t bytes = piece[static_cast<size_t>(r)][static_cast<size_t>(s)] * es;
+        char* dst = static_cast<char*>(out) + piece_off[static_cast<size_t>(r)][static_cast<size_t>(s)] * es;
+        if (owner == h.local_rank && j == h.local_rank && own && bytes) std::memcpy(dst, packed + at * es, bytes);
+        if (owner == h.local_rank && j != h.local_rank && !own && bytes)
+          ops.push_back(transport::sendOp(j, static_cast<uint32_t>(s), packed + at * es, bytes));
+        if (owner != h.local_rank && j == h.local_rank && !own && bytes)
+          ops.push_back(transport::recvOp(owner, static_cast<uint32_t>(s), dst, bytes));
+        at += bytes / es;
+      }
+    }
+    if (!ops.empty()) lc.run(ops);
+  };
+  if (h.local) {
+    try {
+      deliver(false);
+      h.local->compareCalls(ll, c.deadline);
+    } catch (const std::exception& e) {
+      rethrowAsGroup(e, mine);
+    }
+  }
+  deliver(true);
+  if (op == ReduceOp::avg) divideBy(out, counts[static_cast<size_t>(c.rank)], t, c.size);
+}
+
 }  // namespace dtrain::comm::algo

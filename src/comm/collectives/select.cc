@@ -111,6 +111,18 @@ void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>
   allgathervRing(c, in, out, counts, t);
 }
 
+void reduceScatterv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op) {
+  // Across hosts with several ranks on some host: the host links carry (hosts-1)/hosts of the input
+  // instead of (n-1)/n. (Stages within a host, c.hier null, take the ring.)
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    reduceScattervHierarchical(c, *c.hier, in, out, counts, t, op);
+    return;
+  }
+  c.algorithm = "ring";
+  reduceScattervRing(c, in, out, counts, t, op);
+}
+
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {
   if (c.size == 1) {
     if (in != out && count) std::memmove(out, in, count * dtypeSize(t));
