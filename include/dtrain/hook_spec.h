@@ -11,8 +11,10 @@
 //   fp16, bf16     the bucket travels as 16-bit floats (fp16CompressHook, bf16CompressHook)
 //   topk:RATIO     top-k with error feedback (topk.h), RATIO in (0, 1], e.g. topk:0.01;
 //                  momentum correction off, no warm-up (use topKHook directly for those)
-//   powersgd:R     PowerSGD of rank R >= 1 (powersgd.h, when built in)
+//   powersgd:R[:START]  PowerSGD of rank R >= 1 (powersgd.h) from step START (default 1000, as
+//                  PyTorch's start_powerSGD_iter; at least 2), error feedback and warm start on
 #pragma once
+#include <cstdint>
 #include <memory>
 #include <string>
 
@@ -24,6 +26,7 @@ struct CommHookSpec {
   std::string kind = "none";  // none, fp16, bf16, topk, powersgd
   double ratio = 0;           // topk
   int rank = 0;               // powersgd
+  int64_t start = 1000;       // powersgd
   std::string text = "none";  // as given, for logs
 };
 

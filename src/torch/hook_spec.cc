@@ -14,7 +14,7 @@ namespace dtrain {
 
 namespace {
 
-constexpr const char* kAccepted = "none, fp16, bf16, topk:RATIO (0 < RATIO <= 1) or powersgd:R (R >= 1)";
+constexpr const char* kAccepted = "none, fp16, bf16, topk:RATIO (0 < RATIO <= 1) or powersgd:R[:START] (R >= 1, START >= 2)";
 
 [[noreturn]] void bad(const std::string& option, const std::string& value, const std::string& why) {
   throw InvalidArgument(fmt::format("{} '{}': {} (expected {})", option, value, why, kAccepted));
@@ -41,10 +41,19 @@ CommHookSpec parseCommHookSpec(const std::string& value, const std::string& opti
     if (*end || errno || !std::isfinite(s.ratio)) bad(option, value, "RATIO is not a number");
     if (!(s.ratio > 0 && s.ratio <= 1)) bad(option, value, "RATIO must be in (0, 1]");
   } else {
-    const long r = std::strtol(arg.c_str(), &end, 10);
-    if (*end || errno) bad(option, value, "R is not an integer");
+    const size_t colon2 = arg.find(':');
+    const std::string r_text = arg.substr(0, colon2);
+    const long r = std::strtol(r_text.c_str(), &end, 10);
+    if (r_text.empty() || *end || errno) bad(option, value, "R is not an integer");
     if (r < 1 || r > 1 << 20) bad(option, value, "R must be at least 1");
     s.rank = static_cast<int>(r);
+    if (colon2 != std::string::npos) {
+      const std::string start = arg.substr(colon2 + 1);
+      const long long v = std::strtoll(start.c_str(), &end, 10);
+      if (start.empty() || *end || errno) bad(option, value, "START is not an integer");
+      if (v < 2) bad(option, value, "START must be at least 2 (DDP rebuilds its buckets after the first step)");
+      s.start = v;
+    }
   }
   return s;
 }

@@ -20,11 +20,15 @@ TEST(HookSpec, ParsesEveryKind) {
   auto p = parseCommHookSpec("powersgd:4");
   EXPECT_EQ(p.kind, "powersgd");
   EXPECT_EQ(p.rank, 4);
+  EXPECT_EQ(p.start, 1000);
+  auto q = parseCommHookSpec("powersgd:2:10");
+  EXPECT_EQ(q.rank, 2);
+  EXPECT_EQ(q.start, 10);
 }
 
 TEST(HookSpec, RefusesBadValuesNamingTheOption) {
   for (const char* v : {"foo", "", "topk", "topk:", "topk:0", "topk:2", "topk:-0.1", "topk:abc", "topk:0.1x",
-                        "topk:nan", "powersgd", "powersgd:0", "powersgd:-1", "powersgd:1.5", "fp16:2", "none:"}) {
+                        "topk:nan", "powersgd", "powersgd:0", "powersgd:-1", "powersgd:1.5", "powersgd:2:", "powersgd:2:1", "powersgd:2:x", "powersgd::5", "fp16:2", "none:"}) {
     try {
       parseCommHookSpec(v, "--hook");
       ADD_FAILURE() << "'" << v << "' accepted";
