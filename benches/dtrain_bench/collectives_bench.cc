@@ -157,6 +157,7 @@ int run(Coll c, const Options& o) {
   auto algo = o.algo == "ring" ? comm::AllreduceAlgorithm::ring
               : o.algo == "rd" ? comm::AllreduceAlgorithm::recursive_doubling
               : o.algo == "direct" ? comm::AllreduceAlgorithm::direct
+              : o.algo == "hierarchical" ? comm::AllreduceAlgorithm::hierarchical
                                : comm::AllreduceAlgorithm::automatic;
   if (r == 0) {
     fmt::print("# dtrain-bench {}: world={} transport={} dtype={} algo={}\n", name(c), n, pg->transportName(),
@@ -256,7 +257,7 @@ void addCollectiveCommands(CLI::App& app) {
     sub->add_option("--seconds", o->seconds, "timed work per size when --iters is 0");
     sub->add_option("--dtype", o->dtype, "f32 f64 f16 bf16 i32 i64 u8");
     o->observe.addOptions(sub);
-    if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd or direct (shm)")->check(CLI::IsMember({"auto", "ring", "rd", "direct"}));
+    if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd, direct (shm) or hierarchical (several hosts)")->check(CLI::IsMember({"auto", "ring", "rd", "direct", "hierarchical"}));
     sub->callback([c, o, minb, maxb] {
       o->min_bytes = parseBytes(*minb);
       o->max_bytes = parseBytes(*maxb);

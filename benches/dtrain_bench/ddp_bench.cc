@@ -2,7 +2,9 @@
 // batch 64 per rank, SGD momentum 0.9, one compute thread per rank) and prints a line of the same
 // form as that script:
 //   dtrain-ddp world=2 params=7912458 batch_per_rank=64 ms_per_step=... samples_per_s=... hidden=0.83
-//   transport=shm hook=none wrong=0/16 max_err=1.6e-03
+//   transport=shm hook=none bytes_per_step=31649832 wrong=0/16 max_err=1.6e-03 check=reference
+// --hook takes dtrain/hook_spec.h's values (none, fp16, bf16, topk:RATIO, powersgd:R); bytes_per_step
+// is what this rank sent per timed step (every collective, comm::bytesSent()).
 // hidden is the fraction of the allreduce time that backward hid (DDP's lastStats, averaged over the
 // timed steps). Run it under dtrain-run for several ranks; alone it is the one-rank baseline.
 // `--mode dp --threads N` runs DataParallel (one process, N replica threads) on N x batch instead.
@@ -11,7 +13,9 @@
 // libtorch on the global batch (all ranks' batches concatenated) for as many steps, and compares
 // its DDP parameters with that reference (reference_mlp.h). wrong=K/N: K of the N parameter tensors
 // (8 per rank) differ from the reference by more than the tolerance, relative to how far training
-// moved them; max_err is the largest such relative error. K > 0 makes the exit status 1.
+// moved them; max_err is the largest such relative error. K > 0 makes the exit status 1. Top-k and
+// PowerSGD follow another trajectory by design: check=ranks-agree then counts the tensors whose sum
+// differs between ranks (DDP's invariant) instead.
 // Progress on stderr counts the timed steps; --metrics FILE adds a step record per timed step and a
 // bench record (observe.h).
 #include "ddp_bench.h"
@@ -26,6 +30,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
+#include "dtrain/hook_spec.h"
 
 namespace dtrain::bench {
 namespace {
@@ -53,13 +58,38 @@ Record runConfig(const Options& o) {
       .set("threads", o.threads).set("hook", o.hook);
 }
 
+// Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
+// one-process reference: for them the check is DDP's invariant instead, every rank holding the same
+// parameters (each tensor's sum, min and max over ranks equal).
+bool lossy(const CommHookSpec& spec) { return spec.kind == "topk" || spec.kind == "powersgd"; }
+
+ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Options& o, const CommHookSpec& spec) {
+  if (!lossy(spec)) {
+    auto [gx, gy] = globalBatch(dist.size(), o.batch);
+    auto ref = trainReference(gx, gy, o.warmup + o.steps);
+    return compareParams(net, ref, spec.kind == "none" ? kTolerance : kToleranceCompressed);
+  }
+  ParamCheck c;
+  std::vector<double> lo, hi;
+  for (const auto& p : net->parameters()) lo.push_back(p.detach().to(torch::kDouble).sum().item<double>());
+  hi = lo;
+  dist.world()->allreduce(lo.data(), lo.data(), lo.size(), comm::DType::f64, comm::ReduceOp::min)->wait();
+  dist.world()->allreduce(hi.data(), hi.data(), hi.size(), comm::DType::f64, comm::ReduceOp::max)->wait();
+  c.tensors = static_cast<int64_t>(lo.size());
+  for (size_t i = 0; i < lo.size(); ++i) {
+    if (lo[i] != hi[i]) ++c.wrong;
+    c.max_rel = std::max(c.max_rel, std::abs(hi[i] - lo[i]) / std::max(1e-30, std::abs(hi[i])));
+  }
+  return c;
+}
+
 int runDdp(const Options& o) {
   torch::set_num_threads(1);
   auto dist = dtrain::init();
   auto net = referenceMlp();
   DistributedDataParallel ddp(net.ptr(), dist.world());
-  if (o.hook == "fp16") ddp.registerCommHook(fp16CompressHook());
-  if (o.hook == "bf16") ddp.registerCommHook(bf16CompressHook());
+  const CommHookSpec spec = parseCommHookSpec(o.hook, "--hook");
+  if (auto hook = makeCommHook(spec)) ddp.registerCommHook(hook);
   auto opt = makeSgd(net);
   auto [x, y] = rankBatch(dist.rank(), o.batch);
   auto log = o.observe.open(dist.isMain(), "ddp", dist.size(), runConfig(o).set("transport", dist.world()->transportName()));
@@ -68,6 +98,7 @@ int runDdp(const Options& o) {
   dist.world()->barrier()->wait();
   Progress progress("ddp", o.steps, o.observe.progress(dist.isMain(), "step"));
   BytesSentMeter sent;
+  uint64_t sent_total = 0;
   Stopwatch step_time;
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) {
@@ -75,10 +106,12 @@ int runDdp(const Options& o) {
     const auto st = ddp.lastStats();
     hidden += st.hiddenFraction();
     const double step_s = step_time.lap();
+    const uint64_t step_bytes = sent.sinceLast();
+    sent_total += step_bytes;
     if (log) {
       log->write(Record("step").set("step", i + 1).set("time_s", log->seconds())
                      .set("samples_per_s", dist.size() * o.batch / step_s).stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
-                     .set("bytes_sent", sent.sinceLast()).set("rss_bytes", residentBytes()));
+                     .set("bytes_sent", step_bytes).set("rss_bytes", residentBytes()));
     }
     progress.update(i + 1);
   }
@@ -86,17 +119,17 @@ int runDdp(const Options& o) {
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;
   progress.finish();
 
-  auto [gx, gy] = globalBatch(dist.size(), o.batch);
-  auto ref = trainReference(gx, gy, o.warmup + o.steps);
-  const double tol = o.hook == "none" ? kTolerance : kToleranceCompressed;
-  ParamCheck mine = compareParams(net, ref, tol);
-  if (mine.wrong != 0) {
+  const ParamCheck mine = checkParams(dist, net, o, spec);
+  if (mine.wrong != 0 && lossy(spec)) {
+    std::fprintf(stderr, "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ between ranks (largest %.3g)\n",
+                 dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors), mine.max_rel);
+  } else if (mine.wrong != 0) {
     // Said by the rank itself: the sum below goes through the collectives being measured.
     std::fprintf(stderr,
                  "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ from the one-process reference "
                  "by more than %g of the training update (largest %.3g)\n",
-                 dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors), tol,
-                 mine.max_rel);
+                 dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors),
+                 spec.kind == "none" ? kTolerance : kToleranceCompressed, mine.max_rel);
   }
   ParamCheck all = mine;
   dist.world()->allreduce(&all.wrong, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
@@ -104,16 +137,19 @@ int runDdp(const Options& o) {
   dist.world()->allreduce(&all.max_rel, 1, comm::DType::f64, comm::ReduceOp::max)->wait();
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
-                "transport=%s hook=%s wrong=%lld/%lld max_err=%.1e\n",
+                "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
                 dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), o.hook.c_str(),
-                static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel);
+                static_cast<unsigned long long>(sent_total / static_cast<uint64_t>(o.steps)),
+                static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel,
+                lossy(spec) ? "ranks-agree" : "reference");
   }
   if (log) {
     Record r("bench");
     r.set("name", "ddp").set("mode", "ddp").set("transport", dist.world()->transportName()).set("hook", o.hook)
         .set("params", countParams(net)).set("batch_per_rank", o.batch).set("steps", o.steps).set("ms_per_step", dt * 1e3)
-        .set("samples_per_s", dist.size() * o.batch / dt);
+        .set("samples_per_s", dist.size() * o.batch / dt)
+        .set("bytes_per_step", sent_total / static_cast<uint64_t>(o.steps));
     if (dist.size() > 1) r.set("hidden_fraction", hidden / o.steps);
     log->write(r.set("wrong", all.wrong).set("tensors", all.tensors).set("max_err", all.max_rel));
   }
@@ -133,8 +169,7 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
   sub->add_option("--threads", o->threads, "dp: replica threads");
   o->observe.addOptions(sub);
-  sub->add_option("--hook", o->hook, "ddp: none, fp16 or bf16 gradient compression")
-      ->check(CLI::IsMember({"none", "fp16", "bf16"}));
+  sub->add_option("--hook", o->hook, "ddp: none, fp16, bf16, topk:RATIO or powersgd:R (dtrain/hook_spec.h)");
   sub->callback([o] {
     int rc = 1;
     try {

@@ -3,13 +3,28 @@
 reference MLP 784-2048-2048-1024-10 (7.9M parameters) with SGD momentum 0.9 on a fixed batch per
 rank, the workload of `dtrain-bench ddp`. Prints rank 0's line:
 
-    torch-ddp world=2 params=7912458 batch_per_rank=64 ms_per_step=... samples_per_s=...
+    torch-ddp world=2 params=7912458 batch_per_rank=64 ms_per_step=... samples_per_s=... hook=none
+    bytes_per_step=...
 
-after 3 untimed steps and STEPS timed ones. Then checks that every rank holds the same parameters
-(DDP's invariant: each parameter's sum, compared by the parent process); exits 1 if they differ.
+after WARMUP untimed steps (3) and STEPS timed ones. Then checks that every rank holds the same
+parameters (DDP's invariant: each parameter's sum); exits 1 if they differ.
 
-usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)]
+usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N]
+       torchrun ... torch_ddp.py env [STEPS] [BATCH_PER_RANK] [--hook H] [--warmup N]
+
+WORLD: spawns WORLD ranks on this host (rendezvous on 127.0.0.1); the parent compares the ranks'
+parameters, so the check needs no collective of the system under test. `env`: one rank per process
+as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. on the emulated cluster
+(`scripts/cluster.sh --launcher torchrun`); the check then gathers the sums with gloo.
+--hook: none, fp16 (fp16_compress_hook) or powersgd:R (powerSGD_hook, matrix_approximation_rank R,
+start_powerSGD_iter 2, the rest of PowerSGDState's defaults). bytes_per_step is what each rank hands
+to allreduce per step once the hook is active, computed from the model's shapes and the hook's rules
+(PowerSGD: (n+m)*R floats for a compressed (n, m) gradient, n*m for the others).
+Note: PyTorch 1.13's powerSGD_hook over gloo with 2 or more ranks crashes within the first compressed
+steps on this machine (gloo::EnforceNotMet ... op.preamble.length <= op.nbytes); see docs/PERFORMANCE.md.
 """
+import argparse
+import os
 import sys
 import time
 
@@ -26,15 +41,49 @@ def model():
                          nn.Linear(2048, 1024), nn.ReLU(), nn.Linear(1024, 10))
 
 
-def run(rank, world, steps, bs, port, q):
+def powersgd_rank(hook):
+    return int(hook.split(":", 1)[1]) if hook.startswith("powersgd:") else 0
+
+
+def bytes_per_step(net, hook):
+    """Bytes each rank hands to allreduce per step with the hook active (PowerSGD: both of its
+    allreduces; min_compression_rate 2, as PowerSGDState's default)."""
+    r = powersgd_rank(hook)
+    total = 0
+    for p in net.parameters():
+        if hook == "fp16":
+            total += 2 * p.numel()
+        elif r:
+            n, m = p.shape[0], p.numel() // p.shape[0]
+            total += 4 * ((n + m) * r if p.dim() > 1 and (n + m) * r * 2 < n * m else n * m)
+        else:
+            total += 4 * p.numel()
+    return total
+
+
+def register(ddp, hook):
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks, powerSGD_hook
+    if hook == "fp16":
+        ddp.register_comm_hook(None, default_hooks.fp16_compress_hook)
+    elif powersgd_rank(hook):
+        state = powerSGD_hook.PowerSGDState(process_group=None, matrix_approximation_rank=powersgd_rank(hook),
+                                            start_powerSGD_iter=2)
+        ddp.register_comm_hook(state, powerSGD_hook.powerSGD_hook)
+    elif hook != "none":
+        raise SystemExit(f"torch_ddp: --hook must be none, fp16 or powersgd:R (got '{hook}')")
+
+
+def train(rank, world, a):
+    """Trains; returns (seconds per timed step, parameter count, per-parameter sums)."""
     peer_env.check_threads(torch)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     net = model()
     ddp = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    if world > 1:
+        register(ddp, a.hook)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
-    x = torch.randn(bs, 784, generator=g)
-    y = torch.randint(0, 10, (bs,), generator=g)
+    x = torch.randn(a.batch, 784, generator=g)
+    y = torch.randint(0, 10, (a.batch,), generator=g)
     lossf = nn.CrossEntropyLoss()
 
     def step():
@@ -42,32 +91,60 @@ def run(rank, world, steps, bs, port, q):
         lossf(ddp(x), y).backward()
         opt.step()
 
-    for _ in range(3):
+    for _ in range(a.warmup):
         step()
     dist.barrier()
     t0 = time.perf_counter()
-    for _ in range(steps):
+    for _ in range(a.steps):
         step()
     dist.barrier()
-    dt = (time.perf_counter() - t0) / steps
-    # Checked by the parent, so the check needs no collective of the system under test.
+    dt = (time.perf_counter() - t0) / a.steps
     sums = [float(p.detach().double().sum()) for p in net.parameters()]
-    q.put((rank, dt, sum(p.numel() for p in net.parameters()), sums))
+    return dt, sum(p.numel() for p in net.parameters()), sums, bytes_per_step(net, a.hook)
+
+
+def spawned(rank, world, a, port, q):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    q.put((rank, *train(rank, world, a)))
     dist.destroy_process_group()
 
 
-if __name__ == "__main__":
-    if not 2 <= len(sys.argv) <= 4:
-        sys.exit(__doc__)
-    world = int(sys.argv[1])
-    steps = int(sys.argv[2]) if len(sys.argv) > 2 else 20
-    bs = int(sys.argv[3]) if len(sys.argv) > 3 else 64
-    q = mp.get_context("spawn").SimpleQueue()
-    mp.spawn(run, args=(world, steps, bs, peer_env.free_port(), q), nprocs=world)
-    results = sorted(q.get() for _ in range(world))
-    _, dt, params, sums0 = results[0]
-    differ = sum(sums != sums0 for *_, sums in results)
-    print(f"torch-ddp world={world} params={params} batch_per_rank={bs} ms_per_step={dt * 1e3:.1f} "
-          f"samples_per_s={world * bs / dt:.1f}")
+def report(world, a, results):
+    _, dt, params, sums0, nbytes = results[0]
+    differ = sum(r[3] != sums0 for r in results)
+    print(f"torch-ddp world={world} params={params} batch_per_rank={a.batch} ms_per_step={dt * 1e3:.1f} "
+          f"samples_per_s={world * a.batch / dt:.1f} hook={a.hook} bytes_per_step={nbytes if world > 1 else 0}",
+          flush=True)
     if differ:
         sys.exit(f"torch_ddp: {differ} of {world} ranks hold parameters different from rank 0's")
+
+
+def main():
+    p = argparse.ArgumentParser(usage=__doc__)
+    p.add_argument("world")
+    p.add_argument("steps", nargs="?", type=int, default=20)
+    p.add_argument("batch", nargs="?", type=int, default=64)
+    p.add_argument("--hook", default="none")
+    p.add_argument("--warmup", type=int, default=3)
+    a = p.parse_args()
+    if a.hook not in ("none", "fp16") and not (a.hook.startswith("powersgd:") and a.hook[9:].isdigit()
+                                               and int(a.hook[9:]) > 0):
+        sys.exit(f"torch_ddp: --hook must be none, fp16 or powersgd:R with R >= 1 (got '{a.hook}')")
+    if a.world == "env":
+        dist.init_process_group("gloo", init_method="env://")
+        rank, world = dist.get_rank(), dist.get_world_size()
+        out = train(rank, world, a)
+        gathered = [None] * world
+        dist.all_gather_object(gathered, (rank, *out))
+        if rank == 0:
+            report(world, a, sorted(gathered))
+        dist.destroy_process_group()
+        return
+    world = int(a.world)
+    q = mp.get_context("spawn").SimpleQueue()
+    mp.spawn(spawned, args=(world, a, peer_env.free_port(), q), nprocs=world)
+    report(world, a, sorted(q.get() for _ in range(world)))
+
+
+if __name__ == "__main__":
+    main()

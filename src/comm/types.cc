@@ -38,6 +38,7 @@ const char* allreduceAlgorithmName(AllreduceAlgorithm a) {
     case AllreduceAlgorithm::ring: return "ring";
     case AllreduceAlgorithm::recursive_doubling: return "rd";
     case AllreduceAlgorithm::direct: return "direct";
+    case AllreduceAlgorithm::hierarchical: return "hierarchical";
   }
   return "?";
 }

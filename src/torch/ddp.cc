@@ -125,6 +125,7 @@ void DistributedDataParallel::Impl::launchReady() {
 }
 
 void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
+  comm::IssueAndMoveOn move_on;  // backward goes on: the group's thread starts the bucket at once
   if (b.ready_us) b.launched_us = comm::trace::nowUs();
   if (!any_launched) {
     first_launch = Clock::now();

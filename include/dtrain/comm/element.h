@@ -18,4 +18,9 @@ namespace dtrain::comm {
 double loadElement(const void* buf, DType t, size_t i);
 void storeElement(void* buf, DType t, size_t i, double v);
 
+// n floats to f16 or bf16 (round to nearest even) and back, vectorised where the CPU has AVX2 and F16C:
+// what a 16-bit compression hook does before and after its allreduce. `t` must be f16 or bf16.
+void floatsTo16(const float* in, void* out, size_t n, DType t);
+void floatsFrom16(const void* in, float* out, size_t n, DType t);
+
 }  // namespace dtrain::comm

@@ -51,6 +51,9 @@ struct GroupOptions {
   // The group's name in timelines and flight-recorder dumps, the same on every member. initWorld()'s
   // group is "world", newGroup's "<parent>/sub<k>"; empty: "group<k>" (k counts this process's groups).
   std::string name;
+  // The allreduce algorithm of calls that leave it automatic (types.h); automatic here: DTRAIN_ALGO
+  // (auto, ring, recursive_doubling or rd, direct, hierarchical), read when the group is created.
+  AllreduceAlgorithm allreduce_algorithm = AllreduceAlgorithm::automatic;
 
   // What initWorld() uses when InitOptions::group is not given: the defaults overridden by the DTRAIN_*
   // variables above, listen_host resolved as described there. Reads the environment on every call.

@@ -13,9 +13,11 @@ enum class ReduceOp : uint8_t { sum, avg, min, max, prod };
 // How allreduce runs. automatic: chosen by size and transport (see docs/ARCHITECTURE.md): direct on
 // shared memory, else recursive doubling for small buffers and the ring for large ones. direct: every
 // rank reads the others' staged data in shared memory (falls back to automatic where there is none,
-// e.g. over tcp). ring, recursive_doubling: forced.
-enum class AllreduceAlgorithm : uint8_t { automatic, ring, recursive_doubling, direct };
-// "auto", "ring", "rd", "direct"
+// e.g. over tcp). ring, recursive_doubling: forced. hierarchical: in stages when the group spans several
+// hosts (shared memory within each host, TCP across; docs/SLOW-LINKS.md), automatic's choice when some
+// host has more than one rank; falls back to automatic in a group on one host.
+enum class AllreduceAlgorithm : uint8_t { automatic, ring, recursive_doubling, direct, hierarchical };
+// "auto", "ring", "rd", "direct", "hierarchical"
 const char* allreduceAlgorithmName(AllreduceAlgorithm a);
 
 inline constexpr DType kAllDTypes[] = {DType::f32, DType::f64, DType::f16, DType::bf16,

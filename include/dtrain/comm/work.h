@@ -86,4 +86,24 @@ class Work {
   std::vector<std::function<void()>> on_complete_;
 };
 
+// A thread that issues an op and then waits for it runs it itself (Work::wait), which is faster than
+// handing it to the group's thread; so the group's thread leaves an op to the thread that issued it for
+// about 100 us before it runs the op itself. Code that issues ops and goes on with other work (DDP's
+// bucket launches during backward, a comm hook's continuations) says so with this guard, and its ops
+// start at once:
+//
+// \code
+//   { comm::IssueAndMoveOn guard; work = pg.allreduce(buf, n, DType::f32); }   // runs while we compute
+// \endcode
+class IssueAndMoveOn {
+ public:
+  IssueAndMoveOn();
+  ~IssueAndMoveOn();
+  IssueAndMoveOn(const IssueAndMoveOn&) = delete;
+  IssueAndMoveOn& operator=(const IssueAndMoveOn&) = delete;
+
+ private:
+  bool outer_;
+};
+
 }  // namespace dtrain::comm

@@ -8,6 +8,8 @@
 #include <atomic>
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <string>
 #include <vector>
 
 #include "comm/collectives/kernels.h"
@@ -19,6 +21,31 @@ namespace dtrain::comm::algo {
 
 // Payload bytes this process sent through Context::run (comm::bytesSent(); src/comm/group/counters.cc).
 extern std::atomic<uint64_t> bytes_sent;
+
+// A group's hosts, for the hierarchical algorithms (hierarchical.cc): made at group creation when the
+// group spans more than one host, owned by the group, used by one op at a time.
+struct Hierarchy {
+  std::vector<std::vector<int>> hosts;  // the group ranks of each host, hosts in order of their lowest rank
+  int host = 0;                         // this rank's host (index into hosts)
+  int local_rank = 0;                   // this rank's index on its host
+  int shards = 1;                       // the most ranks on any host: the buffer is cut into this many shards
+  std::shared_ptr<Store> local_store;
+  std::unique_ptr<transport::Transport> local;  // shm among this host's ranks; null when alone on its host
+  std::vector<uint8_t> local_scratch, cross_scratch, shard, packed;
+  bool someHostShared() const { return shards > 1; }
+};
+
+// Publishes this rank's transport::hostId() and the group's allreduce algorithm under "host/<rank>" and
+// returns every rank's host id, in rank order. need_one_host (DTRAIN_TRANSPORT=shm): RendezvousError
+// naming the ranks on other hosts, if any. Ranks that force different algorithms: InvalidArgument
+// naming both (they would otherwise wait for each other in different algorithms until the deadline).
+std::vector<std::string> exchangeHostIds(Store& store, int rank, int size, bool need_one_host,
+                                         AllreduceAlgorithm group_algo);
+// Groups the ranks by host id (every rank's, in rank order) and connects this host's ranks over shm
+// (through `store`, under "hier/host<k>/"); nullptr when all ranks are on one host.
+std::unique_ptr<Hierarchy> makeHierarchy(const std::shared_ptr<Store>& store, int rank,
+                                         const std::vector<std::string>& host_ids,
+                                         const transport::TransportOptions& opts);
 
 // Everything an algorithm needs: the transport, who we are, the op's label and deadline, and a
 // scratch buffer owned by the group (reused across ops).
@@ -34,12 +61,23 @@ struct Context {
   bool guard_output = false;
   // The algorithm the entry point chose (select.cc), for traces and the flight recorder.
   const char* algorithm = "";
+  // The group's hosts when it spans several (see Hierarchy); null otherwise and in the stages' contexts.
+  Hierarchy* hier = nullptr;
+
+  // A stage's context (hierarchical.cc): its ranks as the group's, so that traces name the real peers.
+  const std::vector<int>* group_ranks = nullptr;
 
   void run(std::vector<transport::Op>& ops) {
     const bool traced = trace::timeline::on();  // flow events: this rank's sends meet the peers' receives
-    if (traced) trace::timeline::sending(ops);
+    std::vector<transport::Op> named;
+    if (traced && group_ranks) {
+      named = ops;
+      for (auto& op : named) op.peer = (*group_ranks)[static_cast<size_t>(op.peer)];
+    }
+    const std::vector<transport::Op>& seen = group_ranks ? named : ops;
+    if (traced) trace::timeline::sending(seen);
     tx->run(ops, deadline, label);
-    if (traced) trace::timeline::received(ops);
+    if (traced) trace::timeline::received(seen);
     uint64_t sent = 0;
     for (const auto& op : ops) sent += op.kind == transport::Op::kSend ? op.bytes : 0;
     bytes_sent.fetch_add(sent, std::memory_order_relaxed);
@@ -72,22 +110,35 @@ void broadcast(Context& c, void* buf, size_t count, DType t, int root);
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
 // The algorithm allreduce runs for this call on this group (the same on every rank).
 AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, AllreduceAlgorithm asked);
+// DTRAIN_ALGO's value: auto, ring, recursive_doubling (or rd), direct, hierarchical; InvalidArgument
+// naming the variable otherwise.
+AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& s);
 
 // ---- Algorithms. in == out is in place; out of place never copies in to out. ----
 void allreduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
 void allreduceRecursiveDoubling(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op);
 void allreduceDirect(Context& c, transport::Staging& st, const void* in, void* out, size_t count, DType t,
                      ReduceOp op);
+void allreduceHierarchical(Context& c, Hierarchy& h, const void* in, void* out, size_t count, DType t, ReduceOp op);
+void broadcastHierarchical(Context& c, Hierarchy& h, void* buf, size_t count, DType t, int root);
 void broadcastTree(Context& c, void* buf, size_t count, DType t, int root);
 void broadcastScatterAllgather(Context& c, void* buf, size_t count, DType t, int root);
 void reduceTree(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
 void reduceRing(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root);
-// out receives every rank's block in rank order; counts[r] is rank r's element count.
+// out receives every rank's block in rank order; counts[r] is rank r's element count. An entry point
+// (select.cc): the ring, or hierarchical across hosts.
 void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t);
+void allgathervRing(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t);
+void allgathervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                            DType t);
 // Ring allgather of blocks already in place in buf (rank r owns block r); used by several algorithms.
 void ringAllgatherInPlace(Context& c, void* buf, const std::vector<size_t>& counts, DType t, uint32_t tag0);
 // in holds sum(counts) elements; out receives the reduced block of this rank (counts[rank] elements).
+// An entry point (select.cc): the ring, or hierarchical across hosts.
 void reduceScatterv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op);
+void reduceScattervRing(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op);
+void reduceScattervHierarchical(Context& c, Hierarchy& h, const void* in, void* out, const std::vector<size_t>& counts,
+                                DType t, ReduceOp op);
 void alltoall(Context& c, const void* in, void* out, size_t count_per_rank, DType t);
 void gather(Context& c, const void* in, void* out, size_t count, DType t, int root);
 void scatter(Context& c, const void* in, void* out, size_t count, DType t, int root);

@@ -1,8 +1,15 @@
 // Reduction kernels. Plain loops that GCC vectorises at -O3 (with runtime alias checks, since out may alias a); f16 and bf16
-// are widened to float in blocks so the inner loop still vectorises.
+// are widened to float in blocks so the inner loop still vectorises. On x86-64 CPUs with AVX2 and F16C
+// (checked at run time), f16 and bf16 are converted 8 at a time in registers instead: the portable
+// conversions cost some 6 ns an element for f16 (a 16-bit allreduce ran slower than a 32-bit one).
 #include "comm/collectives/kernels.h"
 
 #include <algorithm>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#define DTRAIN_X86_SIMD 1
+#endif
 
 #include "dtrain/comm/error.h"
 
@@ -44,6 +51,91 @@ void reduce16(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, Red
     for (size_t i = 0; i < m; ++i) out[off + i] = FromF(fa[i]);
   }
 }
+
+#if DTRAIN_X86_SIMD
+bool haveAvx2F16c() {
+  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  return ok;
+}
+
+// 8 lanes of 16-bit floats <-> 8 floats. f16 through F16C (round to nearest even, as floatToHalf; a NaN
+// keeps its payload where floatToHalf makes it 0x7e00); bf16 by shifting, rounding to nearest even as
+// floatToBf16 (NaN: quiet, as floatToBf16).
+__attribute__((target("avx2,f16c"))) inline __m256 load8(const uint16_t* p, bool bf16) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  if (!bf16) return _mm256_cvtph_ps(h);
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
+__attribute__((target("avx2,f16c"))) inline void store8(uint16_t* p, __m256 v, bool bf16) {
+  __m128i h;
+  if (!bf16) {
+    h = _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  } else {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
+    __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb)), 16);
+    const __m256i abs = _mm256_and_si256(u, _mm256_set1_epi32(0x7fffffff));
+    const __m256i nan = _mm256_cmpgt_epi32(abs, _mm256_set1_epi32(0x7f800000));
+    const __m256i quiet = _mm256_or_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(0x40));
+    r = _mm256_blendv_epi8(r, quiet, nan);
+    // 8 x 32-bit -> 8 x 16-bit (values fit: no saturation), lanes back in order.
+    const __m256i packed = _mm256_packus_epi32(r, r);
+    h = _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08));
+  }
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+}
+
+// out = a op b for n elements, 8 at a time; returns how many it did (the caller does the rest).
+__attribute__((target("avx2,f16c"))) size_t reduce16Simd(uint16_t* out, const uint16_t* a, const uint16_t* b,
+                                                          size_t n, ReduceOp op, bool bf16) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m256 x = load8(a + i, bf16), y = load8(b + i, bf16);
+    __m256 r;
+    switch (op) {
+      case ReduceOp::sum:
+      case ReduceOp::avg: r = _mm256_add_ps(x, y); break;
+      case ReduceOp::prod: r = _mm256_mul_ps(x, y); break;
+      case ReduceOp::min: r = _mm256_min_ps(y, x); break;  // b < a ? b : a, as reduceT
+      case ReduceOp::max: r = _mm256_max_ps(y, x); break;  // b > a ? b : a
+      default: return i;
+    }
+    store8(out + i, r, bf16);
+  }
+  return i;
+}
+
+__attribute__((target("avx2,f16c"))) size_t divide16Simd(uint16_t* p, size_t n, float d, bool bf16) {
+  const __m256 dv = _mm256_set1_ps(d);
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(p + i, _mm256_div_ps(load8(p + i, bf16), dv), bf16);
+  return i;
+}
+#endif
+
+#if DTRAIN_X86_SIMD
+__attribute__((target("avx2,f16c"))) size_t to16Simd(const float* in, uint16_t* out, size_t n, bool bf16) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) store8(out + i, _mm256_loadu_ps(in + i), bf16);
+  return i;
+}
+__attribute__((target("avx2,f16c"))) size_t from16Simd(const uint16_t* in, float* out, size_t n, bool bf16) {
+  size_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, load8(in + i, bf16));
+  return i;
+}
+#endif
+
+bool is16(DType t, const char* what) {
+  DTRAIN_CHECK(t == DType::f16 || t == DType::bf16, InvalidArgument, "{}: dtype code {} is not f16 or bf16", what,
+               static_cast<int>(t));
+  return t == DType::bf16;
+}
+
+// The 16-bit float kernels: SIMD where the CPU has it, the portable loops for the rest.
+void reduce16Any(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, ReduceOp op, bool bf16);
+void divide16Any(uint16_t* p, size_t n, int d, bool bf16);
 
 }  // namespace
 
@@ -109,11 +201,9 @@ void reduceTo(void* out, const void* a, const void* b, size_t n, DType t, Reduce
     case DType::u8:
       return reduceT(static_cast<uint8_t*>(out), static_cast<const uint8_t*>(a), static_cast<const uint8_t*>(b), n, op);
     case DType::f16:
-      return reduce16<halfToFloat, floatToHalf>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
-                                                static_cast<const uint16_t*>(b), n, op);
     case DType::bf16:
-      return reduce16<bf16ToFloat, floatToBf16>(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a),
-                                                static_cast<const uint16_t*>(b), n, op);
+      return reduce16Any(static_cast<uint16_t*>(out), static_cast<const uint16_t*>(a), static_cast<const uint16_t*>(b), n,
+                         op, t == DType::bf16);
   }
   throw InvalidArgument(fmt::format("reduce: unknown dtype code {}", static_cast<int>(t)));
 }
@@ -171,17 +261,56 @@ void divideBy(void* buf, size_t n, DType t, int d) {
       for (size_t i = 0; i < n; ++i) p[i] = static_cast<uint8_t>(p[i] / d);
       return;
     }
-    case DType::f16: {
-      auto* p = static_cast<uint16_t*>(buf);
-      for (size_t i = 0; i < n; ++i) p[i] = floatToHalf(halfToFloat(p[i]) / static_cast<float>(d));
-      return;
-    }
-    case DType::bf16: {
-      auto* p = static_cast<uint16_t*>(buf);
-      for (size_t i = 0; i < n; ++i) p[i] = floatToBf16(bf16ToFloat(p[i]) / static_cast<float>(d));
-      return;
-    }
+    case DType::f16:
+    case DType::bf16:
+      return divide16Any(static_cast<uint16_t*>(buf), n, d, t == DType::bf16);
   }
 }
+
+namespace {
+
+void reduce16Any(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, ReduceOp op, bool bf16) {
+  size_t done = 0;
+#if DTRAIN_X86_SIMD
+  if (haveAvx2F16c()) done = reduce16Simd(out, a, b, n, op, bf16);
+#endif
+  if (bf16) reduce16<bf16ToFloat, floatToBf16>(out + done, a + done, b + done, n - done, op);
+  else reduce16<halfToFloat, floatToHalf>(out + done, a + done, b + done, n - done, op);
+}
+
+}  // namespace
+
+void floatsTo16(const float* in, void* out, size_t n, DType t) {
+  const bool bf16 = is16(t, "floatsTo16");
+  auto* o = static_cast<uint16_t*>(out);
+  size_t i = 0;
+#if DTRAIN_X86_SIMD
+  if (haveAvx2F16c()) i = to16Simd(in, o, n, bf16);
+#endif
+  for (; i < n; ++i) o[i] = bf16 ? floatToBf16(in[i]) : floatToHalf(in[i]);
+}
+
+void floatsFrom16(const void* in, float* out, size_t n, DType t) {
+  const bool bf16 = is16(t, "floatsFrom16");
+  const auto* p = static_cast<const uint16_t*>(in);
+  size_t i = 0;
+#if DTRAIN_X86_SIMD
+  if (haveAvx2F16c()) i = from16Simd(p, out, n, bf16);
+#endif
+  for (; i < n; ++i) out[i] = bf16 ? bf16ToFloat(p[i]) : halfToFloat(p[i]);
+}
+
+namespace {
+
+void divide16Any(uint16_t* p, size_t n, int d, bool bf16) {
+  size_t i = 0;
+  const float df = static_cast<float>(d);
+#if DTRAIN_X86_SIMD
+  if (haveAvx2F16c()) i = divide16Simd(p, n, df, bf16);
+#endif
+  for (; i < n; ++i) p[i] = bf16 ? floatToBf16(bf16ToFloat(p[i]) / df) : floatToHalf(halfToFloat(p[i]) / df);
+}
+
+}  // namespace
 
 }  // namespace dtrain::comm

@@ -13,7 +13,7 @@ namespace dtrain::comm::algo {
 
 using transport::Op;
 
-void reduceScatterv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t,
+void reduceScattervRing(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t,
                     ReduceOp op) {
   const int n = c.size, r = c.rank;
   const size_t es = dtypeSize(t);

@@ -2,8 +2,10 @@
 // size, the group and the transport. Every rank computes the same answer from the same inputs (sizes
 // and the transport's properties, which the ranks agreed on when it was built), so all ranks run the
 // same algorithm. Where a forced choice cannot apply (direct without a staging area), the automatic
-// choice among the others is made instead. New families (hierarchical, compressed) join here.
+// choice among the others is made instead. New families (compressed) join here.
 #include <cstring>
+
+#include "dtrain/comm/error.h"
 
 #include "comm/collectives/collectives.h"
 
@@ -29,6 +31,14 @@ bool smallForTree(const Context& c, size_t count, DType t) {
 
 AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, AllreduceAlgorithm asked) {
   const size_t bytes = count * dtypeSize(t);
+  // A group across hosts: in stages (shm within each host, tcp across) whenever some host has more than
+  // one rank, since then the stages keep (L-1)/L of the flat ring's cross-host traffic inside the hosts
+  // and their latency is log2(hosts) tcp rounds instead of log2(ranks). Forced, it runs on any layout
+  // across hosts (one rank per host: the cross-host stage alone).
+  if (c.hier && (asked == AllreduceAlgorithm::hierarchical ||
+                 (asked == AllreduceAlgorithm::automatic && c.hier->someHostShared()))) {
+    return AllreduceAlgorithm::hierarchical;
+  }
   if (asked == AllreduceAlgorithm::ring || asked == AllreduceAlgorithm::recursive_doubling) return asked;
   if (c.tx && c.tx->staging() &&
       (asked == AllreduceAlgorithm::direct || !c.tx->oversubscribed() || bytes > kDirectOversubscribedMinBytes)) {
@@ -48,6 +58,9 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
     case AllreduceAlgorithm::direct:
       c.algorithm = "direct";
       return allreduceDirect(c, *c.tx->staging(), in, out, count, t, op);
+    case AllreduceAlgorithm::hierarchical:
+      c.algorithm = "hierarchical";
+      return allreduceHierarchical(c, *c.hier, in, out, count, t, op);
     case AllreduceAlgorithm::ring:
       c.algorithm = "ring";
       return allreduceRing(c, in, out, count, t, op);
@@ -57,8 +70,26 @@ void allreduce(Context& c, const void* in, void* out, size_t count, DType t, Red
   }
 }
 
+AllreduceAlgorithm parseAllreduceAlgorithm(const std::string& s) {
+  for (auto a : {AllreduceAlgorithm::automatic, AllreduceAlgorithm::ring, AllreduceAlgorithm::recursive_doubling,
+                 AllreduceAlgorithm::direct, AllreduceAlgorithm::hierarchical}) {
+    if (s == allreduceAlgorithmName(a)) return a;
+  }
+  if (s == "recursive_doubling") return AllreduceAlgorithm::recursive_doubling;
+  throw InvalidArgument(
+      fmt::format("DTRAIN_ALGO='{}' (expected auto, ring, recursive_doubling (or rd), direct or hierarchical)", s));
+}
+
 void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
   if (c.size == 1) return;
+  // Across hosts with several ranks on some host: the root's data crosses to each other host once, then
+  // spreads within each host over shm (the tree's and the scatter-allgather's cross-host rounds and
+  // bytes both shrink).
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    broadcastHierarchical(c, *c.hier, buf, count, t, root);
+    return;
+  }
   if (smallForTree(c, count, t)) {
     c.algorithm = "tree";
     broadcastTree(c, buf, count, t, root);
@@ -66,6 +97,30 @@ void broadcast(Context& c, void* buf, size_t count, DType t, int root) {
     c.algorithm = "scatter_allgather";
     broadcastScatterAllgather(c, buf, count, t, root);
   }
+}
+
+void allgatherv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t) {
+  // Across hosts with several ranks on some host: each host's blocks cross the host links once as one
+  // bundle (a host link carries (hosts-1)/hosts of the output instead of the flat ring's (n-1)/n).
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    allgathervHierarchical(c, *c.hier, in, out, counts, t);
+    return;
+  }
+  c.algorithm = "ring";
+  allgathervRing(c, in, out, counts, t);
+}
+
+void reduceScatterv(Context& c, const void* in, void* out, const std::vector<size_t>& counts, DType t, ReduceOp op) {
+  // Across hosts with several ranks on some host: the host links carry (hosts-1)/hosts of the input
+  // instead of (n-1)/n. (Stages within a host, c.hier null, take the ring.)
+  if (c.hier && c.hier->someHostShared()) {
+    c.algorithm = "hierarchical";
+    reduceScattervHierarchical(c, *c.hier, in, out, counts, t, op);
+    return;
+  }
+  c.algorithm = "ring";
+  reduceScattervRing(c, in, out, counts, t, op);
 }
 
 void reduce(Context& c, const void* in, void* out, size_t count, DType t, ReduceOp op, int root) {

@@ -18,6 +18,7 @@
 
 #include "comm/collectives/collectives.h"
 #include "comm/group/work_executor.h"
+#include "comm/rendezvous/environment.h"
 #include "comm/trace/trace_internal.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
@@ -89,7 +90,7 @@ struct Task {
   bool collective = true;
   std::function<void(algo::Context&)> fn;
   Clock::time_point pushed_at;   // set by OpQueue::push
-  bool issuer_may_help = false;  // pushed by a thread other than the worker (it may wait and run it)
+  bool issuer_may_help = false;  // pushed by a thread other than the worker, outside IssueAndMoveOn
 };
 
 // The ops of one group, run one at a time in issue order: by the group's worker thread, or by a thread
@@ -111,7 +112,7 @@ class OpQueue : public WorkExecutor {
     bool wake;
     {
       std::lock_guard<std::mutex> g(mu_);
-      t.issuer_may_help = std::this_thread::get_id() != worker_id_;
+      t.issuer_may_help = !issuingAndMovingOn() && std::this_thread::get_id() != worker_id_;
       last_push_ = t.pushed_at;
       queue_.push_back(std::move(t));
       wake = !watching_;
@@ -218,6 +219,7 @@ struct ProcessGroup::Impl {
   GroupOptions opts;
   std::shared_ptr<Store> store;
   std::unique_ptr<transport::Transport> tx;
+  std::unique_ptr<algo::Hierarchy> hier;  // when the group spans several hosts (algo::makeHierarchy)
   uint64_t seq = 0;        // collectives issued (caller side)
   uint64_t sub_groups = 0; // newGroup calls
   std::vector<uint8_t> scratch;
@@ -238,6 +240,7 @@ struct ProcessGroup::Impl {
     }
     try {
       algo::Context c{tx.get(), rank, size, t.label, t.deadline, scratch};
+      c.hier = hier.get();
       const bool check = t.collective && size > 1;
       if (check) {
         if (opts.check_fingerprints) listMismatch(c);
@@ -251,6 +254,7 @@ struct ProcessGroup::Impl {
       finish(t, nullptr);
     } catch (const std::exception& e) {
       if (tx) tx->abort(e);
+      if (hier && hier->local) hier->local->abort(e);  // ranks in a hierarchical op's shm stage fail too
       broken = std::current_exception();
       finish(t, broken);
     }
@@ -386,29 +390,26 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
   auto impl = std::make_unique<Impl>();
   impl->rank = rank;
   impl->size = size;
+  const char* forced = rendezvous::Environment::read().get("DTRAIN_ALGO");
+  if (forced && opts.allreduce_algorithm == AllreduceAlgorithm::automatic)
+    opts.allreduce_algorithm = algo::parseAllreduceAlgorithm(forced);
   impl->opts = opts;
   impl->store = store;
   impl->info = groupInfo(opts.name, rank, size, {});
   if (size > 1) {
     DTRAIN_CHECK(store != nullptr, InvalidArgument, "[rank {}] a process group of {} ranks needs a store", rank, size);
     std::string kind = opts.transport;
-    if (kind == "auto" || kind == "shm") {
-      store->set(fmt::format("host/{}", rank), toBytes(transport::hostId()));
-      std::string mine = transport::hostId();
-      std::vector<int> elsewhere;
-      for (int r = 0; r < size; ++r)
-        if (toString(store->get(fmt::format("host/{}", r))) != mine) elsewhere.push_back(r);
-      if (kind == "shm" && !elsewhere.empty()) {
-        throw RendezvousError(fmt::format("[rank {}] DTRAIN_TRANSPORT=shm but ranks {} run on another host", rank,
-                                          fmt::join(elsewhere, ", ")));
-      }
-      kind = elsewhere.empty() ? "shm" : "tcp";
+    std::vector<std::string> hosts;
+    if (kind == "auto" || kind == "shm") {  // DTRAIN_TRANSPORT=tcp: no hosts, no hierarchy
+      hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
+      kind = std::count(hosts.begin(), hosts.end(), hosts[0]) == size ? "shm" : "tcp";
     }
     transport::TransportOptions to;
     to.timeout = opts.timeout;
     to.listen_host = opts.listen_host;
     to.segment_bytes = opts.segment_bytes;
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
+    if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
     Impl* raw = impl.get();
     impl->ops = std::make_shared<OpQueue>([raw](Task& t) { raw->execute(t); });
     impl->ops->start(impl->info->name);
@@ -425,6 +426,7 @@ WorkPtr ProcessGroup::allreduce(const void* in, void* out, size_t count, DType t
                                 AllreduceAlgorithm algo) {
   impl_->checkBuf(in, count, "input", "allreduce");
   impl_->checkBuf(out, count, "output", "allreduce");
+  if (algo == AllreduceAlgorithm::automatic) algo = impl_->opts.allreduce_algorithm;
   return impl_->submit(impl_->collective(OpCode::allreduce, t, count, -1, op, std::string(" ") + reduceOpName(op),
                                          [=](algo::Context& c) { algo::allreduce(c, in, out, count, t, op, algo); }, 0,
                                          static_cast<uint8_t>(algo)));

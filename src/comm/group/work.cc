@@ -21,6 +21,14 @@ Work::Work(std::string what, Clock::time_point deadline, int rank, std::weak_ptr
       rank_(rank),
       executor_(std::move(executor)) {}
 
+namespace {
+thread_local bool t_move_on = false;  // an IssueAndMoveOn guard lives on this thread
+}  // namespace
+
+IssueAndMoveOn::IssueAndMoveOn() : outer_(t_move_on) { t_move_on = true; }
+IssueAndMoveOn::~IssueAndMoveOn() { t_move_on = outer_; }
+bool issuingAndMovingOn() { return t_move_on; }
+
 void Work::wait() {
   try {
     // Re-read on every wake-up: a chain's deadline moves on when its next step is issued.

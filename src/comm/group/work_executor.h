@@ -16,4 +16,7 @@ class WorkExecutor {
   virtual void help(const Work& w) = 0;
 };
 
+// Whether an IssueAndMoveOn guard lives on the calling thread (work.cc).
+bool issuingAndMovingOn();
+
 }  // namespace dtrain::comm

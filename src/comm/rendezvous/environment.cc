@@ -27,6 +27,9 @@ constexpr const char* kVariables[] = {
     // the store and the process group
     "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_USE_AGENT_STORE", "DTRAIN_TIMEOUT", "DTRAIN_TRANSPORT",
     "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME",
+    // the allreduce algorithm (collectives/select.cc); DTRAIN_HOST_ID is a test hook (prepended to this
+    // host's id, so ranks on one machine can pretend to be on different hosts: transport::hostId())
+    "DTRAIN_ALGO", "DTRAIN_HOST_ID",
     // the timeline (docs/OBSERVABILITY.md); DTRAIN_TIMELINE_SKEW_US is a test hook (a fixed offset added to
     // this rank's timestamps, which dtrain-trace merge must recover)
     "DTRAIN_TIMELINE", "DTRAIN_TIMELINE_SKEW_US",

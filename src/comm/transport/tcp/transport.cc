@@ -10,7 +10,8 @@
 // pass tries every active op, and when nothing moves the thread sleeps in poll() until a socket is
 // ready or the deadline passes. Receives that reduce go through a bounded staging buffer per peer, so
 // reduction overlaps arrival. Idle peers are watched for abort frames, so that when any rank fails,
-// the others learn the root cause instead of only "connection closed".
+// the others learn the root cause instead of only "connection closed"; an idle peer's abort is raised
+// when the run times out or loses a connection, or at the next run (checkIdlePeer).
 #include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -19,6 +20,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <deque>
+#include <optional>
 #include <cstring>
 #include <random>
 
@@ -150,6 +152,7 @@ class TcpTransport : public Transport {
   }
 
   void run(std::vector<Op>& ops, Deadline deadline, const Label& label) override {
+    if (deferred_) raiseDeferred(label);
     for (auto& p : peers_) {
       p.sends.clear();
       p.recvs.clear();
@@ -284,6 +287,7 @@ class TcpTransport : public Transport {
   // middle of a frame on. The rank that failed first did send one on every idle connection: look for
   // it on every peer at a frame boundary, for a short while, and raise that root cause instead.
   [[noreturn]] void throwLost(int i, const Label& label, const std::string& why) {
+    if (deferred_) raiseDeferred(label);
     raiseAnyAbort(i, label, std::chrono::milliseconds(300));
     throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
   }
@@ -302,6 +306,7 @@ class TcpTransport : public Transport {
   }
 
   [[noreturn]] void throwTimeout(const Label& label) {
+    if (deferred_) raiseDeferred(label);  // the root cause, rather than its consequence
     throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
                                    label.timeout.count() / 1000.0, waitingFor()));
   }
@@ -390,7 +395,8 @@ class TcpTransport : public Transport {
     }
   }
 
-  [[noreturn]] void raiseAbort(int i, const Header& h, Deadline deadline, const Label& label) {
+  // Reads the message of the abort frame whose header `h` came from peer i.
+  std::string readAbort(int i, const Header& h, Deadline deadline, const Label& label) {
     if (h.length > kMaxAbortMessage) {
       throw ProtocolError(fmt::format("[rank {}] {}: {} sent an abort frame claiming {} bytes (max {})",
                                       rank_, label.what, peerName(i), h.length, kMaxAbortMessage));
@@ -401,9 +407,22 @@ class TcpTransport : public Transport {
     } catch (const Error&) {
       msg = "(message lost)";
     }
-    throwOfKind(static_cast<ErrorKind>(h.tag),
-                fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
-                            label.what, i, msg, waitingFor()));
+    return msg;
+  }
+
+  [[noreturn]] void raiseFrom(int i, ErrorKind kind, const std::string& msg, const Label& label) {
+    throwOfKind(kind, fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
+                                  label.what, i, msg, waitingFor()));
+  }
+
+  [[noreturn]] void raiseAbort(int i, const Header& h, Deadline deadline, const Label& label) {
+    raiseFrom(i, static_cast<ErrorKind>(h.tag), readAbort(i, h, deadline, label), label);
+  }
+
+  [[noreturn]] void raiseDeferred(const Label& label) {
+    Deferred d = *deferred_;
+    deferred_.reset();
+    raiseFrom(d.peer, d.kind, d.msg, label);
   }
 
   bool pumpRecv(int i, Deadline deadline, const Label& label) {
@@ -452,14 +471,30 @@ class TcpTransport : public Transport {
     return moved;
   }
 
-  // An idle peer became readable: an abort frame (raise it), early data for a later op, or EOF from a
-  // rank that finished and exited. Only the abort is an error here; the rest is dealt with when an op
-  // actually needs that peer.
+  // An idle peer became readable: an abort frame, early data for a later op, or EOF from a rank that
+  // finished and exited. Only the abort is an error, and not yet: the peers this run needs may still
+  // deliver (a rank that failed in a later op finished this one; its own partners will finish too), so
+  // it is kept and raised when this run times out or loses a connection, or when the next run starts.
+  // A run waiting on a peer that will never deliver learns the failure from that peer (every rank that
+  // fails sends its abort to all). EOF and data are dealt with when an op actually needs that peer.
   void checkIdlePeer(int i, Deadline deadline, const Label& label) {
     peers_[i].watch_idle = false;
-    raiseAbortWaiting(i, deadline, label);
+    Header h;
+    ssize_t n = ::recv(peers_[i].sock.fd(), &h, sizeof h, MSG_PEEK | MSG_DONTWAIT);
+    if (n != static_cast<ssize_t>(sizeof h) || h.magic != kFrameMagic || h.opcode != static_cast<uint16_t>(OpCode::abort))
+      return;
+    peers_[i].sock.recvAll(&h, sizeof h, deadline);
+    std::string msg = readAbort(i, h, deadline, label);
+    if (!deferred_) deferred_ = Deferred{i, static_cast<ErrorKind>(h.tag), std::move(msg)};
+    peers_[i].send_partial = true;  // it sends nothing more; neither do we
   }
 
+  struct Deferred {
+    int peer;
+    ErrorKind kind;
+    std::string msg;
+  };
+  std::optional<Deferred> deferred_;
   std::vector<Peer> peers_;
   size_t staging_bytes_;
   uint64_t nonce_ = 0;
