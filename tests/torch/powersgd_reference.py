@@ -164,6 +164,12 @@ def run(d, store):
             out.write(torch.cat([p.grad.reshape(-1) for p in params]).numpy().tobytes())
             opt.step()
     json.dump(layouts, open(os.path.join(d, "layout.json"), "w"))
+    # Kept alive until os._exit: destroying a Gloo group (with its DDP and hook state) whose futures'
+    # callbacks still hold it can abort the process ("Resource deadlock avoided") under load.
+    _KEEP.append((pg, ddp, state, model))
+
+
+_KEEP = []
 
 
 if __name__ == "__main__":
