@@ -75,6 +75,8 @@ struct GradBucket {
   int index = 0;
   at::Tensor flat;                 // the gradients, contiguous (param.grad() are views into it)
   std::vector<size_t> params;      // indices into DistributedDataParallel::parameters()
+  std::vector<at::Tensor> grads;   // per parameter of `params`: its gradient, a view into flat
+  bool last = false;               // the last bucket of a pass (PyTorch's GradBucket::is_last())
   at::Tensor scratch;              // free for the hook's use (e.g. the compressed copy)
 
   // A dependent step of this bucket's communication (see CommHook): `next` runs once `after` has
@@ -188,6 +190,9 @@ class DistributedDataParallel {
   struct Stats {
     double comm_ms = 0;     // first bucket launched -> last bucket done
     double exposed_ms = 0;  // end of backward -> last bucket done (what backward did not hide)
+    // Payload bytes this process sent from the pass's first gradient to its end (comm::bytesSent():
+    // the buckets, whatever the hook, and the buffer broadcast; 0 on one rank).
+    uint64_t bytes_sent = 0;
     double hiddenFraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
   };
   Stats lastStats() const;

@@ -55,9 +55,13 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
     bk.gb.index = static_cast<int>(k);
     bk.gb.params = groups[k];
     bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
+    bk.gb.last = k + 1 == groups.size();
     bk.dtype = toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");
     buckets.push_back(std::move(bk));
-    for (size_t i : groups[k]) adoptGrad(i);
+    for (size_t i : groups[k]) {
+      adoptGrad(i);
+      buckets.back().gb.grads.push_back(gradView(i));
+    }
   }
 }
 
@@ -86,6 +90,7 @@ void DistributedDataParallel::Impl::adoptGrad(size_t i) {
 void DistributedDataParallel::Impl::startPass() {
   in_backward = true;
   pass_start_us = timeline::on() ? comm::trace::nowUs() : 0;
+  pass_start_bytes = comm::bytesSent();
   ready.assign(params.size(), 0);
   for (auto& b : buckets) {
     b.pending = b.gb.params.size();
@@ -200,6 +205,7 @@ void DistributedDataParallel::Impl::finishPass() {
   auto done = Clock::now();
   stats.comm_ms = msBetween(first_launch, last);
   stats.exposed_ms = std::max(0.0, msBetween(end_backward, done));
+  stats.bytes_sent = comm::bytesSent() - pass_start_bytes;
   afterSyncedPass();
   if (pass_start_us && timeline::on()) timeline::span("backward", "compute", pass_start_us, comm::trace::nowUs());
   if (join && join->opts.throw_on_early_termination && h.running < pg->size())

@@ -75,6 +75,7 @@ struct DistributedDataParallel::Impl {
   int synced_passes = 0;
   detail::Clock::time_point first_launch;
   int64_t pass_start_us = 0;  // the timeline's "backward": the first gradient of the pass
+  uint64_t pass_start_bytes = 0;  // comm::bytesSent() then
   bool any_launched = false;
   Stats stats;
   // Comm hooks: the group their continuations issue collectives on (when the hook chainsCollectives())

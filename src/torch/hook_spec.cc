@@ -8,6 +8,7 @@
 #include <cstdlib>
 
 #include "dtrain/comm/error.h"
+#include "dtrain/powersgd.h"
 #include "dtrain/topk.h"
 
 namespace dtrain {
@@ -68,7 +69,10 @@ std::shared_ptr<CommHook> makeCommHook(const CommHookSpec& spec) {
     return topKHook(o);
   }
   if (spec.kind == "powersgd") {
-    throw InvalidArgument(fmt::format("--comm-hook '{}': PowerSGD is not in this build yet", spec.text));
+    PowerSGDOptions o;
+    o.matrix_approximation_rank = spec.rank;
+    o.start_powerSGD_iter = spec.start;
+    return powerSGDHook(o);
   }
   throw InvalidArgument(fmt::format("makeCommHook: unknown hook kind '{}' (expected {})", spec.kind, kAccepted));
 }

@@ -45,6 +45,9 @@ TEST(HookSpec, MakesTheHooks) {
   EXPECT_NE(makeCommHook(parseCommHookSpec("fp16")), nullptr);
   EXPECT_NE(makeCommHook(parseCommHookSpec("bf16")), nullptr);
   EXPECT_NE(makeCommHook(parseCommHookSpec("topk:0.5")), nullptr);
+  auto p = makeCommHook(parseCommHookSpec("powersgd:3:7"));
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(p->name(), "powerSGD");
 }
 
 }  // namespace
