@@ -15,6 +15,8 @@
 #include "dtrain/autograd.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/hook_spec.h"
+#include "dtrain/optim.h"
 #include "dtrain/metrics.h"
 #include "dtrain/sampler.h"
 #include "dtrain/trace.h"
@@ -27,16 +29,62 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
   return base * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, t)));
 }
 
+namespace {
+
+// Adam (the reference recipe), or LAMB / LARS with weight decay off biases and norm weights
+// (dtrain/optim.h's decayGroups); only trainable parameters (the word vectors are frozen).
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(torch::nn::Module& model, const TrainOptions& o) {
+  std::vector<at::Tensor> trainable;
+  for (auto& p : model.parameters())
+    if (p.requires_grad()) trainable.push_back(p);
+  if (o.optimizer == "adam") {
+    return std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
+  }
+  auto keepTrainable = [](const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+    std::vector<torch::optim::OptimizerParamGroup> kept;
+    for (const auto& g : groups) {
+      std::vector<at::Tensor> ps;
+      for (const auto& p : g.params())
+        if (p.requires_grad()) ps.push_back(p);
+      if (!ps.empty()) kept.emplace_back(ps, g.options().clone());
+    }
+    return kept;
+  };
+  if (o.optimizer == "lamb") {
+    auto opts = dtrain::optim::LambOptions(o.lr).weight_decay(o.weight_decay);
+    return std::make_unique<dtrain::optim::Lamb>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
+  }
+  if (o.optimizer == "lars") {
+    auto opts = dtrain::optim::LarsOptions(o.lr).weight_decay(o.weight_decay);
+    return std::make_unique<dtrain::optim::Lars>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
+  }
+  throw dtrain::InvalidArgument(fmt::format("--optimizer '{}': expected adam, lamb or lars", o.optimizer));
+}
+
+}  // namespace
+
 Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o) : dist_(dist), o_(o) {
   ModelOptions mo = o.model;
   mo.feature_dim = data.feature_dim;
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   model_ = MilNceNet(data.word_vectors, mo);
   ddp_ = std::make_unique<dtrain::DistributedDataParallel>(model_.ptr(), dist.world());
-  std::vector<at::Tensor> trainable;
-  for (auto& p : model_->parameters())
-    if (p.requires_grad()) trainable.push_back(p);
-  opt_ = std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(o.lr));
+  if (auto hook = dtrain::makeCommHook(dtrain::parseCommHookSpec(o.comm_hook))) ddp_->registerCommHook(hook);
+  if (o.local_sgd > 0 && o.comm_hook != "none") {
+    throw dtrain::InvalidArgument(fmt::format("--local-sgd {} and --comm-hook {}: choose one (local SGD averages "
+                                              "gradients within each machine only)", o.local_sgd, o.comm_hook));
+  }
+  opt_ = makeOptimizer(*model_, o);
+}
+
+void Trainer::enableLocalSgd(int64_t start) {
+  if (o_.local_sgd <= 0) return;
+  ddp_->registerCommHook(dtrain::postLocalSGDHook(dist_.local(), start));
+  averager_ = std::make_unique<dtrain::PeriodicModelAverager>(dist_.world(), o_.local_sgd, start);
+}
+
+void Trainer::resumeAt(int64_t step) {
+  if (averager_) averager_->setStep(step);
 }
 
 double Trainer::lossAndBackward(const Batch& local, bool sync) {
@@ -65,9 +113,10 @@ double Trainer::lossAndBackward(const Batch& local, bool sync) {
 
 void Trainer::optimizerStep(int64_t step, int64_t total, int64_t warmup_steps) {
   double lr = learningRate(o_.lr, step, total, warmup_steps);
-  for (auto& g : opt_->param_groups()) static_cast<torch::optim::AdamOptions&>(g.options()).lr(lr);
+  for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
   DTRAIN_SPAN("optimizer.step", "optim");
   opt_->step();
+  if (averager_) averager_->averageParameters(model_->parameters());
   opt_->zero_grad();
 }
 
@@ -135,7 +184,8 @@ class RunLog {
                       .set("lr", o.lr).set("warmup", o.warmup).set("seed", o.seed).set("resume", o.resume)
                       .set("candidates", o.loader.num_candidates).set("max_words", o.loader.max_words)
                       .set("clip_steps", o.loader.clip_steps).set("hidden", o.model.hidden).set("embed", o.model.embed)
-                      .set("transport", dist.world()->transportName());
+                      .set("transport", dist.world()->transportName()).set("comm_hook", o.comm_hook)
+                      .set("optimizer", o.optimizer).set("weight_decay", o.weight_decay).set("local_sgd", o.local_sgd);
     log_->writeRun("milnce", dist.size(), config);
   }
   void step(int epoch, int64_t step, double loss, double lr, double samples_per_s, double step_s,
@@ -176,6 +226,7 @@ class Job {
     steps_per_epoch_ = micro_per_epoch / o.accum;
     total_ = steps_per_epoch_ * o.epochs;
     warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o.warmup * total_));
+    trainer_.enableLocalSgd(warmup_steps_);  // post-local SGD once the learning rate has warmed up
   }
 
   void run() {
@@ -218,6 +269,7 @@ class Job {
       st->restoreRng();
       epoch_ = static_cast<int>(st->epoch);
       step_ = st->step;
+      trainer_.resumeAt(step_);
       if (main_) std::printf("resumed from epoch %d, step %lld\n", epoch_, static_cast<long long>(step_));
     } else if (main_) {
       std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());

@@ -6,6 +6,7 @@
 
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
+#include "dtrain/local_sgd.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
@@ -20,6 +21,14 @@ struct TrainOptions {
   int accum = 1;             // micro-batches per optimizer step (DDP no_sync in between)
   double lr = 1e-3;
   double warmup = 0.1;       // fraction of the optimizer steps spent warming up linearly
+  // Over slow links (docs/SLOW-LINKS.md): the DDP communication hook (dtrain/hook_spec.h: none, fp16,
+  // bf16, topk:RATIO, powersgd:R[:START]); the optimizer (adam; lamb or lars with weight_decay, biases
+  // and norm weights excluded); local SGD: after the warm-up, gradients averaged within each machine
+  // only and parameters averaged over all ranks every local_sgd steps (0: off).
+  std::string comm_hook = "none";
+  std::string optimizer = "adam";
+  double weight_decay = 0;
+  int local_sgd = 0;
   uint64_t seed = 0;
   bool resume = false;
   int stop_after = 0;        // stop once this many epochs are done (0: run all), as if interrupted
@@ -60,8 +69,12 @@ class Trainer {
   // Forward + backward of one micro-batch; `sync` false accumulates without communicating.
   double lossAndBackward(const Batch& local, bool sync = true);
   void optimizerStep(int64_t step, int64_t total, int64_t warmup_steps);
+  // --local-sgd: from optimizer step `start` on (call before the first backward).
+  void enableLocalSgd(int64_t start);
+  // After a resume at optimizer step `step`: the averager's count follows.
+  void resumeAt(int64_t step);
   MilNceNet& model() { return model_; }
-  torch::optim::Adam& optimizer() { return *opt_; }
+  torch::optim::Optimizer& optimizer() { return *opt_; }
   dtrain::DistributedDataParallel& ddp() { return *ddp_; }
 
  private:
@@ -69,7 +82,8 @@ class Trainer {
   TrainOptions o_;
   MilNceNet model_{nullptr};
   std::unique_ptr<dtrain::DistributedDataParallel> ddp_;
-  std::unique_ptr<torch::optim::Adam> opt_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<dtrain::PeriodicModelAverager> averager_;
 };
 
 // The whole job: evaluate, train for o.epochs (resuming if asked), checkpoint and evaluate every epoch.
