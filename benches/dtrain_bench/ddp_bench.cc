@@ -31,6 +31,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
 #include "dtrain/hook_spec.h"
+#include "dtrain/local_sgd.h"
 
 namespace dtrain::bench {
 namespace {
@@ -49,22 +50,27 @@ struct Options {
   std::string mode = "ddp";
   int threads = 2;
   std::string hook = "none";
+  int local_sgd = 0;
   Observe observe;
 };
 
 // The run record's config.
 Record runConfig(const Options& o) {
   return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
-      .set("threads", o.threads).set("hook", o.hook);
+      .set("threads", o.threads).set("hook", o.hook)
+      .set("local_sgd", o.local_sgd);
 }
 
 // Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
 // one-process reference: for them the check is DDP's invariant instead, every rank holding the same
 // parameters (each tensor's sum, min and max over ranks equal).
-bool lossy(const CommHookSpec& spec) { return spec.kind == "topk" || spec.kind == "powersgd"; }
+// Local SGD too (the ranks' parameters are averaged once more before the check).
+bool lossy(const CommHookSpec& spec, const Options& o) {
+  return spec.kind == "topk" || spec.kind == "powersgd" || o.local_sgd > 0;
+}
 
 ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Options& o, const CommHookSpec& spec) {
-  if (!lossy(spec)) {
+  if (!lossy(spec, o)) {
     auto [gx, gy] = globalBatch(dist.size(), o.batch);
     auto ref = trainReference(gx, gy, o.warmup + o.steps);
     return compareParams(net, ref, spec.kind == "none" ? kTolerance : kToleranceCompressed);
@@ -90,11 +96,20 @@ int runDdp(const Options& o) {
   DistributedDataParallel ddp(net.ptr(), dist.world());
   const CommHookSpec spec = parseCommHookSpec(o.hook, "--hook");
   if (auto hook = makeCommHook(spec)) ddp.registerCommHook(hook);
+  std::unique_ptr<PeriodicModelAverager> averager;  // local SGD: gradients within the host, parameters every N steps
+  if (o.local_sgd > 0) {
+    if (spec.kind != "none") throw InvalidArgument("dtrain-bench ddp: --local-sgd and --hook: choose one");
+    ddp.registerCommHook(postLocalSGDHook(dist.local(), 0));
+    averager = std::make_unique<PeriodicModelAverager>(dist.world(), o.local_sgd);
+  }
   auto opt = makeSgd(net);
   auto [x, y] = rankBatch(dist.rank(), o.batch);
   auto log = o.observe.open(dist.isMain(), "ddp", dist.size(), runConfig(o).set("transport", dist.world()->transportName()));
   double hidden = 0;
-  for (int i = 0; i < o.warmup; ++i) sgdStep(net, opt, x, y);
+  for (int i = 0; i < o.warmup; ++i) {
+    sgdStep(net, opt, x, y);
+    if (averager) averager->averageParameters(net->parameters());
+  }
   dist.world()->barrier()->wait();
   Progress progress("ddp", o.steps, o.observe.progress(dist.isMain(), "step"));
   BytesSentMeter sent;
@@ -103,6 +118,7 @@ int runDdp(const Options& o) {
   auto t0 = std::chrono::steady_clock::now();
   for (int i = 0; i < o.steps; ++i) {
     sgdStep(net, opt, x, y);
+    if (averager) averager->averageParameters(net->parameters());
     const auto st = ddp.lastStats();
     hidden += st.hiddenFraction();
     const double step_s = step_time.lap();
@@ -119,8 +135,9 @@ int runDdp(const Options& o) {
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;
   progress.finish();
 
+  if (averager) averageParameters(net->parameters(), *dist.world());  // local SGD: agree before the check
   const ParamCheck mine = checkParams(dist, net, o, spec);
-  if (mine.wrong != 0 && lossy(spec)) {
+  if (mine.wrong != 0 && lossy(spec, o)) {
     std::fprintf(stderr, "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ between ranks (largest %.3g)\n",
                  dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors), mine.max_rel);
   } else if (mine.wrong != 0) {
@@ -135,14 +152,15 @@ int runDdp(const Options& o) {
   dist.world()->allreduce(&all.wrong, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
   dist.world()->allreduce(&all.tensors, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
   dist.world()->allreduce(&all.max_rel, 1, comm::DType::f64, comm::ReduceOp::max)->wait();
+  const std::string shown = o.local_sgd > 0 ? "local-sgd:" + std::to_string(o.local_sgd) : o.hook;
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
                 "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
-                dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), o.hook.c_str(),
+                dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), shown.c_str(),
                 static_cast<unsigned long long>(sent_total / static_cast<uint64_t>(o.steps)),
                 static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel,
-                lossy(spec) ? "ranks-agree" : "reference");
+                lossy(spec, o) ? "ranks-agree" : "reference");
   }
   if (log) {
     Record r("bench");
@@ -169,7 +187,9 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
   sub->add_option("--threads", o->threads, "dp: replica threads");
   o->observe.addOptions(sub);
-  sub->add_option("--hook", o->hook, "ddp: none, fp16, bf16, topk:RATIO or powersgd:R (dtrain/hook_spec.h)");
+  sub->add_option("--hook", o->hook, "ddp: none, fp16, bf16, topk:RATIO or powersgd:R[:START] (dtrain/hook_spec.h)");
+  sub->add_option("--local-sgd", o->local_sgd, "ddp: local SGD, parameters averaged every N steps (gradients within each host)")
+      ->check(CLI::NonNegativeNumber);
   sub->callback([o] {
     int rc = 1;
     try {

@@ -2,6 +2,7 @@
 // and after), resume, eval of the newest checkpoint; and bad input named clearly.
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <string>
@@ -130,6 +131,64 @@ TEST(MilNceCli, ProgressOnTerminalAndInPipe) {
   ASSERT_EQ(rc4, 0) << bench_tty;
   EXPECT_GE(count(bench_tty, "\rallreduce ["), 1u) << bench_tty;
   EXPECT_EQ(count(bench_tty, "allreduce: size"), 0u) << bench_tty;
+}
+
+// The slow-links options (issue 12): each run's config names them, fp16 sends fewer bytes per step than
+// no hook, LAMB and local SGD train; bad values are refused naming the option.
+std::vector<nlohmann::json> records(const std::string& path, const std::string& kind) {
+  std::ifstream m(path);
+  std::vector<nlohmann::json> out;
+  for (std::string l; std::getline(m, l);) {
+    auto j = nlohmann::json::parse(l);
+    if (j["kind"] == kind) out.push_back(j);
+  }
+  return out;
+}
+
+double meanBytes(const std::string& path) {
+  double sum = 0;
+  auto steps = records(path, "step");
+  for (const auto& st : steps) sum += st["bytes_sent"].get<double>();
+  return steps.empty() ? 0 : sum / static_cast<double>(steps.size());
+}
+
+TEST(MilNceCli, SlowLinkOptions) {
+  dtrain::test::TempDir dir;
+  const std::string data = dir.path() + "/data";
+  auto [rc, gen] = run(kMilnce + " gen-data --out " + data + " --videos 200 --eval-videos 20 --seed 5");
+  ASSERT_EQ(rc, 0) << gen;
+  auto train = [&](const std::string& name, const std::string& args) {
+    auto r = run(kRun + " --standalone --nproc-per-node 2 " + kMilnce + " train --data " + data + " --out " + dir.path() +
+                 "/" + name + " --epochs 2 --batch 16 --no-eval --no-progress " + args);
+    EXPECT_EQ(r.first, 0) << args << ": " << r.second;
+    return dir.path() + "/" + name + "/metrics.jsonl";
+  };
+  const std::string none = train("none", ""), fp16 = train("fp16", "--comm-hook fp16"),
+                    lamb = train("lamb", "--optimizer lamb --weight-decay 0.01 --lr 0.002"),
+                    local = train("local", "--local-sgd 2"), psgd = train("psgd", "--comm-hook powersgd:2:3");
+  EXPECT_EQ(records(fp16, "run").at(0)["config"]["comm_hook"], "fp16");
+  EXPECT_EQ(records(lamb, "run").at(0)["config"]["optimizer"], "lamb");
+  EXPECT_EQ(records(local, "run").at(0)["config"]["local_sgd"], 2);
+  // The gradients are most of the bytes (the embeddings' allgather the rest): fp16 halves them.
+  EXPECT_LT(meanBytes(fp16), 0.7 * meanBytes(none)) << meanBytes(fp16) << " vs " << meanBytes(none);
+  // PowerSGD from step 3: its later steps send less than the plain ones.
+  auto ps = records(psgd, "step");
+  ASSERT_EQ(ps.size(), 12u);
+  EXPECT_LT(ps.back()["bytes_sent"].get<double>(), 0.5 * ps.front()["bytes_sent"].get<double>());
+  for (const auto& path : {lamb, local}) {
+    auto st = records(path, "step");
+    ASSERT_EQ(st.size(), 12u) << path;
+    for (const auto& s : st) EXPECT_TRUE(std::isfinite(s["loss"].get<double>())) << s;
+  }
+  for (const auto& [args, what] : std::vector<std::pair<std::string, std::string>>{
+           {"--comm-hook topk:2", "--comm-hook 'topk:2'"},
+           {"--comm-hook foo", "--comm-hook 'foo'"},
+           {"--optimizer sgd", "--optimizer"},
+           {"--local-sgd 2 --comm-hook fp16", "choose one"}}) {
+    auto [rc2, out] = run(kMilnce + " train --data " + data + " --out " + dir.path() + "/bad --epochs 1 --no-eval " + args);
+    EXPECT_NE(rc2, 0) << args << ": " << out;
+    EXPECT_NE(out.find(what), std::string::npos) << args << ": " << out;
+  }
 }
 
 TEST(MilNceCli, BadInputIsNamed) {

@@ -6,6 +6,8 @@
 #include <cstdio>
 #include <regex>
 #include <string>
+#include <utility>
+#include <vector>
 
 namespace {
 
@@ -35,6 +37,25 @@ TEST(Examples, DdpTrainsAloneAndUnderTheLauncher) {
 // A custom Dataset through a DataLoader with dtrain::DistributedLoaderSampler, a BatchNorm model: it
 // learns, each rank reads its share (32 of 94 batches on 3 ranks), every rank evaluates the same
 // model with the same BatchNorm statistics (identical accuracy lines), and setEpoch is not forgotten.
+// The slow-links options (issue 12): compression, LAMB with the scaling rule, local SGD still learn on
+// 2 ranks; bad values are refused naming the option.
+TEST(Examples, DdpSlowLinkOptions) {
+  const std::string launch = DTRAIN_BIN_DIR "/dtrain-run --standalone --nproc-per-node 2 " DTRAIN_BIN_DIR "/example-ddp ";
+  for (const char* args : {"--comm-hook powersgd:2:10", "--comm-hook topk:0.1", "--optimizer lamb --batch 128 --scale-lr",
+                           "--optimizer lars", "--local-sgd 4"}) {
+    auto [rc, out] = run(launch + args);
+    EXPECT_EQ(rc, 0) << args << ": " << out;
+    EXPECT_GT(lastAccuracy(out), 0.9) << args << ": " << out;
+  }
+  for (const auto& [args, what] : std::vector<std::pair<std::string, std::string>>{
+           {"--optimizer adamw", "--optimizer 'adamw'"}, {"--comm-hook powersgd:0", "--comm-hook 'powersgd:0'"},
+           {"--local-sgd 4 --comm-hook fp16", "choose one"}, {"--batch", "--batch needs a value"}}) {
+    auto [rc, out] = run(DTRAIN_BIN_DIR "/example-ddp " + args);
+    EXPECT_NE(rc, 0) << args << ": " << out;
+    EXPECT_NE(out.find(what), std::string::npos) << args << ": " << out;
+  }
+}
+
 TEST(Examples, DdpDataLoaderTrainsAloneAndUnderTheLauncher) {
   auto [rc1, out1] = run(DTRAIN_BIN_DIR "/example-ddp-dataloader");
   EXPECT_EQ(rc1, 0) << out1;

@@ -97,20 +97,22 @@ void expectSame(LsNet& got, LsNet& want, torch::optim::SGD& got_opt, torch::opti
   // Momentum buffers: never averaged, so each rank's equals its own replica's.
   auto pa = got->parameters(), pb = want->parameters();
   for (size_t i = 0; i < pa.size(); ++i) {
-    auto ia = got_opt.state().find(pa[i].unsafeGetTensorImpl()), ib = want_opt.state().find(pb[i].unsafeGetTensorImpl());
+    auto ia = got_opt.state().find(c10::guts::to_string(pa[i].unsafeGetTensorImpl()));
+    auto ib = want_opt.state().find(c10::guts::to_string(pb[i].unsafeGetTensorImpl()));
     ASSERT_EQ(ia == got_opt.state().end(), ib == want_opt.state().end()) << what << ": parameter " << i;
     if (ia == got_opt.state().end()) continue;
     auto& ma = static_cast<torch::optim::SGDParamState&>(*ia->second).momentum_buffer();
     auto& mb = static_cast<torch::optim::SGDParamState&>(*ib->second).momentum_buffer();
-    EXPECT_LE((ma - mb).abs().max().item<double>(), 1e-6) << what << ": momentum of parameter " << i;
+    const double diff = (ma - mb).abs().max().item<double>();
+    EXPECT_LE(diff, 1e-6) << what << ": momentum of parameter " << i;
   }
 }
 
 // ---- periodic averaging, no DDP: each rank steps on its own gradients ----
 void periodic(int world) {
-  const int period = 3, warmup = 2;
+  const int period = 3, warmup = 2, steps = kSteps + 1;  // averages after steps 2, 5, 8; step 9 is local
   Replicas ref(world);
-  for (int s = 0; s < kSteps; ++s) {
+  for (int s = 0; s < steps; ++s) {
     for (int r = 0; r < world; ++r) {
       ref.opts[r]->zero_grad();
       backward(ref.nets[r], r, s);
@@ -129,17 +131,18 @@ void periodic(int world) {
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
     PeriodicModelAverager avg(pg, period, warmup);
     int averaged = 0;
-    for (int s = 0; s < kSteps; ++s) {
+    for (int s = 0; s < steps; ++s) {
       opt.zero_grad();
       backward(net, rank, s);
       opt.step();
       averaged += avg.averageParameters(net->parameters());
     }
     EXPECT_EQ(averaged, 3);  // steps 2, 5, 8
-    EXPECT_EQ(avg.step(), kSteps);
+    EXPECT_EQ(avg.step(), steps);
     expectSame(net, ref.nets[rank], opt, *ref.opts[rank], fmt::format("rank {} of {}", rank, world));
     EXPECT_EQ(net->unused[0].item<double>(), rank) << "a parameter without a gradient was averaged";
-    // The test can fail: replicas that were not averaged differ from those that were.
+    // The test can fail: after the last (local) step the replicas differ, so a rank that skipped an
+    // average, or averaged at the wrong step, would not match its replica.
     if (world > 1) {
       double spread = 0;
       for (const auto& item : ref.nets[0]->named_parameters())
@@ -189,6 +192,7 @@ TEST(LocalSgd, PostLocalSgdHookAndAveragerOnTwoHosts) {
   auto results = runRanks(3, [&](int rank) {
     Groups g = hostGroups(server, rank);
     auto net = makeNet(rank);
+    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
     DistributedDataParallel ddp(net.ptr(), g.world);
     ddp.registerCommHook(postLocalSGDHook(g.host, start));
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
@@ -220,6 +224,7 @@ TEST(LocalSgd, PostLocalWithoutGradientAllreduce) {
   auto results = runRanks(3, [&](int rank) {
     Groups g = hostGroups(server, rank);
     auto net = makeNet(rank);
+    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
     DistributedDataParallel ddp(net.ptr(), g.world);
     ddp.registerCommHook(postLocalSGDHook(g.host, start, /*post_local_gradient_allreduce=*/false));
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
