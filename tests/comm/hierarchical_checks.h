@@ -21,6 +21,20 @@ using comm::ProcessGroup;
 
 constexpr size_t kCounts[] = {0, 1, 13, 12007};
 
+// Per-rank block sizes: all `count`, or uneven (odd ranks half, even ranks count + rank; empty ones
+// included); and their prefix offsets.
+inline std::vector<size_t> blockCounts(int n, size_t count, bool uneven) {
+  std::vector<size_t> counts(static_cast<size_t>(n), count);
+  if (uneven)
+    for (int q = 0; q < n; ++q) counts[static_cast<size_t>(q)] = q % 2 ? count / 2 : count + q;
+  return counts;
+}
+inline std::vector<size_t> offsetsOf(const std::vector<size_t>& counts) {
+  std::vector<size_t> off(1, 0);
+  for (size_t k : counts) off.push_back(off.back() + k);
+  return off;
+}
+
 // Hierarchical against the flat ring and the expected value; in place and out of place.
 inline void checkEqualsFlat(ProcessGroup& pg) {
   const int n = pg.size(), r = pg.rank();
@@ -76,11 +90,7 @@ inline void checkAllgatherEqualsExpected(ProcessGroup& pg) {
   for (DType t : comm::kAllDTypes)
     for (size_t count : kCounts)
       for (bool uneven : {false, true}) {
-        std::vector<size_t> counts(static_cast<size_t>(n), count);
-        if (uneven)
-          for (int q = 0; q < n; ++q) counts[static_cast<size_t>(q)] = q % 2 ? count / 2 : count + q;
-        std::vector<size_t> off(1, 0);
-        for (size_t k : counts) off.push_back(off.back() + k);
+        const std::vector<size_t> counts = blockCounts(n, count, uneven), off = offsetsOf(counts);
         const size_t mine = counts[static_cast<size_t>(r)];
         Buf in(t, mine), out(t, off.back()), inplace(t, off.back());
         for (size_t i = 0; i < mine; ++i) in.set(i, inputValue(r, i, ReduceOp::sum));
@@ -147,11 +157,7 @@ inline void checkReduceScatterEqualsExpected(ProcessGroup& pg) {
     for (size_t count : kCounts)
       for (ReduceOp op : comm::kAllReduceOps)
         for (bool uneven : {false, true}) {
-          std::vector<size_t> counts(static_cast<size_t>(n), count);
-          if (uneven)
-            for (int q = 0; q < n; ++q) counts[static_cast<size_t>(q)] = q % 2 ? count / 2 : count + q;
-          std::vector<size_t> off(1, 0);
-          for (size_t k : counts) off.push_back(off.back() + k);
+          const std::vector<size_t> counts = blockCounts(n, count, uneven), off = offsetsOf(counts);
           const size_t mine = counts[static_cast<size_t>(r)];
           Buf in(t, off.back()), out(t, mine);
           for (size_t i = 0; i < off.back(); ++i) in.set(i, inputValue(r, i, op));

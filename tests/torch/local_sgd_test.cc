@@ -172,6 +172,30 @@ Groups hostGroups(const StoreServer& server, int rank) {
 }
 const std::vector<std::vector<int>> kHosts = {{0, 1}, {2}};
 
+// DDP with the post-local hook (and, with period > 0, a PeriodicModelAverager over the world from the
+// start step) on 3 ranks of 2 hosts, `steps` steps; each rank must equal its reference replica.
+void postLocalRun(Replicas& ref, int steps, int start, bool gradient_allreduce, int period) {
+  StoreServer server;
+  auto results = runRanks(3, [&](int rank) {
+    Groups g = hostGroups(server, rank);
+    auto net = makeNet(rank);
+    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
+    DistributedDataParallel ddp(net.ptr(), g.world);
+    ddp.registerCommHook(postLocalSGDHook(g.host, start, gradient_allreduce));
+    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
+    std::unique_ptr<PeriodicModelAverager> avg;
+    if (period > 0) avg = std::make_unique<PeriodicModelAverager>(g.world, period, start);
+    for (int s = 0; s < steps; ++s) {
+      opt.zero_grad();
+      backward(net, rank, s);
+      opt.step();
+      if (avg) avg->averageParameters(net->parameters());
+    }
+    expectSame(net, ref.nets[rank], opt, *ref.opts[rank], fmt::format("rank {}", rank));
+  });
+  expectAllOk(results);
+}
+
 // PyTorch's post-local SGD recipe: DDP with post_localSGD_hook (start 3) and a PeriodicModelAverager
 // (period 2, warm-up 3) over the world.
 TEST(LocalSgd, PostLocalSgdHookAndAveragerOnTwoHosts) {
@@ -188,24 +212,7 @@ TEST(LocalSgd, PostLocalSgdHookAndAveragerOnTwoHosts) {
     for (int r = 0; r < 3; ++r) ref.opts[r]->step();
     if (s >= start && (s - start) % period == 0) ref.average({0, 1, 2});
   }
-  StoreServer server;
-  auto results = runRanks(3, [&](int rank) {
-    Groups g = hostGroups(server, rank);
-    auto net = makeNet(rank);
-    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
-    DistributedDataParallel ddp(net.ptr(), g.world);
-    ddp.registerCommHook(postLocalSGDHook(g.host, start));
-    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
-    PeriodicModelAverager avg(g.world, period, start);
-    for (int s = 0; s < kSteps; ++s) {
-      opt.zero_grad();
-      backward(net, rank, s);
-      opt.step();
-      avg.averageParameters(net->parameters());
-    }
-    expectSame(net, ref.nets[rank], opt, *ref.opts[rank], fmt::format("rank {}", rank));
-  });
-  expectAllOk(results);
+  postLocalRun(ref, kSteps, start, true, period);
 }
 
 // Without the post-local gradient allreduce, each rank keeps its own gradients after the start.
@@ -220,22 +227,7 @@ TEST(LocalSgd, PostLocalWithoutGradientAllreduce) {
     if (s < start) ref.averageGrads({0, 1, 2});
     for (int r = 0; r < 3; ++r) ref.opts[r]->step();
   }
-  StoreServer server;
-  auto results = runRanks(3, [&](int rank) {
-    Groups g = hostGroups(server, rank);
-    auto net = makeNet(rank);
-    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
-    DistributedDataParallel ddp(net.ptr(), g.world);
-    ddp.registerCommHook(postLocalSGDHook(g.host, start, /*post_local_gradient_allreduce=*/false));
-    torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));
-    for (int s = 0; s < 5; ++s) {
-      opt.zero_grad();
-      backward(net, rank, s);
-      opt.step();
-    }
-    expectSame(net, ref.nets[rank], opt, *ref.opts[rank], fmt::format("rank {}", rank));
-  });
-  expectAllOk(results);
+  postLocalRun(ref, 5, start, false, 0);
 }
 
 // Within the host every 2 steps, across all ranks every 4, from step 1.
