@@ -100,14 +100,17 @@ class PowerSGDBase : public PowerSGDHook {
   at::Generator seededGenerator() { return at::make_generator<at::CPUGeneratorImpl>(seeds_.next()); }
 
   // error feedback, first half: the bucket gets back what compression lost; `copy` keeps the input.
+  // Both buffers live as long as the bucket: a fresh model-sized tensor per step costs its page faults
+  // every step (about as much as the copy itself).
   void addError(at::Tensor& error, at::Tensor& copy, const at::Tensor& input) {
     if (!o_.use_error_feedback) return;
     if (error.defined()) input.add_(error);
     else error = at::zeros_like(input);
-    copy = input.clone();
+    if (!copy.defined() || copy.numel() != input.numel()) copy = at::empty_like(input);
+    copy.copy_(input);
   }
   void keepError(at::Tensor& error, const at::Tensor& copy, const at::Tensor& output) {
-    if (o_.use_error_feedback) error = copy - output;
+    if (o_.use_error_feedback) at::sub_out(error, copy, output);
   }
 
   static comm::WorkPtr allreduceSum(comm::ProcessGroup& pg, at::Tensor& t) {
@@ -246,7 +249,7 @@ comm::WorkPtr LayerwiseHook::secondStage(GradBucket& b, Bucket& s, int world) {
 void LayerwiseHook::finish(GradBucket& b, Bucket& s) {
   keepError(s.error, s.copy, b.flat);
   if (!o_.warm_start) s.p = s.q = at::Tensor();
-  s.copy = s.unc_flat = at::Tensor();
+  s.unc_flat = at::Tensor();
 }
 
 // batched_powerSGD_hook: the bucket as one square matrix.
@@ -266,8 +269,9 @@ class BatchedHook : public PowerSGDBase {
     const int64_t r = std::min<int64_t>(side, o_.matrix_approximation_rank);
     counting_.before += len;
     counting_.after += 2 * side * r;
-    s.padded = at::zeros({side * side}, b.flat.options());
+    if (!s.padded.defined() || s.padded.numel() != side * side) s.padded = at::zeros({side * side}, b.flat.options());
     s.padded.narrow(0, 0, len).copy_(b.flat);
+    s.padded.narrow(0, len, side * side - len).zero_();  // the last step's output wrote the padding too
     addError(s.error, s.copy, s.padded);
     if (!o_.warm_start || !s.q.defined()) {
       auto gen = seededGenerator();
@@ -290,7 +294,6 @@ class BatchedHook : public PowerSGDBase {
         keepError(s.error, s.copy, s.padded);
         if (!o_.warm_start) s.q = at::Tensor();
         b.flat.copy_(s.padded.narrow(0, 0, b.flat.numel()));
-        s.padded = s.copy = at::Tensor();
         return nullptr;
       });
     });
