@@ -281,7 +281,9 @@ run_all() {  # every host; the worst exit code; 124 after --timeout
   local i pids=() worst=0 rc d; d=$(rig_dir "$name")
   for ((i = 0; i < hosts; i++)); do start_host "$i"; pids+=($!); done
   if [[ $timeout_s != 0 ]]; then
-    (sleep "$timeout_s"; touch "$d/timed-out"; for ((i = 0; i < hosts; i++)); do kill_host "$i"; done) &
+    # Its output goes nowhere: a sleep left holding our stdout would keep a reader of this script's
+    # output (a pipe) waiting after we exit.
+    (sleep "$timeout_s"; touch "$d/timed-out"; for ((i = 0; i < hosts; i++)); do kill_host "$i"; done) >/dev/null 2>&1 &
     local watchdog=$!
   fi
   for ((i = 0; i < hosts; i++)); do
@@ -290,7 +292,11 @@ run_all() {  # every host; the worst exit code; 124 after --timeout
     echo "cluster.sh: host $i exited with $rc" >&2
     ((rc > worst)) && worst=$rc
   done
-  if [[ -n ${watchdog:-} ]]; then kill "$watchdog" 2>/dev/null || true; wait "$watchdog" 2>/dev/null || true; fi
+  if [[ -n ${watchdog:-} ]]; then
+    pkill -P "$watchdog" sleep 2>/dev/null || true
+    kill "$watchdog" 2>/dev/null || true
+    wait "$watchdog" 2>/dev/null || true
+  fi
   if [[ -e $d/timed-out ]]; then echo "cluster.sh: timed out after ${timeout_s}s: hosts killed" >&2; worst=124; fi
   return "$worst"
 }
