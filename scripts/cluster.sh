@@ -283,7 +283,8 @@ run_all() {  # every host; the worst exit code; 124 after --timeout
   if [[ $timeout_s != 0 ]]; then
     # Its output goes nowhere: a sleep left holding our stdout would keep a reader of this script's
     # output (a pipe) waiting after we exit.
-    (sleep "$timeout_s"; touch "$d/timed-out"; for ((i = 0; i < hosts; i++)); do kill_host "$i"; done) >/dev/null 2>&1 &
+    # `&&`: a sleep killed because the hosts finished (below) must not count as a timeout.
+    (sleep "$timeout_s" && { touch "$d/timed-out"; for ((i = 0; i < hosts; i++)); do kill_host "$i"; done; }) >/dev/null 2>&1 &
     local watchdog=$!
   fi
   for ((i = 0; i < hosts; i++)); do
