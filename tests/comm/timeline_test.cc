@@ -6,7 +6,9 @@
 #include <stdlib.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <map>
 #include <filesystem>
 #include <fstream>
 #include <set>
@@ -236,6 +238,60 @@ TEST_F(Timeline, FileIsWholeAfterEveryFlushOnTmpfs) {
   ASSERT_NE(mkdtemp(tmpl), nullptr) << "/dev/shm: " << std::strerror(errno);
   checkFileAfterEachFlush(tmpl);
   fs::remove_all(tmpl);
+}
+
+// Recording threads reuse the chunks the writer drained (events are not cleared first, each kind sets
+// its own fields): over tcp, 8 rounds of spans, async slices with args, allreduces of two shapes (with
+// flows between the ranks) and flushes refill chunks many times, and every event comes back whole.
+TEST_F(Timeline, ReusedChunksKeepEveryEventWhole) {
+  TempDir dir;
+  StoreServer server;
+  constexpr int kRounds = 8, kIters = 200;
+  auto results = runRanks(2, [&](int rank) {
+    setRankEnv(server, rank, 2);
+    setenv("DTRAIN_TRANSPORT", "tcp", 1);
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    auto world = comm::initWorld();
+    std::vector<float> f(64, 1.0f);
+    for (int round = 0; round < kRounds; ++round) {
+      for (int i = 0; i < kIters; ++i) {
+        DTRAIN_SPAN("step", "user");
+        const int64_t t0 = dtrain::trace::nowUs();
+        world->allreduce(f.data(), f.size() - static_cast<size_t>(i % 2), comm::DType::f32)->wait();
+        comm::trace::timeline::asyncSpan("slice ", i, "test", t0, dtrain::trace::nowUs(), {"i", i}, {"round", round});
+      }
+      dtrain::trace::flush();
+    }
+  });
+  expectAllOk(results);
+  Merged m = mergeTimeline(dir.path());
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_GT(checkFlows(m.trace), static_cast<size_t>(kRounds * kIters));
+  for (int pid = 0; pid < 2; ++pid) {
+    EXPECT_EQ(eventsOf(m.trace, "X", pid, "step").size(), static_cast<size_t>(kRounds * kIters));
+    auto ops = eventsOf(m.trace, "X", pid, "allreduce");
+    ASSERT_EQ(ops.size(), static_cast<size_t>(kRounds * kIters));
+    std::sort(ops.begin(), ops.end(), [](const json& a, const json& b) { return a["args"]["seq"] < b["args"]["seq"]; });
+    for (size_t k = 0; k < ops.size(); ++k) {
+      const auto& a = ops[k].at("args");
+      EXPECT_EQ(a.at("seq").get<size_t>(), k);
+      EXPECT_EQ(a.at("count").get<size_t>(), 64 - k % 2) << k;
+      EXPECT_EQ(a.at("peers"), json::array({1 - pid})) << k;
+      EXPECT_EQ(a.at("group_size"), 2) << k;
+      EXPECT_FALSE(a.contains("error")) << k;
+      checkComplete(ops[k]);
+    }
+    auto begins = eventsOf(m.trace, "b", pid);
+    ASSERT_EQ(begins.size(), static_cast<size_t>(kRounds * kIters));
+    std::map<int, int> per_round;
+    for (const auto& b : begins) {
+      const auto& a = b.at("args");
+      EXPECT_EQ(b.at("name"), "slice " + std::to_string(a.at("i").get<int>())) << b;
+      EXPECT_EQ(a.size(), 2u) << b;
+      ++per_round[a.at("round").get<int>()];
+    }
+    for (int r = 0; r < kRounds; ++r) EXPECT_EQ(per_round[r], kIters) << "round " << r;
+  }
 }
 
 // Offsets measured 10 us short of what a message's order allows: merge moves rank 1's by just that.

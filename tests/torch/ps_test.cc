@@ -543,11 +543,15 @@ TEST(PSFaults, KilledServerIsNamedPromptly) {
         ps::Worker wk(store, p, W, S, o);
         auto v = torch::zeros({8});
         wk.declare("v", v);
+        // The server dies only once both workers declared (a slow worker 1 would otherwise fail in
+        // declare(), outside the loop, and never reach the barrier below).
+        store->set(fmt::format("declared/{}", p), comm::toBytes("1"));
         std::string msg;
         auto t0 = std::chrono::steady_clock::now();
         try {
           for (int step = 0; step < 200; ++step) {
             if (p == 0 && step == 3) {
+              store->get("declared/1");
               pid_t victim = std::stoi(comm::toString(store->get("pid/1")));
               kill(victim, SIGKILL);
               store->set("killed", comm::toBytes("1"));

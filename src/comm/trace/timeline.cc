@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cstring>
 #include <iterator>
+#include <new>
 
 #include "comm/trace/timeline_buffer.h"
 #include "comm/transport/transport.h"
@@ -79,14 +80,54 @@ void named(Event::Kind kind, const char* prefix, int64_t index, const char* cate
   Event& e = buf.next(0);
   e.kind = kind;
   e.name = prefix;
-  e.index = index;
+  e.s.index = index;
   e.cat = category;
   e.ts = start_us;
   e.dur = end_us - start_us;
-  if (kind == Event::kAsync)
-    e.id = flowId(fnv(kFnvBasis, prefix, std::strlen(prefix)), 0, 0, 0, static_cast<uint64_t>(index));
-  std::copy(std::begin(args), std::end(args), e.args);
+  e.s.id = kind == Event::kAsync
+               ? flowId(fnv(kFnvBasis, prefix, std::strlen(prefix)), 0, 0, 0, static_cast<uint64_t>(index))
+               : 0;
+  std::copy(std::begin(args), std::end(args), e.s.args);
   buf.publish();
+}
+
+// Whether `shape` (stored for an earlier op) describes the op of `r` too.
+bool sameShape(const OpShape* shape, const OpRecord& r, const GroupInfo* g) {
+  if (!shape || shape->key != g || shape->op != r.op || shape->dtype != r.dtype || shape->algorithm != r.algorithm ||
+      shape->count != r.count || shape->bytes != r.bytes || shape->root != r.root)
+    return false;
+  if (!g) return true;
+  if (shape->rank != g->rank || shape->group_size != g->size || g->name != shape->group) return false;
+  if (r.peers.empty()) return shape->npeers == g->size - 1;  // every other member
+  if (static_cast<size_t>(shape->npeers) != r.peers.size()) return false;
+  for (size_t i = 0; i < r.peers.size(); ++i) {
+    const int p = r.peers[i];
+    const int global = p >= 0 && static_cast<size_t>(p) < g->global_ranks.size() ? g->global_ranks[p] : p;
+    if (shape->peers[i] != global) return false;
+  }
+  return true;
+}
+
+// Copies the shape of `r`'s op into the current chunk's arena (room reserved by next()).
+const OpShape* storeShape(ThreadBuffer& b, const OpRecord& r, const GroupInfo* g, const int* peers, size_t np,
+                          size_t group_n) {
+  b.tail->arena_used = (b.tail->arena_used + 7u) & ~7u;
+  auto* shape = new (b.tail->arena + b.tail->arena_used) OpShape;
+  b.tail->arena_used += static_cast<uint32_t>(sizeof(OpShape));
+  shape->key = g;
+  shape->rank = g ? g->rank : 0;
+  shape->root = r.root;
+  shape->group_size = g ? g->size : 1;
+  shape->group = g ? b.copy(g->name.data(), group_n) : "";
+  shape->op = r.op;
+  shape->dtype = r.dtype;
+  shape->algorithm = r.algorithm;
+  shape->count = r.count;
+  shape->bytes = r.bytes;
+  shape->peers = b.copy(peers, np);
+  shape->npeers = static_cast<int32_t>(np);
+  b.tail->shape = shape;
+  return shape;
 }
 
 }  // namespace
@@ -107,16 +148,16 @@ Event& ThreadBuffer::next(uint32_t arena) {
       fresh->published.store(0, std::memory_order_relaxed);
       fresh->next.store(nullptr, std::memory_order_relaxed);
       fresh->arena_used = 0;
+      fresh->shape = nullptr;
     } else {
       fresh = new Chunk;
     }
     c->next.store(fresh, std::memory_order_release);
     tail = c = fresh;
     n = 0;
+    if (++filled % kNudgeChunks == 0) nudgeWriter();
   }
-  Event& e = c->events[n];
-  e = Event{};
-  return e;
+  return c->events[n];
 }
 
 void ThreadBuffer::recycle(Chunk* c) {
@@ -186,6 +227,9 @@ void span(const char* name, const char* category, int64_t start_us, int64_t end_
   e.cat = category;
   e.ts = start_us;
   e.dur = end_us - start_us;
+  e.s.index = -1;
+  e.s.id = 0;
+  std::fill(std::begin(e.s.args), std::end(e.s.args), Arg{});
   b.publish();
 }
 
@@ -201,43 +245,45 @@ void asyncSpan(const char* prefix, int64_t index, const char* category, int64_t 
 
 void op(const OpRecord& r, const std::exception_ptr& error) {
   const GroupInfo* g = r.group.get();
-  const std::string err = error ? errorText(error) : std::string();
+  std::string err;
+  if (error) err = errorText(error);
   const size_t err_n = std::min(err.size(), kMaxText);
-  // Peers as world ranks: a point-to-point op's, or every other member of the group.
-  int peers[kMaxPeers];
-  size_t np = 0;
-  if (g) {
-    auto global = [&](int p) { return p >= 0 && static_cast<size_t>(p) < g->global_ranks.size() ? g->global_ranks[p] : p; };
-    if (!r.peers.empty()) {
-      for (size_t i = 0; i < r.peers.size() && np < kMaxPeers; ++i) peers[np++] = global(r.peers[i]);
-    } else {
-      for (int p = 0; p < g->size && np < kMaxPeers; ++p)
-        if (p != g->rank) peers[np++] = global(p);
-    }
-  }
-  const size_t group_n = g ? std::min(g->name.size(), kMaxText) : 0;
   ThreadBuffer& b = threadBuffer();
-  Event& e = b.next(static_cast<uint32_t>(group_n + 1 + err_n + 1 + 8 + np * sizeof(int)));
+  // A loop of one collective stores its shape once per chunk (the common case: no copies, no peer list).
+  const Chunk* before = b.tail;
+  const bool same = sameShape(b.tail->shape, r, g);
+  const size_t group_n = g ? std::min(g->name.size(), kMaxText) : 0;
+  const size_t np_max = std::min(kMaxPeers, !g ? 0 : r.peers.empty() ? static_cast<size_t>(g->size - 1) : r.peers.size());
+  const size_t shape_n = sizeof(OpShape) + 8 + group_n + 1 + 8 + np_max * sizeof(int);
+  Event& e = b.next(static_cast<uint32_t>((same ? 0 : shape_n) + (error ? err_n + 1 : 0)));
+  const OpShape* shape = b.tail->shape;
+  if (!same || b.tail != before) {  // (a fresh chunk has its whole arena free)
+    // Peers as world ranks: a point-to-point op's, or every other member of the group.
+    int peers[kMaxPeers];
+    size_t np = 0;
+    if (g) {
+      auto global = [&](int p) {
+        return p >= 0 && static_cast<size_t>(p) < g->global_ranks.size() ? g->global_ranks[p] : p;
+      };
+      if (!r.peers.empty()) {
+        for (size_t i = 0; i < r.peers.size() && np < kMaxPeers; ++i) peers[np++] = global(r.peers[i]);
+      } else {
+        for (int p = 0; p < g->size && np < kMaxPeers; ++p)
+          if (p != g->rank) peers[np++] = global(p);
+      }
+    }
+    shape = storeShape(b, r, g, peers, np, group_n);
+  }
   e.kind = Event::kOp;
   e.name = r.op;
   e.cat = "comm";
   e.ts = r.started_us;
   e.dur = r.finished_us - r.started_us;
-  e.queued_us = r.started_us - r.issued_us;
-  e.seq = r.seq;
-  e.op_dtype = r.dtype;
-  e.count = r.count;
-  e.bytes = r.bytes;
-  e.root = r.root;
-  e.algorithm = r.algorithm;
-  e.group = g ? b.copy(g->name.data(), group_n) : "";
-  e.args[0] = Arg{"group_size", g ? g->size : 1};
-  if (error) {
-    e.failed = true;
-    e.text = b.copy(err.data(), err_n);
-  }
-  e.peers = b.copy(peers, np);
-  e.npeers = static_cast<int32_t>(np);
+  e.o.shape = shape;
+  e.o.queued_us = r.started_us - r.issued_us;
+  e.o.seq = r.seq;
+  e.failed = static_cast<bool>(error);
+  e.o.text = error ? b.copy(err.data(), err_n) : nullptr;
   b.publish();
   // A failed op often ends the process (an uncaught exception): write what there is now.
   if (error) flush();
@@ -282,7 +328,9 @@ void flows(const std::vector<transport::Op>& ops, transport::Op::Kind kind) {
     e.name = "message";
     e.cat = "flow";
     e.ts = now;
-    e.id = flowId(run.group_hash, r.seq, out ? me : peer, out ? peer : me, k++);
+    e.dur = 0;
+    e.s.index = -1;
+    e.s.id = flowId(run.group_hash, r.seq, out ? me : peer, out ? peer : me, k++);
     b.publish();
   }
 }

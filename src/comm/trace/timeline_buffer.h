@@ -18,28 +18,47 @@
 
 namespace dtrain::comm::trace::timeline {
 
+// The constant part of an op: what a loop of one collective repeats (group, op, dtype, count, peers).
+// A recording thread stores it once per chunk for a run of alike ops, in the chunk's arena.
+struct OpShape {
+  const GroupInfo* key = nullptr;  // the group it was recorded from: identity for matching only
+  int32_t rank = 0;                // the recording rank in the group (matching only)
+  int32_t root = -1;
+  int64_t group_size = 1;
+  const char* group = "";          // in the arena
+  const char* op = "";
+  const char* dtype = "";
+  const char* algorithm = "";
+  uint64_t count = 0, bytes = 0;
+  int32_t npeers = 0;              // entries at `peers`
+  const int* peers = nullptr;      // global ranks, in the arena
+};
+
+// One event: 120 bytes (a span's name, args and flow id, or an op's shape and what changes per op).
+// The recording thread sets only the fields its kind uses; nothing is cleared first.
 struct Event {
   enum Kind : uint8_t { kSpan, kAsync, kOp, kFlowOut, kFlowIn };
+  struct SpanPart {
+    int64_t index;  // >= 0: appended to the name ("bucket " 3)
+    uint64_t id;    // async slices and flows
+    Arg args[4];
+  };
+  struct OpPart {
+    const OpShape* shape;
+    const char* text;  // the error message (failed), in the arena
+    uint64_t seq;
+    int64_t queued_us;
+  };
   Kind kind = kSpan;
-  bool failed = false;         // op: it ended with an error (`text` holds it)
-  int32_t npeers = 0;          // op: entries at `peers`
-  int32_t root = -1;           // op
-  int64_t ts = 0;              // trace clock (nowUs), before the skew test hook
+  bool failed = false;   // op: it ended with an error (`o.text` holds it)
+  int64_t ts = 0;        // trace clock (nowUs), before the skew test hook
   int64_t dur = 0;
-  int64_t index = -1;          // >= 0: appended to the name ("bucket " 3)
-  const char* name = "";       // a literal, or text in the chunk's arena
+  const char* name = "";  // a literal, or text in the chunk's arena
   const char* cat = "";
-  uint64_t id = 0;             // flows: the message's id
-  // Ops.
-  const char* op_dtype = "";
-  const char* algorithm = "";
-  const char* group = "";      // in the arena
-  const char* text = nullptr;  // the error message, in the arena
-  const int* peers = nullptr;  // global ranks, in the arena
-  uint64_t seq = OpRecord::kNoSeq;
-  uint64_t count = 0, bytes = 0;
-  int64_t queued_us = 0;
-  Arg args[4];
+  union {
+    SpanPart s;
+    OpPart o;
+  };
 };
 
 struct Chunk {
@@ -48,6 +67,7 @@ struct Chunk {
   std::atomic<uint32_t> published{0};  // events[0, published) are complete (release by the owner)
   std::atomic<Chunk*> next{nullptr};   // set by the owner once it writes no more here
   uint32_t arena_used = 0;             // owner only
+  const OpShape* shape = nullptr;      // owner only: the last op shape stored here
   Event events[kEvents];
   alignas(8) char arena[kArena];
 };
@@ -58,8 +78,9 @@ struct ThreadBuffer {
   Chunk* head = nullptr;        // writer only
   uint32_t read = 0;            // writer only: events of head already formatted
   Chunk* tail = nullptr;        // owner only
+  uint32_t filled = 0;          // owner only: chunks filled, to nudge the writer every kNudgeChunks
   std::atomic<bool> exited{false};  // the thread ended: the writer frees this once drained
-  // Drained chunks the writer hands back for reuse (a fresh chunk is some 130 KB: allocating and
+  // Drained chunks the writer hands back for reuse (a fresh chunk is some 77 KB: allocating and
   // freeing one per 512 events costs page faults and allocator work on the recording thread).
   std::mutex spare_mu;
   std::vector<Chunk*> spare;
@@ -70,14 +91,20 @@ struct ThreadBuffer {
   // A drained chunk back to the owner (the writer); freed when enough are kept.
   void recycle(Chunk* c);
 
-  // The next event to fill (on the owner's thread), with room for `arena` bytes of copies; publish()
-  // makes it visible.
+  // The next event to fill (on the owner's thread), with room for `arena` bytes of copies (a fresh
+  // chunk's whole arena when it moves on); publish() makes it visible.
   Event& next(uint32_t arena);
   void publish();
   // A copy of n bytes (plus a NUL for text) in the current chunk's arena: reserve first with next().
   const char* copy(const char* s, size_t n);
   const int* copy(const int* v, size_t n);
 };
+
+// A recording thread that filled this many chunks since it last did wakes the writer before its period
+// ends (nudgeWriter()), so that a busy thread's chunks are formatted and reused while still in cache: the
+// period alone let a tight loop put some 30 MB in flight.
+constexpr uint32_t kNudgeChunks = 32;
+void nudgeWriter();
 
 // The calling thread's buffer (registered with the writer on first use).
 ThreadBuffer& threadBuffer();
@@ -92,5 +119,7 @@ std::vector<ThreadBuffer*>& registry();
 std::vector<std::pair<uint64_t, std::string>>& pendingNames();
 // Appends one event as JSON, preceded by "\n," (timeline_format.cc).
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us);
+// Before a drained chunk is handed back for reuse: format() must not trust a shape pointer it saw.
+void forgetShapes();
 
 }  // namespace dtrain::comm::trace::timeline

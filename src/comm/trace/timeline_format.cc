@@ -59,19 +59,21 @@ size_t escapedBound(const char* s) { return s ? 6 * std::strlen(s) + 2 : 2; }
 // The most an event can print.
 size_t bound(const Event& e) {
   size_t n = 512 + escapedBound(e.name) + escapedBound(e.cat);
-  for (const Arg& a : e.args) n += a.key ? escapedBound(a.key) + 24 : 0;
   if (e.kind == Event::kOp) {
-    n += escapedBound(e.group) + escapedBound(e.op_dtype) + escapedBound(e.algorithm) + escapedBound(e.text);
-    n += 24 * static_cast<size_t>(e.npeers) + escapedBound(e.name);
+    const OpShape& s = *e.o.shape;
+    n += escapedBound(s.group) + escapedBound(s.dtype) + escapedBound(s.algorithm) + escapedBound(e.o.text);
+    return n + 24 * static_cast<size_t>(s.npeers) + escapedBound(e.name);
   }
+  if (e.kind == Event::kFlowOut || e.kind == Event::kFlowIn) return n;  // (no args)
+  for (const Arg& a : e.s.args) n += a.key ? escapedBound(a.key) + 24 : 0;
   return e.kind == Event::kAsync ? 2 * n : n;  // kAsync prints the common part twice
 }
 
 void name(Printer& o, const Event& e) {
   o.str(e.name);
-  if (e.index < 0) return;
+  if (e.kind == Event::kOp || e.s.index < 0) return;
   --o.p;  // the closing quote: the index goes inside
-  o.num(e.index);
+  o.num(e.s.index);
   *o.p++ = '"';
 }
 
@@ -93,7 +95,7 @@ void common(Printer& o, char ph, const Event& e, int pid, uint64_t tid, int64_t 
 
 void args(Printer& o, const Event& e) {
   bool any = false;
-  for (const Arg& a : e.args) {
+  for (const Arg& a : e.s.args) {
     if (!a.key) continue;
     if (any) *o.p++ = ',';
     else o.lit(",\"args\":{");
@@ -109,8 +111,9 @@ void args(Printer& o, const Event& e) {
 // count, peers...), which ends inside "args", and what changes (sequence number, queue time, error,
 // time and duration). The writer keeps the last op's first part as text (see OpPrefix).
 void opPrefix(Printer& o, const Event& e, int pid, uint64_t tid) {
+  const OpShape& s = *e.o.shape;
   o.lit("{\"ph\":\"X\",\"name\":");
-  name(o, e);
+  o.str(e.name);
   o.lit(",\"cat\":");
   o.str(e.cat);
   o.lit(",\"pid\":");
@@ -118,44 +121,42 @@ void opPrefix(Printer& o, const Event& e, int pid, uint64_t tid) {
   o.lit(",\"tid\":");
   o.num(tid);
   o.lit(",\"args\":{\"group\":");
-  o.str(e.group);
+  o.str(s.group);
   o.lit(",\"op\":");
   o.str(e.name);
   o.lit(",\"dtype\":");
-  o.str(e.op_dtype);
+  o.str(s.dtype);
   o.lit(",\"count\":");
-  o.num(e.count);
+  o.num(s.count);
   o.lit(",\"bytes\":");
-  o.num(e.bytes);
-  if (*e.algorithm) {
+  o.num(s.bytes);
+  if (*s.algorithm) {
     o.lit(",\"algorithm\":");
-    o.str(e.algorithm);
+    o.str(s.algorithm);
   }
-  if (e.root >= 0) {
+  if (s.root >= 0) {
     o.lit(",\"root\":");
-    o.num(e.root);
+    o.num(s.root);
   }
   o.lit(",\"peers\":[");
-  for (int i = 0; i < e.npeers; ++i) {
+  for (int i = 0; i < s.npeers; ++i) {
     if (i) *o.p++ = ',';
-    o.num(e.peers[i]);
+    o.num(s.peers[i]);
   }
-  o.lit("],\"");
-  o.raw(e.args[0].key, std::strlen(e.args[0].key));
-  o.lit("\":");
-  o.num(e.args[0].value);
+  o.lit("],\"group_size\":");
+  o.num(s.group_size);
 }
 
 void opRest(Printer& o, const Event& e, int64_t ts) {
-  if (e.seq != OpRecord::kNoSeq) {
+  if (e.o.seq != OpRecord::kNoSeq) {
     o.lit(",\"seq\":");
-    o.num(e.seq);
+    o.num(e.o.seq);
   }
   o.lit(",\"queued_us\":");
-  o.num(e.queued_us);
+  o.num(e.o.queued_us);
   if (e.failed) {
     o.lit(",\"error\":");
-    o.str(e.text ? e.text : "");
+    o.str(e.o.text ? e.o.text : "");
   }
   o.lit("},\"ts\":");
   o.num(ts);
@@ -169,34 +170,51 @@ struct OpPrefix {
   bool valid = false;
   int pid = 0;
   uint64_t tid = 0;
-  std::string name, cat, group, dtype, algorithm, size_key;
+  std::string name, cat, group, dtype, algorithm;
   uint64_t count = 0, bytes = 0;
-  int64_t size_value = 0;
+  int64_t group_size = 0;
   int32_t root = -1;
   std::vector<int> peers;
   std::string text;
+  const char* name_ptr = nullptr;
+  const char* cat_ptr = nullptr;
 
-  bool matches(const Event& e, int p, uint64_t t) const {
-    return valid && p == pid && t == tid && e.index < 0 && e.count == count && e.bytes == bytes && e.root == root &&
-           e.args[0].value == size_value && static_cast<size_t>(e.npeers) == peers.size() &&
-           std::equal(peers.begin(), peers.end(), e.peers) && name == e.name && cat == e.cat && group == e.group &&
-           dtype == e.op_dtype && algorithm == e.algorithm && size_key == e.args[0].key;
+  // The shape it was last printed or matched from: the same pointer is the same shape, until a chunk
+  // is handed back for reuse (forgetShapes()).
+  const OpShape* seen = nullptr;
+
+  bool matches(const Event& e, int p, uint64_t t) {
+    if (e.o.shape == seen && valid && p == pid && t == tid && e.name == name_ptr && e.cat == cat_ptr) return true;
+    const OpShape& s = *e.o.shape;
+    const bool same = valid && p == pid && t == tid && s.count == count && s.bytes == bytes && s.root == root &&
+           s.group_size == group_size && static_cast<size_t>(s.npeers) == peers.size() &&
+           std::equal(peers.begin(), peers.end(), s.peers) && name == e.name && cat == e.cat && group == s.group &&
+           dtype == s.dtype && algorithm == s.algorithm;
+    if (same) {
+      seen = e.o.shape;
+      name_ptr = e.name;
+      cat_ptr = e.cat;
+    }
+    return same;
   }
   void keep(const Event& e, int p, uint64_t t, const char* from, const char* to) {
-    valid = e.index < 0;
+    const OpShape& s = *e.o.shape;
+    valid = true;
+    seen = e.o.shape;
+    name_ptr = e.name;
+    cat_ptr = e.cat;
     pid = p;
     tid = t;
     name = e.name;
     cat = e.cat;
-    group = e.group;
-    dtype = e.op_dtype;
-    algorithm = e.algorithm;
-    size_key = e.args[0].key;
-    count = e.count;
-    bytes = e.bytes;
-    size_value = e.args[0].value;
-    root = e.root;
-    peers.assign(e.peers, e.peers + e.npeers);
+    group = s.group;
+    dtype = s.dtype;
+    algorithm = s.algorithm;
+    count = s.count;
+    bytes = s.bytes;
+    group_size = s.group_size;
+    root = s.root;
+    peers.assign(s.peers, s.peers + s.npeers);
     text.assign(from, to);
   }
 };
@@ -221,19 +239,19 @@ void print(Printer& o, const Event& e, int pid, uint64_t tid, int64_t ts) {
     case Event::kAsync:  // a begin and an end, on one line
       common(o, 'b', e, pid, tid, ts);
       o.lit(",\"id\":");
-      o.num(e.id);
+      o.num(e.s.id);
       args(o, e);
       o.lit("},");
       common(o, 'e', e, pid, tid, ts + e.dur);
       o.lit(",\"id\":");
-      o.num(e.id);
+      o.num(e.s.id);
       *o.p++ = '}';
       return;
     case Event::kFlowOut:
     case Event::kFlowIn:
       common(o, e.kind == Event::kFlowOut ? 's' : 'f', e, pid, tid, ts);
       o.lit(",\"id\":");
-      o.num(e.id);
+      o.num(e.s.id);
       if (e.kind == Event::kFlowIn) o.lit(",\"bp\":\"e\"");
       *o.p++ = '}';
       return;
@@ -250,10 +268,12 @@ char* scratch(size_t n) {
 
 }  // namespace
 
+void forgetShapes() { t_last_op.seen = nullptr; }
+
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us) {
   if (e.kind == Event::kOp && t_last_op.matches(e, pid, tid)) {  // a loop's next op: its first part is known
     const std::string& prefix = t_last_op.text;
-    char* start = scratch(prefix.size() + 160 + (e.failed ? escapedBound(e.text) : 0));
+    char* start = scratch(prefix.size() + 160 + (e.failed ? escapedBound(e.o.text) : 0));
     Printer o{start};
     o.lit("\n,");
     o.raw(prefix.data(), prefix.size());

@@ -86,10 +86,10 @@ void op(const OpRecord& r, const std::exception_ptr& error);
 // A closed span (Span's destructor). `copy`: the name does not outlive the call (Span's owned name).
 void span(const char* name, const char* category, int64_t start_us, int64_t end_us, bool copy = false);
 
-// Integer args of library events; key null: none.
+// Integer args of library events; key null (`Arg{}`): none.
 struct Arg {
-  const char* key = nullptr;
-  int64_t value = 0;
+  const char* key;
+  int64_t value;
 };
 // A span named `prefix` followed by `index` ("bucket " and 3: "bucket 3"), with up to four args; the
 // library's events whose times are not one scope (DDP backward, pipeline micro-batches).
