@@ -32,6 +32,30 @@ Registry& reg() {
   return *r;
 }
 
+// Chunks made when the timeline opens, their pages touched: the recording threads take their first
+// chunks from here, so that a tight loop's first tens of thousands of events do not each fault fresh
+// pages (measured: a 10,000-allreduce loop ran 10-20% slower on fresh chunks).
+constexpr size_t kPrepared = 64;  // 5 MB: twice what a thread has in flight between the writer's nudges
+struct Pool {
+  std::mutex mu;
+  std::vector<Chunk*> chunks;
+};
+Pool& pool() {
+  static Pool* p = new Pool;  // never destroyed, as the registry
+  return *p;
+}
+Chunk* takeChunk() {
+  {
+    std::lock_guard<std::mutex> g(pool().mu);
+    if (!pool().chunks.empty()) {
+      Chunk* c = pool().chunks.back();
+      pool().chunks.pop_back();
+      return c;
+    }
+  }
+  return new Chunk;
+}
+
 thread_local ThreadBuffer* t_buffer = nullptr;
 
 // Hands the thread's buffer to the writer when the thread ends.
@@ -150,7 +174,7 @@ Event& ThreadBuffer::next(uint32_t arena) {
       fresh->arena_used = 0;
       fresh->shape = nullptr;
     } else {
-      fresh = new Chunk;
+      fresh = takeChunk();
     }
     c->next.store(fresh, std::memory_order_release);
     tail = c = fresh;
@@ -199,7 +223,7 @@ ThreadBuffer& threadBuffer() {
   if (ThreadBuffer* b = t_buffer) return *b;
   auto* b = new ThreadBuffer;
   b->thread = threadNumber();
-  b->head = b->tail = new Chunk;
+  b->head = b->tail = takeChunk();
   {
     std::lock_guard<std::mutex> g(reg().mu);
     reg().buffers.push_back(b);
@@ -207,6 +231,18 @@ ThreadBuffer& threadBuffer() {
   t_buffer = b;
   t_owner.armed = true;  // constructs the thread's Owner, whose destructor hands the buffer over
   return *b;
+}
+
+void prepareChunks() {
+  std::vector<Chunk*> made;
+  for (size_t i = 0; i < kPrepared; ++i) {
+    auto* c = new Chunk;
+    std::memset(static_cast<void*>(c->events), 0, sizeof c->events);
+    std::memset(c->arena, 0, sizeof c->arena);
+    made.push_back(c);
+  }
+  std::lock_guard<std::mutex> g(pool().mu);
+  pool().chunks.insert(pool().chunks.end(), made.begin(), made.end());
 }
 
 std::mutex& registryMutex() { return reg().mu; }

@@ -106,6 +106,9 @@ struct ThreadBuffer {
 constexpr uint32_t kNudgeChunks = 32;
 void nudgeWriter();
 
+// Makes the chunks the recording threads take first (openFile()).
+void prepareChunks();
+
 // The calling thread's buffer (registered with the writer on first use).
 ThreadBuffer& threadBuffer();
 

@@ -297,6 +297,7 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
     std::lock_guard<std::mutex> r(registryMutex());
     for (auto& n : named) pendingNames().push_back(std::move(n));
   }
+  prepareChunks();
   w.open = true;
   g_on.store(true);
   w.thread = std::thread(loop);
