@@ -52,7 +52,7 @@
 namespace dtrain {
 
 struct DDPOptions {
-  // Bucket sizes in bytes (PyTorch's defaults).
+  // Bucket sizes in bytes; PyTorch's defaults and rule (a bucket closes once it holds at least its cap).
   size_t bucket_bytes = 25u << 20;
   size_t first_bucket_bytes = 1u << 20;
   // Parameters that get no gradient in a backward pass are allowed (their gradients are averaged as

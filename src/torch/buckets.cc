@@ -1,25 +1,41 @@
-// assignBuckets (see buckets.h).
+// assignBuckets (see buckets.h): PyTorch 1.13's compute_bucket_assignment_by_size, with the
+// parameters' indices given in the order their gradients are expected.
 #include "buckets.h"
+
+#include <algorithm>
 
 namespace dtrain::detail {
 
 std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
                                                const BucketSizes& sizes) {
+  struct Open {
+    c10::ScalarType type;
+    std::vector<size_t> indices;
+    size_t bytes = 0;
+    size_t closed = 0;  // buckets of this dtype closed so far: the first has the first bucket's cap
+    size_t first_at = 0;  // position in `order` of its first parameter (orders the leftovers)
+  };
   std::vector<std::vector<size_t>> groups;
-  c10::ScalarType type = c10::ScalarType::Undefined;
-  size_t bytes = 0;
-  for (size_t i : order) {
+  std::vector<Open> open;  // one accumulating bucket per dtype
+  for (size_t pos = 0; pos < order.size(); ++pos) {
+    const size_t i = order[pos];
     const auto& p = params.at(i);
-    const size_t b = static_cast<size_t>(p.numel()) * p.element_size();
-    const size_t cap = groups.size() <= 1 ? sizes.first_bucket_bytes : sizes.bucket_bytes;
-    if (groups.empty() || type != p.scalar_type() || (bytes + b > cap && !groups.back().empty())) {
-      groups.emplace_back();
-      type = p.scalar_type();
-      bytes = 0;
+    auto it = std::find_if(open.begin(), open.end(), [&](const Open& o) { return o.type == p.scalar_type(); });
+    if (it == open.end()) it = open.insert(open.end(), Open{p.scalar_type(), {}, 0, 0, 0});
+    if (it->indices.empty()) it->first_at = pos;
+    it->indices.push_back(i);
+    it->bytes += static_cast<size_t>(p.numel()) * p.element_size();
+    const size_t cap = it->closed == 0 ? sizes.first_bucket_bytes : sizes.bucket_bytes;
+    if (it->bytes >= cap) {  // closed on reaching its cap, with the parameter that reached it
+      groups.push_back(std::move(it->indices));
+      it->indices.clear();
+      it->bytes = 0;
+      ++it->closed;
     }
-    groups.back().push_back(i);
-    bytes += b;
   }
+  std::sort(open.begin(), open.end(), [](const Open& a, const Open& b) { return a.first_at < b.first_at; });
+  for (auto& o : open)
+    if (!o.indices.empty()) groups.push_back(std::move(o.indices));
   return groups;
 }
 

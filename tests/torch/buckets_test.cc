@@ -3,6 +3,12 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <algorithm>
+#include <fstream>
+#include <functional>
+#include <nlohmann/json.hpp>
+#include <random>
+
 #include "dtrain/ddp.h"
 #include "dtrain/ps.h"
 #include "dtrain/ps_module.h"
@@ -33,17 +39,76 @@ TEST(AssignBuckets, ReverseOrderFirstBucketSmallThenFull) {
   EXPECT_EQ(detail::assignBuckets(ps, {0, 2, 4, 1, 3, 5}, s), (Layout{{0, 2}, {4, 1, 3}, {5}}));
 }
 
-TEST(AssignBuckets, DtypeChangeStartsABucket) {
+TEST(AssignBuckets, EachDtypeHasItsOwnBucket) {
   auto ps = tensors({{2, at::kFloat}, {2, at::kDouble}, {2, at::kDouble}, {2, at::kFloat}, {2, at::kFloat}});
   detail::BucketSizes s{1 << 20, 1 << 20};
-  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(5), s), (Layout{{4, 3}, {2, 1}, {0}}));
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(5), s), (Layout{{4, 3, 0}, {2, 1}}));
+  s = {/*bucket_bytes=*/32, /*first_bucket_bytes=*/16};  // doubles (16 bytes) close theirs one by one
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(5), s), (Layout{{4, 3}, {2}, {1}, {0}}));
 }
 
-TEST(AssignBuckets, LargeParameterGetsABucketOfItsOwn) {
-  auto ps = tensors({{2, at::kFloat}, {100, at::kFloat}, {2, at::kFloat}});
+TEST(AssignBuckets, ABucketClosesOnReachingItsCap) {
+  auto ps = tensors({{2, at::kFloat}, {100, at::kFloat}, {2, at::kFloat}, {4, at::kFloat}});
   detail::BucketSizes s{/*bucket_bytes=*/16, /*first_bucket_bytes=*/16};
-  EXPECT_EQ(detail::assignBuckets(ps, {0, 1, 2}, s), (Layout{{0}, {1}, {2}}));
+  // The 400-byte parameter closes the bucket it joins; 8 + 16 bytes reach 16.
+  EXPECT_EQ(detail::assignBuckets(ps, {0, 1, 2, 3}, s), (Layout{{0, 1}, {2, 3}}));
   EXPECT_EQ(detail::assignBuckets(ps, {}, s), Layout{});
+}
+
+// The layouts of PyTorch 1.13's own rule (torch.distributed._compute_bucket_assignment_by_size, given
+// the gradients' order as DDP's rebuilt buckets are) for random sizes, caps and dtypes. PyTorch leaves
+// its open buckets in hash-map order at the end; with several dtypes the buckets are compared as sets.
+TEST(AssignBuckets, EqualsPyTorchs) {
+  struct Case {
+    std::vector<int64_t> numel;
+    std::vector<int> is_double;
+    size_t first, cap;
+  };
+  std::mt19937 rng(7);
+  std::vector<Case> cases;
+  for (int k = 0; k < 40; ++k) {
+    Case c;
+    const int n = 1 + static_cast<int>(rng() % 30);
+    for (int i = 0; i < n; ++i) {
+      c.numel.push_back(1 + static_cast<int64_t>(rng() % (rng() % 4 == 0 ? 5000 : 300)));
+      c.is_double.push_back(k % 3 == 0 ? static_cast<int>(rng() % 2) : 0);
+    }
+    c.first = 4 * (1 + rng() % 2000);
+    c.cap = c.first + 4 * (rng() % 8000);
+    cases.push_back(c);
+  }
+  nlohmann::json in = nlohmann::json::array();
+  for (const auto& c : cases) in.push_back({{"numel", c.numel}, {"double", c.is_double}, {"first", c.first}, {"cap", c.cap}});
+  TempDir tmp;
+  std::ofstream(tmp.path() + "/cases.json") << in.dump();
+  const std::string script =
+      "import json, sys, torch, torch.distributed as dist\n"
+      "out = []\n"
+      "for c in json.load(open(sys.argv[1])):\n"
+      "    n = len(c['numel'])\n"
+      "    ts = [torch.zeros(c['numel'][i], dtype=torch.double if c['double'][i] else torch.float) for i in range(n)]\n"
+      "    order = list(range(n - 1, -1, -1))\n"
+      "    b, _ = dist._compute_bucket_assignment_by_size([ts[i] for i in order], [c['first'], c['cap']], [False] * n, order)\n"
+      "    out.append(b)\n"
+      "print(json.dumps(out))\n";
+  std::ofstream(tmp.path() + "/ref.py") << script;
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + tmp.path() + "/ref.py " + tmp.path() + "/cases.json", 120);
+  ASSERT_EQ(status, 0) << out;
+  auto ref = nlohmann::json::parse(out.substr(out.find('[')));
+  ASSERT_EQ(ref.size(), cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    const Case& c = cases[k];
+    std::vector<at::Tensor> ps;
+    for (size_t i = 0; i < c.numel.size(); ++i) ps.push_back(at::zeros({c.numel[i]}, c.is_double[i] ? at::kDouble : at::kFloat));
+    Layout got = detail::assignBuckets(ps, detail::reverseOrder(ps.size()), {c.cap, c.first});
+    Layout want = ref[k].get<Layout>();
+    const bool mixed = std::adjacent_find(c.is_double.begin(), c.is_double.end(), std::not_equal_to<>()) != c.is_double.end();
+    if (mixed) {
+      std::sort(got.begin(), got.end());
+      std::sort(want.begin(), want.end());
+    }
+    EXPECT_EQ(got, want) << "case " << k;
+  }
 }
 
 struct ModelImpl : torch::nn::Module {
@@ -69,7 +134,7 @@ TEST(SharedBuckets, DDPAndPSModuleGetTheSameLayout) {
     detail::BucketSizes sizes{/*bucket_bytes=*/100, /*first_bucket_bytes=*/40};
     Layout want = detail::assignBuckets(params, detail::reverseOrder(params.size()), sizes);
     ASSERT_GE(want.size(), 3u);
-    ASSERT_EQ(want.front(), (std::vector<size_t>{5})) << "c.bias (12 bytes) alone fills the 40-byte first bucket";
+    ASSERT_EQ(want.front(), (std::vector<size_t>{5, 4})) << "c.bias (12 bytes) and c.weight (48) reach the 40-byte cap";
 
     DDPOptions d;
     d.bucket_bytes = sizes.bucket_bytes;

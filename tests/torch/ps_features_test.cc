@@ -78,7 +78,7 @@ PSOptions bspOptions(PSOptions::Update u) {
 void trainWithModule(ps::Worker& wk, Net& model, int proc, const PSOptions& o, PSOptions::Update local_update,
                      int steps = 4) {
   ps::ModuleOptions mo;
-  mo.bucket_bytes = 64;  // several buckets: pushes start while backward goes on
+  mo.bucket_bytes = 32;  // several buckets (three): pushes start while backward goes on
   ps::DistributedModule psm(model.ptr(), wk, mo);
   EXPECT_GT(psm.numBuckets(), 2u);
   std::unique_ptr<torch::optim::Optimizer> local;
@@ -385,7 +385,7 @@ void adamPhase(const std::string& dir, int from, int to, bool restore, bool save
     ps::Worker wk(store, p, W, S, o);
     auto model = makeNet();
     ps::ModuleOptions mo;
-    mo.bucket_bytes = 64;
+    mo.bucket_bytes = 32;
     ps::DistributedModule psm(model.ptr(), wk, mo);
     wk.declareRows("emb", 10, 4);
     if (restore) {
