@@ -4,7 +4,8 @@
 //   run() (autograd's thread, bucket order): error feedback, choose what to compress, Q (random or
 //         warm), P = M·Q; issue the uncompressed tensors' allreduce and P's allreduce on DDP's group.
 //   then: unpack the uncompressed mean; orthogonalise P; Q = Mᵀ·P; allreduce Q on the chain group.
-//   then: Q /= world; M = P·Qᵀ; error = input - output; drop the memories without warm start.
+//   then: Q /= world; error = M - P·Qᵀ, then M = P·Qᵀ (error feedback fused into the decompression;
+//         PyTorch subtracts the output from a copy of the input); drop the memories without warm start.
 //
 // State per bucket is keyed by the bucket's index, as PyTorch keys error_dict / p_memory_dict /
 // q_memory_dict; one seed generator (numpy's RandomState) serves all buckets in launch order.
@@ -99,18 +100,26 @@ class PowerSGDBase : public PowerSGDHook {
   // a private generator gives the same numbers and leaves the global one alone).
   at::Generator seededGenerator() { return at::make_generator<at::CPUGeneratorImpl>(seeds_.next()); }
 
-  // error feedback, first half: the bucket gets back what compression lost; `copy` keeps the input.
-  // Both buffers live as long as the bucket: a fresh model-sized tensor per step costs its page faults
-  // every step (about as much as the copy itself).
-  void addError(at::Tensor& error, at::Tensor& copy, const at::Tensor& input) {
+  // Error feedback, first half: the input gets back what compression lost last step. The buffer lives
+  // as long as the bucket (a fresh model-sized tensor per step costs its page faults every step); every
+  // element is written again by the second half.
+  void addError(at::Tensor& error, const at::Tensor& input) {
     if (!o_.use_error_feedback) return;
-    if (error.defined()) input.add_(error);
-    else error = at::zeros_like(input);
-    if (!copy.defined() || copy.numel() != input.numel()) copy = at::empty_like(input);
-    copy.copy_(input);
+    if (error.defined() && error.numel() == input.numel()) input.add_(error);
+    else error = at::empty_like(input);
   }
-  void keepError(at::Tensor& error, const at::Tensor& copy, const at::Tensor& output) {
-    if (o_.use_error_feedback) at::sub_out(error, copy, output);
+  // Decompression, with the second half of error feedback fused in: error = M - P·Qᵀ (one addmm that
+  // reads M), then M = P·Qᵀ. PyTorch keeps a copy of the input and subtracts the output from it
+  // afterwards; this saves three passes over the gradient (the copy's two and one of the subtraction's).
+  void decompress(at::Tensor m, const at::Tensor& p, const at::Tensor& q, at::Tensor error) {
+    if (o_.use_error_feedback) at::addmm_out(error, m, p, q.t(), /*beta=*/1, /*alpha=*/-1);
+    at::mm_out(m, p, q.t());
+  }
+  // The part of a bucket-shaped buffer (error) that holds the bucket's gradient `g`, shaped as `like`.
+  static at::Tensor partOf(const at::Tensor& buffer, const GradBucket& b, const at::Tensor& g, const at::Tensor& like) {
+    const auto off = (static_cast<const char*>(g.data_ptr()) - static_cast<const char*>(b.flat.data_ptr())) /
+                     static_cast<std::ptrdiff_t>(g.element_size());
+    return buffer.narrow(0, off, like.numel()).view_as(like);
   }
 
   static comm::WorkPtr allreduceSum(comm::ProcessGroup& pg, at::Tensor& t) {
@@ -136,18 +145,18 @@ class LayerwiseHook : public PowerSGDBase {
   struct Bucket {
     at::Tensor error, p, q;  // error feedback and the P / Q memories, kept across steps
     // This step's:
-    at::Tensor copy, unc_flat;
+    at::Tensor unc_flat;
     std::vector<at::Tensor> mats, ps, qs, unc;
   };
 
   void split(Bucket& s, GradBucket& b, int64_t* p_total, int64_t* q_total);
   void initQ(Bucket& s, bool fresh);
   comm::WorkPtr secondStage(GradBucket& b, Bucket& s, int world);
-  void finish(GradBucket& b, Bucket& s);
+  void finish(Bucket& s);
 
   comm::WorkPtr compress(comm::ProcessGroup& pg, GradBucket& b) override {
     Bucket& s = buckets_[b.index];
-    addError(s.error, s.copy, b.flat);
+    addError(s.error, b.flat);
     int64_t p_total = 0, q_total = 0;
     split(s, b, &p_total, &q_total);
     const bool fresh = !o_.warm_start || !s.p.defined();
@@ -177,11 +186,16 @@ class LayerwiseHook : public PowerSGDBase {
       s.unc_flat.div_(world);
       int64_t off = 0;
       for (auto& t : s.unc) {
-        t.copy_(s.unc_flat.narrow(0, off, t.numel()).view_as(t));
+        auto avg = s.unc_flat.narrow(0, off, t.numel()).view_as(t);
+        if (o_.use_error_feedback) {  // error = input - output
+          auto e = partOf(s.error, b, t, t);
+          at::sub_out(e, t, avg);
+        }
+        t.copy_(avg);
         off += t.numel();
       }
       if (p) return b.then(p, second);
-      finish(b, s);
+      finish(s);
       return nullptr;
     });
   }
@@ -240,14 +254,15 @@ comm::WorkPtr LayerwiseHook::secondStage(GradBucket& b, Bucket& s, int world) {
   auto q = allreduceSum(b.chainGroup(), s.q);
   return b.then(q, [this, &b, &s, world]() -> comm::WorkPtr {
     s.q.div_(world);
-    for (size_t i = 0; i < s.mats.size(); ++i) at::mm_out(s.mats[i], s.ps[i], s.qs[i].t());
-    finish(b, s);
+    for (size_t i = 0; i < s.mats.size(); ++i)
+      decompress(s.mats[i], s.ps[i], s.qs[i],
+                 o_.use_error_feedback ? partOf(s.error, b, s.mats[i], s.mats[i]) : at::Tensor());
+    finish(s);
     return nullptr;
   });
 }
 
-void LayerwiseHook::finish(GradBucket& b, Bucket& s) {
-  keepError(s.error, s.copy, b.flat);
+void LayerwiseHook::finish(Bucket& s) {
   if (!o_.warm_start) s.p = s.q = at::Tensor();
   s.unc_flat = at::Tensor();
 }
@@ -259,7 +274,7 @@ class BatchedHook : public PowerSGDBase {
 
  private:
   struct Bucket {
-    at::Tensor error, q, p, padded, copy;
+    at::Tensor error, q, p, padded;
   };
 
   comm::WorkPtr compress(comm::ProcessGroup& pg, GradBucket& b) override {
@@ -272,7 +287,7 @@ class BatchedHook : public PowerSGDBase {
     if (!s.padded.defined() || s.padded.numel() != side * side) s.padded = at::zeros({side * side}, b.flat.options());
     s.padded.narrow(0, 0, len).copy_(b.flat);
     s.padded.narrow(0, len, side * side - len).zero_();  // the last step's output wrote the padding too
-    addError(s.error, s.copy, s.padded);
+    addError(s.error, s.padded);
     if (!o_.warm_start || !s.q.defined()) {
       auto gen = seededGenerator();
       s.q = at::randn({side, r}, gen, b.flat.options());
@@ -289,9 +304,7 @@ class BatchedHook : public PowerSGDBase {
       auto q = allreduceSum(b.chainGroup(), s.q);
       return b.then(q, [this, &b, &s, m, world]() -> comm::WorkPtr {
         s.q.div_(world);
-        at::Tensor out = m;
-        at::mm_out(out, s.p, s.q.t());
-        keepError(s.error, s.copy, s.padded);
+        decompress(m, s.p, s.q, o_.use_error_feedback ? s.error.view_as(m) : at::Tensor());
         if (!o_.warm_start) s.q = at::Tensor();
         b.flat.copy_(s.padded.narrow(0, 0, b.flat.numel()));
         return nullptr;
