@@ -259,16 +259,11 @@ void addCollectiveCommands(CLI::App& app) {
     o->observe.addOptions(sub);
     if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd, direct (shm) or hierarchical (several hosts)")->check(CLI::IsMember({"auto", "ring", "rd", "direct", "hierarchical"}));
     sub->callback([c, o, minb, maxb] {
-      o->min_bytes = parseBytes(*minb);
-      o->max_bytes = parseBytes(*maxb);
-      int rc = 1;
-      try {
-        rc = run(c, *o);
-      } catch (const std::exception& e) {
-        std::fprintf(stderr, "dtrain-bench: %s\n", e.what());
-      }
-      std::fflush(stdout);
-      std::exit(rc);
+      runAndExit(name(c), [&] {
+        o->min_bytes = parseBytes(*minb);
+        o->max_bytes = parseBytes(*maxb);
+        return run(c, *o);
+      });
     });
   }
 }

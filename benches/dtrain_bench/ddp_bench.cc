@@ -191,19 +191,11 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--local-sgd", o->local_sgd, "ddp: local SGD, parameters averaged every N steps (gradients within each host)")
       ->check(CLI::NonNegativeNumber);
   sub->callback([o] {
-    int rc = 1;
-    try {
-      if (o->mode == "ddp") {
-        rc = runDdp(*o);
-      } else {
-        auto log = o->observe.open(true, "dp", 1, runConfig(*o));
-        rc = runDataParallel(o->threads, o->batch, o->steps, o->warmup, kTolerance, log.get());
-      }
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "dtrain-bench ddp: %s\n", e.what());
-    }
-    std::fflush(stdout);
-    std::exit(rc);
+    runAndExit("ddp", [&] {
+      if (o->mode == "ddp") return runDdp(*o);
+      auto log = o->observe.open(true, "dp", 1, runConfig(*o));
+      return runDataParallel(o->threads, o->batch, o->steps, o->warmup, kTolerance, log.get());
+    });
   });
 }
 

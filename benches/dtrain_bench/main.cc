@@ -6,6 +6,7 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 
+#include "accuracy_bench.h"
 #include "collectives_bench.h"
 #include "ddp_bench.h"
 #include "pipeline_bench.h"
@@ -15,6 +16,7 @@
 int main(int argc, char** argv) {
   CLI::App app{"dtrain-bench: dtrain's benchmarks (run under dtrain-run; rank 0 prints)"};
   app.require_subcommand(1);
+  dtrain::bench::addAccuracyCommand(app);
   dtrain::bench::addCollectiveCommands(app);
   dtrain::bench::addDdpCommand(app);
   dtrain::bench::addPipelineCommand(app);

@@ -1,6 +1,9 @@
 // The --metrics and --progress options of every dtrain-bench family (observe.h).
 #include "observe.h"
 
+#include <cstdio>
+#include <cstdlib>
+
 namespace dtrain::bench {
 
 void Observe::addOptions(CLI::App* sub) {
@@ -16,6 +19,17 @@ std::unique_ptr<MetricsLog> Observe::open(bool main, const std::string& name, in
   auto log = std::make_unique<MetricsLog>(metrics);
   log->writeRun("dtrain-bench", world_size, config.set("benchmark", name));
   return log;
+}
+
+void runAndExit(const char* name, const std::function<int()>& body) {
+  int rc = 1;
+  try {
+    rc = body();
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain-bench %s: %s\n", name, e.what());
+  }
+  std::fflush(stdout);
+  std::exit(rc);
 }
 
 ProgressOptions Observe::progress(bool main, const std::string& unit) const {

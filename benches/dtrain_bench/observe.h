@@ -12,6 +12,7 @@
 // \endcode
 #pragma once
 #include <CLI/CLI.hpp>
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -31,5 +32,9 @@ struct Observe {
   // Progress options counting `unit`; off except on the main rank.
   ProgressOptions progress(bool main, const std::string& unit) const;
 };
+
+// A subcommand's callback: runs `body` and exits with its status; an exception is printed as
+// "dtrain-bench NAME: what" and exits 1.
+[[noreturn]] void runAndExit(const char* name, const std::function<int()>& body);
 
 }  // namespace dtrain::bench

@@ -215,16 +215,7 @@ void addPipelineCommand(CLI::App& app) {
   sub->add_option("--micro", o->micro, "micro-batch counts")->delimiter(',');
   o->observe.addOptions(sub);
   sub->add_option("--schedule", o->schedule, "gpipe, 1f1b or both")->check(CLI::IsMember({"gpipe", "1f1b", "both"}));
-  sub->callback([o] {
-    int rc = 1;
-    try {
-      rc = run(*o);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "dtrain-bench pipeline: %s\n", e.what());
-    }
-    std::fflush(stdout);
-    std::exit(rc);
-  });
+  sub->callback([o] { runAndExit("pipeline", [&] { return run(*o); }); });
 }
 
 }  // namespace dtrain::bench

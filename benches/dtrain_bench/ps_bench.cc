@@ -331,16 +331,7 @@ void addPsCommand(CLI::App& app) {
   sub->add_option("--rows", o->rows, "sparse: random rows touched per step");
   sub->add_option("--dense-steps", o->dense_steps, "sparse: timed dense allreduce steps");
   o->observe.addOptions(sub);
-  sub->callback([o] {
-    int rc = 1;
-    try {
-      rc = run(*o);
-    } catch (const std::exception& e) {
-      std::fprintf(stderr, "dtrain-bench ps: %s\n", e.what());
-    }
-    std::fflush(stdout);
-    std::exit(rc);
-  });
+  sub->callback([o] { runAndExit("ps", [&] { return run(*o); }); });
 }
 
 }  // namespace dtrain::bench

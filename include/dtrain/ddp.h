@@ -136,9 +136,11 @@ class CommHook {
   // true: continuations issue collectives (on bucket.chainGroup()).
   virtual bool chainsCollectives() const { return false; }
 };
-// Averages in float16 / bfloat16: half the bytes on the wire, gradients rounded to 16 bits.
-std::shared_ptr<CommHook> fp16CompressHook();
-std::shared_ptr<CommHook> bf16CompressHook();
+// Averages in float16 / bfloat16: half the bytes on the wire, gradients rounded to 16 bits. Where every
+// rank of the group shares memory (the shm transport), converting costs more than the halved bytes save,
+// so float32 buckets travel as they are there and rank 0 says so once on stderr; always: compress anyway.
+std::shared_ptr<CommHook> fp16CompressHook(bool always = false);
+std::shared_ptr<CommHook> bf16CompressHook(bool always = false);
 
 class DistributedDataParallel {
  public:

@@ -8,7 +8,8 @@
 //
 // Accepted values:
 //   none           no hook: DDP's allreduce (average) of each bucket
-//   fp16, bf16     the bucket travels as 16-bit floats (fp16CompressHook, bf16CompressHook)
+//   fp16, bf16     the bucket travels as 16-bit floats (fp16CompressHook, bf16CompressHook), except
+//                  over shared memory, where that cannot pay; fp16:always, bf16:always compress there too
 //   topk:RATIO     top-k with error feedback (topk.h), RATIO in (0, 1], e.g. topk:0.01;
 //                  momentum correction off, no warm-up (use topKHook directly for those)
 //   powersgd:R[:START]  PowerSGD of rank R >= 1 (powersgd.h) from step START (default 1000, as
@@ -27,6 +28,7 @@ struct CommHookSpec {
   double ratio = 0;           // topk
   int rank = 0;               // powersgd
   int64_t start = 1000;       // powersgd
+  bool always = false;        // fp16, bf16: compress over shared memory too
   std::string text = "none";  // as given, for logs
 };
 

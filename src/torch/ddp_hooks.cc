@@ -4,6 +4,8 @@
 
 #include <torch/torch.h>
 
+#include <cstdio>
+
 #include "dtrain/comm/element.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
@@ -141,15 +143,31 @@ namespace {
 // is the chain's second step.
 class CastHook : public CommHook {
  public:
-  CastHook(c10::ScalarType t, comm::DType ct, const char* name) : t_(t), ct_(ct), name_(name) {}
+  CastHook(c10::ScalarType t, comm::DType ct, const char* name, bool always)
+      : t_(t), ct_(ct), name_(name), always_(always) {}
   std::string name() const override { return name_; }
   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
     const auto n = static_cast<size_t>(b.flat.numel());
     // float32 buckets convert with dtrain's vectorised conversions (ATen's float -> half copy runs at
     // about 1.7 ns an element, which cost more than the halved transfer saves on one host).
     const bool f32 = b.flat.scalar_type() == at::kFloat && b.flat.is_contiguous();
+    // Over shared memory the conversions (two passes over the bucket, on the ranks' own cores) cost more
+    // than the halved copies save: the reference MLP's step was 0.92x of no hook with them
+    // (docs/PERFORMANCE.md). Such a bucket travels as float32; the choice is visible once.
+    if (f32 && !always_ && pg.transportName() == "shm") {
+      if (!noted_ && pg.rank() == 0)
+        std::fprintf(stderr, "dtrain: %s hook: every rank of the group shares memory (shm), where converting costs "
+                     "more than the halved bytes save; float32 buckets are averaged as they are (compress anyway: "
+                     "%s(/*always=*/true), or --comm-hook %s:always)\n", name_, name_[0] == 'f' ? "fp16CompressHook" : "bf16CompressHook",
+                     name_[0] == 'f' ? "fp16" : "bf16");
+      noted_ = true;
+      return pg.allreduce(b.flat.data_ptr(), n, comm::DType::f32, comm::ReduceOp::avg);
+    }
     if (f32) {
-      b.scratch = at::empty({b.flat.numel()}, b.flat.options().dtype(t_));
+      // Kept between steps: a fresh 16 MB tensor per step faults its pages in every step (about as
+      // long as the conversion itself).
+      if (!b.scratch.defined() || b.scratch.numel() != b.flat.numel() || b.scratch.scalar_type() != t_)
+        b.scratch = at::empty({b.flat.numel()}, b.flat.options().dtype(t_));
       comm::floatsTo16(b.flat.data_ptr<float>(), b.scratch.data_ptr(), n, ct_);
     } else {
       b.scratch = b.flat.to(t_).contiguous();
@@ -166,14 +184,16 @@ class CastHook : public CommHook {
   c10::ScalarType t_;
   comm::DType ct_;
   const char* name_;
+  bool always_;
+  bool noted_ = false;  // the shm note was printed (run() is called on autograd's thread only)
 };
 }  // namespace
 
-std::shared_ptr<CommHook> fp16CompressHook() {
-  return std::make_shared<CastHook>(at::kHalf, comm::DType::f16, "fp16_compress");
+std::shared_ptr<CommHook> fp16CompressHook(bool always) {
+  return std::make_shared<CastHook>(at::kHalf, comm::DType::f16, "fp16_compress", always);
 }
-std::shared_ptr<CommHook> bf16CompressHook() {
-  return std::make_shared<CastHook>(at::kBFloat16, comm::DType::bf16, "bf16_compress");
+std::shared_ptr<CommHook> bf16CompressHook(bool always) {
+  return std::make_shared<CastHook>(at::kBFloat16, comm::DType::bf16, "bf16_compress", always);
 }
 
 }  // namespace dtrain

@@ -15,7 +15,8 @@ namespace dtrain {
 
 namespace {
 
-constexpr const char* kAccepted = "none, fp16, bf16, topk:RATIO (0 < RATIO <= 1) or powersgd:R[:START] (R >= 1, START >= 2)";
+constexpr const char* kAccepted =
+    "none, fp16[:always], bf16[:always], topk:RATIO (0 < RATIO <= 1) or powersgd:R[:START] (R >= 1, START >= 2)";
 
 [[noreturn]] void bad(const std::string& option, const std::string& value, const std::string& why) {
   throw InvalidArgument(fmt::format("{} '{}': {} (expected {})", option, value, why, kAccepted));
@@ -29,8 +30,13 @@ CommHookSpec parseCommHookSpec(const std::string& value, const std::string& opti
   const size_t colon = value.find(':');
   s.kind = value.substr(0, colon);
   const std::string arg = colon == std::string::npos ? "" : value.substr(colon + 1);
-  if (s.kind == "none" || s.kind == "fp16" || s.kind == "bf16") {
+  if (s.kind == "none") {
     if (colon != std::string::npos) bad(option, value, "takes no parameter");
+    return s;
+  }
+  if (s.kind == "fp16" || s.kind == "bf16") {
+    if (colon != std::string::npos && arg != "always") bad(option, value, "the only parameter is 'always'");
+    s.always = colon != std::string::npos;
     return s;
   }
   if (s.kind != "topk" && s.kind != "powersgd") bad(option, value, "unknown hook");
@@ -61,8 +67,8 @@ CommHookSpec parseCommHookSpec(const std::string& value, const std::string& opti
 
 std::shared_ptr<CommHook> makeCommHook(const CommHookSpec& spec) {
   if (spec.kind == "none") return nullptr;
-  if (spec.kind == "fp16") return fp16CompressHook();
-  if (spec.kind == "bf16") return bf16CompressHook();
+  if (spec.kind == "fp16") return fp16CompressHook(spec.always);
+  if (spec.kind == "bf16") return bf16CompressHook(spec.always);
   if (spec.kind == "topk") {
     TopKOptions o;
     o.ratio = spec.ratio;

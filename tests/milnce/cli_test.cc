@@ -163,10 +163,10 @@ TEST(MilNceCli, SlowLinkOptions) {
     EXPECT_EQ(r.first, 0) << args << ": " << r.second;
     return dir.path() + "/" + name + "/metrics.jsonl";
   };
-  const std::string none = train("none", ""), fp16 = train("fp16", "--comm-hook fp16"),
+  const std::string none = train("none", ""), fp16 = train("fp16", "--comm-hook fp16:always"),
                     lamb = train("lamb", "--optimizer lamb --weight-decay 0.01 --lr 0.002"),
                     local = train("local", "--local-sgd 2"), psgd = train("psgd", "--comm-hook powersgd:2:3");
-  EXPECT_EQ(records(fp16, "run").at(0)["config"]["comm_hook"], "fp16");
+  EXPECT_EQ(records(fp16, "run").at(0)["config"]["comm_hook"], "fp16:always");
   EXPECT_EQ(records(lamb, "run").at(0)["config"]["optimizer"], "lamb");
   EXPECT_EQ(records(local, "run").at(0)["config"]["local_sgd"], 2);
   // The gradients are most of the bytes (the embeddings' allgather the rest): fp16 halves them.

@@ -22,7 +22,7 @@ void checkHook(int world, bool bf16) {
     DDPOptions o;
     o.bucket_bytes = o.first_bucket_bytes = 512;
     DistributedDataParallel ddp(model.ptr(), pg, o);
-    ddp.registerCommHook(bf16 ? bf16CompressHook() : fp16CompressHook());
+    ddp.registerCommHook(bf16 ? bf16CompressHook(/*always=*/true) : fp16CompressHook(/*always=*/true));
     const auto t = bf16 ? at::kBFloat16 : at::kHalf;
     for (int step = 0; step < 3; ++step) {
       auto [x, y] = batch(step, world);
@@ -78,6 +78,55 @@ TEST(CompressHooks, Fp16OnFloatBucketsEqualsTheRoundedAverage) {
 TEST(CompressHooks, Bf16OnFloatBucketsEqualsTheRoundedAverage) {
   checkHook(2, true);
   checkHook(3, true);
+}
+
+}  // namespace
+}  // namespace dtrain::test
+
+namespace dtrain::test {
+namespace {
+
+// By default the 16-bit hooks do not compress where every rank shares memory (the conversions cost more
+// than the halved copies save there): over shm the gradients equal those of no hook bit for bit and as
+// many bytes move; over tcp the hook compresses (half the bytes, gradients rounded).
+TEST(CompressHooks, OverSharedMemoryFloatBucketsTravelAsTheyAre) {
+  for (const std::string transport : {"shm", "tcp"}) {
+    for (bool bf16 : {false, true}) {
+      StoreServer server;
+      auto results = runRanks(2, [&](int rank) {
+        auto pg = group(server, rank, 2, 30, transport);
+        ASSERT_EQ(pg->transportName(), transport);
+        auto gradsAndBytes = [&](bool hook) {
+          torch::manual_seed(3);
+          Net model(false, false);
+          DistributedDataParallel ddp(model.ptr(), pg);
+          if (hook) ddp.registerCommHook(bf16 ? bf16CompressHook() : fp16CompressHook());
+          auto [x, y] = batch(0, 2);
+          const uint64_t before = comm::bytesSent();
+          torch::nn::functional::cross_entropy(model->forward(x.to(at::kFloat).narrow(0, rank * kPerRank, kPerRank)),
+                                               y.narrow(0, rank * kPerRank, kPerRank))
+              .backward();
+          const uint64_t sent = comm::bytesSent() - before;
+          std::vector<at::Tensor> grads;
+          for (auto& p : model->parameters()) grads.push_back(p.grad().clone());
+          return std::make_pair(grads, sent);
+        };
+        auto [plain, plain_bytes] = gradsAndBytes(false);
+        auto [hooked, hooked_bytes] = gradsAndBytes(true);
+        const std::string what = transport + (bf16 ? " bf16" : " fp16");
+        bool equal = true;
+        for (size_t i = 0; i < plain.size(); ++i) equal = equal && torch::equal(plain[i], hooked[i]);
+        if (transport == "shm") {
+          EXPECT_TRUE(equal) << what << ": the gradients changed";
+          EXPECT_EQ(hooked_bytes, plain_bytes) << what;
+        } else {
+          EXPECT_FALSE(equal) << what << ": no rounding to 16 bits";
+          EXPECT_LT(hooked_bytes, plain_bytes * 6 / 10) << what << " (" << plain_bytes << " without the hook)";
+        }
+      });
+      expectAllOk(results);
+    }
+  }
 }
 
 }  // namespace

@@ -12,6 +12,9 @@ TEST(HookSpec, ParsesEveryKind) {
   EXPECT_EQ(parseCommHookSpec("none").kind, "none");
   EXPECT_EQ(parseCommHookSpec("fp16").kind, "fp16");
   EXPECT_EQ(parseCommHookSpec("bf16").kind, "bf16");
+  EXPECT_FALSE(parseCommHookSpec("fp16").always);
+  EXPECT_TRUE(parseCommHookSpec("fp16:always").always);
+  EXPECT_EQ(parseCommHookSpec("bf16:always").kind, "bf16");
   auto t = parseCommHookSpec("topk:0.01");
   EXPECT_EQ(t.kind, "topk");
   EXPECT_DOUBLE_EQ(t.ratio, 0.01);
@@ -28,14 +31,14 @@ TEST(HookSpec, ParsesEveryKind) {
 
 TEST(HookSpec, RefusesBadValuesNamingTheOption) {
   for (const char* v : {"foo", "", "topk", "topk:", "topk:0", "topk:2", "topk:-0.1", "topk:abc", "topk:0.1x",
-                        "topk:nan", "powersgd", "powersgd:0", "powersgd:-1", "powersgd:1.5", "powersgd:2:", "powersgd:2:1", "powersgd:2:x", "powersgd::5", "fp16:2", "none:"}) {
+                        "topk:nan", "powersgd", "powersgd:0", "powersgd:-1", "powersgd:1.5", "powersgd:2:", "powersgd:2:1", "powersgd:2:x", "powersgd::5", "fp16:2", "bf16:", "fp16:alway", "none:"}) {
     try {
       parseCommHookSpec(v, "--hook");
       ADD_FAILURE() << "'" << v << "' accepted";
     } catch (const InvalidArgument& e) {
       const std::string msg = e.what();
       EXPECT_NE(msg.find(std::string("--hook '") + v + "'"), std::string::npos) << msg;
-      EXPECT_NE(msg.find("expected none, fp16, bf16"), std::string::npos) << msg;
+      EXPECT_NE(msg.find("expected none, fp16[:always], bf16[:always], topk:RATIO"), std::string::npos) << msg;
     }
   }
 }
