@@ -123,6 +123,9 @@ int run(const Options& o) {
   DTRAIN_CHECK(o.epochs >= 1 && o.batch >= 1 && o.local_sgd >= 0 && o.warmup_epochs >= 0, InvalidArgument,
                "dtrain-bench accuracy: --epochs and --batch must be >= 1, --local-sgd and --warmup-epochs >= 0");
   DTRAIN_CHECK(o.local_sgd == 0 || o.hook == "none", InvalidArgument, "dtrain-bench accuracy: --local-sgd and --hook: choose one");
+  DTRAIN_CHECK(!o.scale_lr || o.warmup_epochs < o.epochs, InvalidArgument,
+               "dtrain-bench accuracy: --warmup-epochs ({}) must be fewer than --epochs ({}) with --scale-lr (the lr "
+               "decays to 0 after the warm-up)", o.warmup_epochs, o.epochs);
   const double lr = o.lr > 0 ? o.lr : defaultLr(o.optimizer);
   const Task task = makeTask();
   torch::manual_seed(static_cast<uint64_t>(o.seed));
@@ -132,7 +135,7 @@ int run(const Options& o) {
   const int64_t steps_per_epoch = static_cast<int64_t>(sampler.indices().size()) / o.batch;
   DTRAIN_CHECK(steps_per_epoch >= 1, InvalidArgument, "dtrain-bench accuracy: --batch {} x {} ranks is more than the {} samples",
                o.batch, dist.size(), kTrain);
-  if (auto hook = makeCommHook(parseCommHookSpec(o.hook))) ddp.registerCommHook(hook);
+  if (auto hook = makeCommHook(parseCommHookSpec(o.hook, "--hook"))) ddp.registerCommHook(hook);
   std::unique_ptr<PeriodicModelAverager> averager;
   if (o.local_sgd > 0) {  // post-local SGD: DDP for the first epoch, then every rank alone
     ddp.registerCommHook(postLocalSGDHook(dist.world(), steps_per_epoch, /*post_local_gradient_allreduce=*/false));
