@@ -82,12 +82,19 @@ def acc(name):
         if m: vals.append(float(m.group(1)))
     return vals
 means = {n: (statistics.mean(acc(n)) if acc(n) else None) for n, _, _ in configs}
+for f in sorted(glob.glob(f"{out}/*.txt")):  # the epochs the runs in DIR had (--summarize)
+    m = re.search(r"dtrain-accuracy .*epochs=(\d+)", open(f).read())
+    if m:
+        epochs = m.group(1)
+        break
 print(f"\n| configuration | held-out accuracy after {epochs} epochs, mean (min-max) over seeds | baseline | difference | within 1 point |")
 print("| --- | --- | --- | --- | --- |")
 for n, base, _ in configs:
     v = acc(n)
     if not v:
-        print(f"| {n} | failed | {base} | - | no |"); continue
+        ran = glob.glob(f"{out}/{n.replace(' ', '_')}_*.txt")
+        if ran: print(f"| {n} | failed (see {ran[0]}) | {base} | - | no |")
+        continue
     row = f"| {n} | {100*means[n]:.2f}% ({100*min(v):.2f}-{100*max(v):.2f}, n={len(v)}) |"
     if base == "-":
         print(row + " (baseline) | - | - |"); continue
