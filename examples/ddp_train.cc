@@ -8,7 +8,8 @@
 // reads its share of each epoch through the DistributedSampler, DDP averages the gradients.
 //
 // Over slow links (docs/SLOW-LINKS.md):
-//   --comm-hook none|fp16|bf16|topk:RATIO|powersgd:R[:START]   compress the gradients (dtrain/hook_spec.h)
+//   --comm-hook none|fp16|bf16|topk:RATIO|powersgd:R[:START]   compress the gradients (dtrain/hook_spec.h;
+//                fp16/bf16 do not compress over shared memory, where it cannot pay: fp16:always does)
 //   --optimizer sgd|lamb|lars    SGD with momentum (default), or a large-batch optimizer (dtrain/optim.h)
 //   --local-sgd N                gradients averaged within each machine, parameters across all every N steps
 //   --batch B                    samples per rank and step (64)

@@ -156,9 +156,9 @@ class CastHook : public CommHook {
     // (docs/PERFORMANCE.md). Such a bucket travels as float32; the choice is visible once.
     if (f32 && !always_ && pg.transportName() == "shm") {
       if (!noted_ && pg.rank() == 0)
-        std::fprintf(stderr, "dtrain: %s hook: every rank of the group shares memory (shm), where converting costs "
-                     "more than the halved bytes save; float32 buckets are averaged as they are (compress anyway: "
-                     "%s(/*always=*/true), or --comm-hook %s:always)\n", name_, name_[0] == 'f' ? "fp16CompressHook" : "bf16CompressHook",
+        std::fprintf(stderr, "dtrain: %s hook: every rank shares memory here, where converting costs more than the "
+                     "halved bytes save, so float32 buckets are averaged as they are (to compress anyway: %s(true), "
+                     "or --comm-hook %s:always)\n", name_, name_[0] == 'f' ? "fp16CompressHook" : "bf16CompressHook",
                      name_[0] == 'f' ? "fp16" : "bf16");
       noted_ = true;
       return pg.allreduce(b.flat.data_ptr(), n, comm::DType::f32, comm::ReduceOp::avg);
