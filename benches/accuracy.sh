@@ -71,7 +71,7 @@ for seed in $seeds; do
       --progress off >"$log" 2>&1 || echo "  $name seed $seed: failed, see $log" >&2
   done
 done
-summary() {  # summary [rig-times-dir]
+summary() {  # summary [rig-times-dir | --targets]; --targets prints NAME|TARGET per baseline (its mean - 1 point)
   /usr/bin/python3 - "$out" "$epochs" "${1:-}" "${configs[@]}" <<'PY'
 import glob, re, statistics, sys
 out, epochs, rigdir, configs = sys.argv[1], sys.argv[2], sys.argv[3], [c.split("|") for c in sys.argv[4:]]
@@ -81,7 +81,12 @@ def acc(name):
         m = re.search(r"final_acc=([\d.]+)", open(f).read())
         if m: vals.append(float(m.group(1)))
     return vals
-means = {n: (statistics.mean(acc(n)) if acc(n) else None) for n, _, _ in configs}
+accs = {n: acc(n) for n, _, _ in configs}
+means = {n: (statistics.mean(v) if v else None) for n, v in accs.items()}
+if rigdir == "--targets":
+    for n, base, _ in configs:
+        if base == "-" and means[n] is not None: print(f"{n}|{means[n] - 0.01}")
+    sys.exit(0)
 for f in sorted(glob.glob(f"{out}/*.txt")):  # the epochs the runs in DIR had (--summarize)
     m = re.search(r"dtrain-accuracy .*epochs=(\d+)", open(f).read())
     if m:
@@ -90,7 +95,7 @@ for f in sorted(glob.glob(f"{out}/*.txt")):  # the epochs the runs in DIR had (-
 print(f"\n| configuration | held-out accuracy after {epochs} epochs, mean (min-max) over seeds | baseline | difference | within 1 point |")
 print("| --- | --- | --- | --- | --- |")
 for n, base, _ in configs:
-    v = acc(n)
+    v = accs[n]
     if not v:
         ran = glob.glob(f"{out}/{n.replace(' ', '_')}_*.txt")
         if ran: print(f"| {n} | failed (see {ran[0]}) | {base} | - | no |")
@@ -120,11 +125,7 @@ elif ((rig)); then
   mkdir -p "$out/rig"
   # Targets: each baseline's mean accuracy over the seeds, minus 1 point.
   declare -A target
-  for c in "${configs[@]}"; do
-    IFS='|' read -r name base args <<<"$c"
-    [[ $base == - ]] || continue
-    target[$name]=$(/usr/bin/python3 -c "import glob,re,statistics,sys; v=[float(re.search(r'final_acc=([\d.]+)',open(f).read()).group(1)) for f in glob.glob(sys.argv[1]+'/'+sys.argv[2]+'_*.txt')]; print(statistics.mean(v)-0.01)" "$out" "${name// /_}")
-  done
+  while IFS='|' read -r name t; do target[$name]=$t; done < <(summary --targets)
   for c in "${configs[@]}"; do
     IFS='|' read -r name base args <<<"$c"
     selected "$name" || continue

@@ -155,11 +155,11 @@ class CastHook : public CommHook {
     // than the halved copies save: the reference MLP's step was 0.92x of no hook with them
     // (docs/PERFORMANCE.md). Such a bucket travels as float32; the choice is visible once.
     if (f32 && !always_ && pg.transportName() == "shm") {
+      const char* kind = t_ == at::kHalf ? "fp16" : "bf16";
       if (!noted_ && pg.rank() == 0)
         std::fprintf(stderr, "dtrain: %s hook: every rank shares memory here, where converting costs more than the "
-                     "halved bytes save, so float32 buckets are averaged as they are (to compress anyway: %s(true), "
-                     "or --comm-hook %s:always)\n", name_, name_[0] == 'f' ? "fp16CompressHook" : "bf16CompressHook",
-                     name_[0] == 'f' ? "fp16" : "bf16");
+                     "halved bytes save, so float32 buckets are averaged as they are (to compress anyway: "
+                     "%sCompressHook(true), or --comm-hook %s:always)\n", name_, kind, kind);
       noted_ = true;
       return pg.allreduce(b.flat.data_ptr(), n, comm::DType::f32, comm::ReduceOp::avg);
     }

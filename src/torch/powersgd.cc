@@ -115,11 +115,11 @@ class PowerSGDBase : public PowerSGDHook {
     if (o_.use_error_feedback) at::addmm_out(error, m, p, q.t(), /*beta=*/1, /*alpha=*/-1);
     at::mm_out(m, p, q.t());
   }
-  // The part of a bucket-shaped buffer (error) that holds the bucket's gradient `g`, shaped as `like`.
-  static at::Tensor partOf(const at::Tensor& buffer, const GradBucket& b, const at::Tensor& g, const at::Tensor& like) {
+  // The part of a bucket-shaped buffer (error) that holds `g`, a view of the bucket, shaped as g.
+  static at::Tensor partOf(const at::Tensor& buffer, const GradBucket& b, const at::Tensor& g) {
     const auto off = (static_cast<const char*>(g.data_ptr()) - static_cast<const char*>(b.flat.data_ptr())) /
                      static_cast<std::ptrdiff_t>(g.element_size());
-    return buffer.narrow(0, off, like.numel()).view_as(like);
+    return buffer.narrow(0, off, g.numel()).view_as(g);
   }
 
   static comm::WorkPtr allreduceSum(comm::ProcessGroup& pg, at::Tensor& t) {
@@ -188,7 +188,7 @@ class LayerwiseHook : public PowerSGDBase {
       for (auto& t : s.unc) {
         auto avg = s.unc_flat.narrow(0, off, t.numel()).view_as(t);
         if (o_.use_error_feedback) {  // error = input - output
-          auto e = partOf(s.error, b, t, t);
+          auto e = partOf(s.error, b, t);
           at::sub_out(e, t, avg);
         }
         t.copy_(avg);
@@ -256,7 +256,7 @@ comm::WorkPtr LayerwiseHook::secondStage(GradBucket& b, Bucket& s, int world) {
     s.q.div_(world);
     for (size_t i = 0; i < s.mats.size(); ++i)
       decompress(s.mats[i], s.ps[i], s.qs[i],
-                 o_.use_error_feedback ? partOf(s.error, b, s.mats[i], s.mats[i]) : at::Tensor());
+                 o_.use_error_feedback ? partOf(s.error, b, s.mats[i]) : at::Tensor());
     finish(s);
     return nullptr;
   });

@@ -25,25 +25,19 @@ using dtrain::detail::jsonQuoted;
 std::string orNull(int64_t us) { return us == 0 ? "null" : std::to_string(us); }
 
 
-int globalRank(const GroupInfo& g, int group_rank) {
-  return group_rank >= 0 && static_cast<size_t>(group_rank) < g.global_ranks.size()
-             ? g.global_ranks[static_cast<size_t>(group_rank)]
-             : group_rank;
-}
-
 std::string formatEntry(const Entry& e) {
   const GroupInfo* g = e.group;
   std::string peers;
   const size_t kept = std::min<size_t>(e.npeers, Entry::kInlinePeers);
   for (size_t i = 0; i < kept; ++i) {
-    peers += fmt::format("{}{}", i ? ", " : "", g ? globalRank(*g, e.peers[i]) : e.peers[i]);
+    peers += fmt::format("{}{}", i ? ", " : "", g ? g->globalRank(e.peers[i]) : e.peers[i]);
   }
   std::string out = fmt::format(
       "{{\"id\": {}, \"group\": {}, \"seq\": {}, \"op\": {}, \"dtype\": {}, \"count\": {}, \"bytes\": {}, "
       "\"root\": {}, \"peers\": [{}], \"peers_total\": {}, \"algorithm\": {}, \"state\": \"{}\", "
       "\"issued_us\": {}, \"started_us\": {}, \"finished_us\": {}",
       e.id, jsonQuoted(g ? g->name : ""), e.seq == OpRecord::kNoSeq ? "null" : std::to_string(e.seq), jsonQuoted(e.op),
-      jsonQuoted(e.dtype), e.count, e.bytes, e.root >= 0 && g ? globalRank(*g, e.root) : e.root, peers, e.npeers,
+      jsonQuoted(e.dtype), e.count, e.bytes, e.root >= 0 && g ? g->globalRank(e.root) : e.root, peers, e.npeers,
       jsonQuoted(e.algorithm), stateName(e.state), e.issued_us, orNull(e.started_us), orNull(e.finished_us));
   if (e.state == State::failed) out += ", \"error\": " + jsonQuoted(e.error);
   return out + "}";

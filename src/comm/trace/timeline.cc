@@ -124,11 +124,8 @@ bool sameShape(const OpShape* shape, const OpRecord& r, const GroupInfo* g) {
   if (shape->rank != g->rank || shape->group_size != g->size || g->name != shape->group) return false;
   if (r.peers.empty()) return shape->npeers == g->size - 1;  // every other member
   if (static_cast<size_t>(shape->npeers) != r.peers.size()) return false;
-  for (size_t i = 0; i < r.peers.size(); ++i) {
-    const int p = r.peers[i];
-    const int global = p >= 0 && static_cast<size_t>(p) < g->global_ranks.size() ? g->global_ranks[p] : p;
-    if (shape->peers[i] != global) return false;
-  }
+  for (size_t i = 0; i < r.peers.size(); ++i)
+    if (shape->peers[i] != g->globalRank(r.peers[i])) return false;
   return true;
 }
 
@@ -298,14 +295,11 @@ void op(const OpRecord& r, const std::exception_ptr& error) {
     int peers[kMaxPeers];
     size_t np = 0;
     if (g) {
-      auto global = [&](int p) {
-        return p >= 0 && static_cast<size_t>(p) < g->global_ranks.size() ? g->global_ranks[p] : p;
-      };
       if (!r.peers.empty()) {
-        for (size_t i = 0; i < r.peers.size() && np < kMaxPeers; ++i) peers[np++] = global(r.peers[i]);
+        for (size_t i = 0; i < r.peers.size() && np < kMaxPeers; ++i) peers[np++] = g->globalRank(r.peers[i]);
       } else {
         for (int p = 0; p < g->size && np < kMaxPeers; ++p)
-          if (p != g->rank) peers[np++] = global(p);
+          if (p != g->rank) peers[np++] = g->globalRank(p);
       }
     }
     shape = storeShape(b, r, g, peers, np, group_n);

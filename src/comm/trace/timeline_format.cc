@@ -176,33 +176,26 @@ struct OpPrefix {
   int32_t root = -1;
   std::vector<int> peers;
   std::string text;
-  const char* name_ptr = nullptr;
-  const char* cat_ptr = nullptr;
 
-  // The shape it was last printed or matched from: the same pointer is the same shape, until a chunk
-  // is handed back for reuse (forgetShapes()).
+  // The shape it was last printed or matched from: the same pointer is the same shape (an op event's
+  // name is its shape's op, its category always "comm"), until a chunk is handed back for reuse
+  // (forgetShapes()).
   const OpShape* seen = nullptr;
 
   bool matches(const Event& e, int p, uint64_t t) {
-    if (e.o.shape == seen && valid && p == pid && t == tid && e.name == name_ptr && e.cat == cat_ptr) return true;
+    if (e.o.shape == seen && valid && p == pid && t == tid) return true;
     const OpShape& s = *e.o.shape;
     const bool same = valid && p == pid && t == tid && s.count == count && s.bytes == bytes && s.root == root &&
            s.group_size == group_size && static_cast<size_t>(s.npeers) == peers.size() &&
            std::equal(peers.begin(), peers.end(), s.peers) && name == e.name && cat == e.cat && group == s.group &&
            dtype == s.dtype && algorithm == s.algorithm;
-    if (same) {
-      seen = e.o.shape;
-      name_ptr = e.name;
-      cat_ptr = e.cat;
-    }
+    if (same) seen = e.o.shape;
     return same;
   }
   void keep(const Event& e, int p, uint64_t t, const char* from, const char* to) {
     const OpShape& s = *e.o.shape;
     valid = true;
     seen = e.o.shape;
-    name_ptr = e.name;
-    cat_ptr = e.cat;
     pid = p;
     tid = t;
     name = e.name;

@@ -44,6 +44,13 @@ struct GroupInfo {
   // The timeline's count of point-to-point messages sent to (first size) and received from (next size)
   // each member, which names them in flow events. The group's ops run one at a time.
   mutable std::vector<uint64_t> p2p_messages;
+
+  // A member's rank in the world (itself when not known or out of range).
+  int globalRank(int group_rank) const {
+    return group_rank >= 0 && static_cast<size_t>(group_rank) < global_ranks.size()
+               ? global_ranks[static_cast<size_t>(group_rank)]
+               : group_rank;
+  }
 };
 
 // One op of a process group.
