@@ -10,6 +10,7 @@
 // wrong elements says so on stderr and exits 1 itself, since the total is summed by the very
 // collectives being measured.
 // Progress on stderr counts the sizes; --metrics FILE adds a bench record per size (observe.h).
+// --timeline-blocks N (with DTRAIN_TIMELINE) also measures the timeline's cost (timelineBlocks()).
 #include "collectives_bench.h"
 
 #include <fmt/format.h>
@@ -18,11 +19,14 @@
 #include <chrono>
 #include <cmath>
 #include <cstdlib>
+#include <functional>
+#include <utility>
 #include <vector>
 
 #include "dtrain/comm/element.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/rendezvous.h"
+#include "dtrain/trace.h"
 #include "observe.h"
 
 namespace dtrain::bench {
@@ -44,6 +48,7 @@ struct Options {
   double factor = 2;
   int iters = 0;  // 0: from the warm-up
   double seconds = 0.3;
+  int64_t timeline_blocks = 0;  // > 0 with DTRAIN_TIMELINE: alternate blocks of this many ops, paused / recording
   Observe observe;
 };
 
@@ -139,11 +144,37 @@ class Runner {
   std::vector<uint8_t> in_, out_;
 };
 
+
 double percentile(std::vector<double> v, double p) {
   if (v.empty()) return 0;
   std::sort(v.begin(), v.end());
   size_t k = static_cast<size_t>(std::min<double>(v.size() - 1, std::floor(p * (v.size() - 1) + 0.5)));
   return v[k];
+}
+
+// The timeline's cost in one process, so that the machine's drifts cancel: blocks of `block` ops
+// alternately with recording paused and on, each recording block ending with trace::flushSpool() (so its
+// time includes the writer's work for every event it made; the JSON is made at exit, as in a run). The machine switches now and then between a fast
+// and a slow mode (where the threads land), so the cost is the median over the pairs of each pair's
+// ratio; the op times are the medians of each kind's blocks (rank 0's).
+struct TimelineCost {
+  double paused_us = 0, recording_us = 0, ratio = 0;
+};
+TimelineCost timelineBlocks(ProcessGroup& pg, const std::function<void()>& once, int64_t block, int64_t pairs) {
+  std::vector<double> off, on, ratio;
+  for (int64_t p = 0; p < pairs; ++p) {
+    for (bool record : {false, true}) {
+      trace::setTimelineRecording(record);
+      pg.barrier()->wait();
+      auto t0 = Clock::now();
+      for (int64_t i = 0; i < block; ++i) once();
+      if (record) trace::flushSpool();
+      (record ? on : off).push_back(std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / block);
+    }
+    ratio.push_back(on.back() / off.back());
+  }
+  trace::setTimelineRecording(true);
+  return {percentile(off, 0.5), percentile(on, 0.5), percentile(ratio, 0.5)};
 }
 
 int run(Coll c, const Options& o) {
@@ -167,6 +198,8 @@ int run(Coll c, const Options& o) {
     std::fflush(stdout);  // the header says the group is formed; tests watch for it
   }
   // The sizes measured: the nominal bytes (which size the warm-up) and the element count.
+  if (o.timeline_blocks > 0 && !trace::timelineOn())
+    throw InvalidArgument("--timeline-blocks measures the timeline: set DTRAIN_TIMELINE=DIR");
   std::vector<std::pair<double, size_t>> points;
   for (double bytes = static_cast<double>(o.min_bytes); bytes <= static_cast<double>(o.max_bytes); bytes *= o.factor) {
     size_t count = static_cast<size_t>(bytes) / es;
@@ -198,6 +231,12 @@ int run(Coll c, const Options& o) {
     }
     double mean_us = std::chrono::duration<double, std::micro>(Clock::now() - t0).count() / static_cast<double>(iters);
     pg->allreduce(&mean_us, 1, DType::f64, ReduceOp::max)->wait();
+    TimelineCost tl;
+    if (o.timeline_blocks > 0) {
+      tl = timelineBlocks(*pg, [&] { run.once(); }, o.timeline_blocks, std::max<int64_t>(1, iters / (2 * o.timeline_blocks)));
+      if (r == 0) fmt::print("# timeline at {} bytes: {:.3f} us paused, {:.3f} us recording (medians): {:+.1f}% (median of pairs)\n",
+                             count * es, tl.paused_us, tl.recording_us, 100 * (tl.ratio - 1));
+    }
     int64_t bad = run.wrong();
     if (bad != 0) {
       fmt::print(stderr, "dtrain-bench {}: rank {}: {} of {} elements wrong at {} bytes\n", name(c), r, bad,
@@ -220,6 +259,8 @@ int run(Coll c, const Options& o) {
                      .set("algo", o.algo).set("size_bytes", size_bytes).set("count", count).set("iters", iters)
                      .set("time_us", mean_us).set("p50_us", percentile(times, 0.5)).set("p90_us", percentile(times, 0.9))
                      .set("algbw_GBps", algbw).set("busbw_GBps", algbw * busFactor(c, n)).set("wrong", bad));
+      if (o.timeline_blocks > 0) log->write(Record("timeline_cost").set("size_bytes", size_bytes).set("paused_us", tl.paused_us)
+                                                .set("recording_us", tl.recording_us).set("ratio", tl.ratio));
     }
     progress.update(++done, fmt::format("{} bytes {:.1f} us", size_bytes, mean_us));
   }
@@ -256,6 +297,9 @@ void addCollectiveCommands(CLI::App& app) {
     sub->add_option("--iters", o->iters, "timed iterations per size (0: from the warm-up)");
     sub->add_option("--seconds", o->seconds, "timed work per size when --iters is 0");
     sub->add_option("--dtype", o->dtype, "f32 f64 f16 bf16 i32 i64 u8");
+    sub->add_option("--timeline-blocks", o->timeline_blocks,
+                    "with DTRAIN_TIMELINE: after each timed loop, as many ops again in blocks of this many, alternately "
+                    "paused and recording (spooling included), and print the timeline's cost")->check(CLI::PositiveNumber);
     o->observe.addOptions(sub);
     if (c == Coll::allreduce) sub->add_option("--algo", o->algo, "auto, ring, rd, direct (shm) or hierarchical (several hosts)")->check(CLI::IsMember({"auto", "ring", "rd", "direct", "hierarchical"}));
     sub->callback([c, o, minb, maxb] {

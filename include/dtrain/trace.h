@@ -44,8 +44,13 @@ class Span {
 // The trace clock: microseconds of the steady clock (shared by the processes of one host).
 int64_t nowUs();
 
-// True when this process writes a timeline (DTRAIN_TIMELINE is set).
+// True when this process records a timeline now (DTRAIN_TIMELINE is set and recording is not paused).
 bool timelineOn();
+
+// Pauses (false) and resumes (true) recording, to keep a long run's trace to the steps you look at (as
+// torch.profiler's schedule does); the file stays open and valid JSON. An op or span is recorded when
+// recording is on as it ends. A no-op when the timeline is off. Recording starts on.
+void setTimelineRecording(bool on);
 
 // The spans open right now on every thread of this process, outermost first, one entry per thread
 // that has any (the flight recorder's dumps carry them).
@@ -61,9 +66,19 @@ std::vector<OpenSpans> openSpans();
 void setThreadName(std::string name);
 
 // Writes the timeline's events so far to this rank's file, which is complete JSON afterwards (the
-// timeline also writes every quarter second, when an op fails and at exit; call it before a process
-// ends without exit(), e.g. through _exit or a signal). A no-op when the timeline is off.
+// timeline also does this when an op fails and at exit; call it before a process ends without exit(),
+// e.g. through _exit or a signal). A no-op when the timeline is off.
 void flush();
+
+// While a rank runs, its events go every quarter second to a compact spool beside its file
+// (DIR/trace-rank<R>.spool), and become JSON at flush() or exit: that keeps the cost to a loop of small
+// collectives low. flushSpool() does the quarter second's work now, without making the JSON (e.g.
+// before timing the next stretch of work, so that the writer's catching up does not fall in it).
+void flushSpool();
+
+// The events of a spool as the JSON file's lines ("\n," and one event each): dtrain-trace merge reads
+// the spool a rank left when it ended without exit (killed). Throws naming the file if it is no spool.
+std::string spoolEvents(const std::string& path);
 
 }  // namespace dtrain::trace
 

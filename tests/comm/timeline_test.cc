@@ -182,9 +182,8 @@ TEST_F(Timeline, MergeKeepsACutFileAndNamesACorruptOne) {
   EXPECT_NE(junk.output.find("trace-rank0.json is not a dtrain timeline"), std::string::npos) << junk.output;
 }
 
-// The writer appends each round's events after the last (in whole blocks where the file system takes
-// O_DIRECT, keeping the partial last block to write again): after every flush the file is the complete
-// JSON of everything recorded so far, ending with the closer and nothing after it. Ops alternate in size
+// Each flush turns the spool into events appended after the last: after every flush the file is the
+// complete JSON of everything recorded so far, ending with the closer and nothing after it. Ops alternate in size
 // and type, so the writer's copy of the last op's constant part is replaced as often as it is used.
 void checkFileAfterEachFlush(const std::string& dir) {
   auto results = runRanks(1, [&](int) {
@@ -231,13 +230,87 @@ TEST_F(Timeline, FileIsWholeAfterEveryFlush) {
   checkFileAfterEachFlush(dir.path());
 }
 
-// The same in /dev/shm (tmpfs: O_DIRECT may be refused there, and then the writer writes through the
-// page cache instead).
+// The same in /dev/shm (tmpfs).
 TEST_F(Timeline, FileIsWholeAfterEveryFlushOnTmpfs) {
   char tmpl[] = "/dev/shm/dtrain-timeline-XXXXXX";
   ASSERT_NE(mkdtemp(tmpl), nullptr) << "/dev/shm: " << std::strerror(errno);
   checkFileAfterEachFlush(tmpl);
   fs::remove_all(tmpl);
+}
+
+// Recording paused (setTimelineRecording(false)) leaves no events; resumed, events come again. The
+// file is whole after a flush made while paused.
+TEST_F(Timeline, PausedRecordingLeavesNoEvents) {
+  TempDir dir;
+  auto results = runRanks(1, [&](int) {
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    auto world = comm::initWorld();
+    std::vector<float> f(16, 1.0f);
+    for (int phase = 0; phase < 3; ++phase) {
+      dtrain::trace::setTimelineRecording(phase != 1);
+      EXPECT_EQ(dtrain::trace::timelineOn(), phase != 1);
+      for (int i = 0; i < 20; ++i) {
+        DTRAIN_SPAN(std::string("phase ") + std::to_string(phase));
+        world->allreduce(f.data(), f.size() - static_cast<size_t>(phase), comm::DType::f32)->wait();
+      }
+      dtrain::trace::flush();
+    }
+  });
+  expectAllOk(results);
+  Merged m = mergeTimeline(dir.path());
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "phase 0").size(), 20u);
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "phase 1").size(), 0u) << "recorded while paused";
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "phase 2").size(), 20u);
+  std::map<size_t, int> by_count;
+  for (const auto& e : eventsOf(m.trace, "X", 0, "allreduce")) ++by_count[e.at("args").at("count").get<size_t>()];
+  EXPECT_EQ(by_count, (std::map<size_t, int>{{16, 20}, {14, 20}}));
+}
+
+// A rank that ends without exit (killed) leaves its spool beside its JSON: merge reads both. One killed
+// while turning its spool into JSON leaves some events in both: merge keeps them once.
+TEST_F(Timeline, MergeReadsTheSpoolOfARankThatDidNotExit) {
+  TempDir dir;
+  const std::string spool = dir.path() + "/trace-rank0.spool", saved = dir.path() + "/saved.bin";
+  auto results = runRanks(1, [&](int) {
+    setenv("DTRAIN_TIMELINE", dir.path().c_str(), 1);
+    auto world = comm::initWorld();
+    std::vector<int64_t> x(8, 1);
+    auto some = [&](const char* what, int n) {
+      for (int i = 0; i < n; ++i) {
+        dtrain::trace::Span s(std::string(what) + " " + std::to_string(i));
+        world->allreduce(x.data(), x.size(), comm::DType::i64)->wait();
+      }
+    };
+    some("early", 30);
+    dtrain::trace::flushSpool();  // spooled, not yet JSON
+    fs::copy_file(spool, saved);
+    dtrain::trace::flush();       // now JSON; the spool is emptied
+    some("late", 40);
+    dtrain::trace::flushSpool();
+    _exit(::testing::Test::HasFailure() ? 2 : 0);  // no exit handlers: the late events stay in the spool
+  });
+  expectAllOk(results);
+  ASSERT_TRUE(fs::exists(spool));
+  Merged m = mergeTimeline(dir.path());
+  ASSERT_EQ(m.exit_code, 0) << m.output;
+  EXPECT_NE(m.output.find("80 of them from its spool"), std::string::npos) << m.output;
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "early 29").size(), 1u);
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "late 39").size(), 1u);
+  EXPECT_EQ(eventsOf(m.trace, "X", 0, "allreduce").size(), 70u);
+  for (const auto& e : eventsOf(m.trace, "X", 0, "allreduce")) checkComplete(e);
+
+  // Killed after its early events went into the JSON but before the spool was emptied.
+  fs::copy_file(saved, spool, fs::copy_options::overwrite_existing);
+  Merged twice = mergeTimeline(dir.path());
+  ASSERT_EQ(twice.exit_code, 0) << twice.output;
+  EXPECT_EQ(eventsOf(twice.trace, "X", 0, "early 29").size(), 1u) << "an event in the JSON and the spool";
+  EXPECT_EQ(eventsOf(twice.trace, "X", 0, "allreduce").size(), 30u);
+
+  std::ofstream(spool, std::ios::trunc) << "not a spool";
+  Merged junk = mergeTimeline(dir.path());
+  EXPECT_EQ(junk.exit_code, 1);
+  EXPECT_NE(junk.output.find("trace-rank0.spool"), std::string::npos) << junk.output;
 }
 
 // Recording threads reuse the chunks the writer drained (events are not cleared first, each kind sets

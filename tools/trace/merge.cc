@@ -10,7 +10,8 @@
 // the move is printed beside the measurement.
 //
 // A rank that died mid-write leaves a file cut inside its last event: its whole events are kept and
-// the cut is reported. Any other file that does not parse is an error naming it and the line.
+// the cut is reported. A rank that ended without exit also leaves its spool (DIR/trace-rank<R>.spool,
+// the events not yet in its JSON): they are read too. Any other file that does not parse is an error naming it and the line.
 #include <fmt/format.h>
 
 #include <algorithm>
@@ -23,8 +24,10 @@
 #include <regex>
 #include <sstream>
 #include <stdexcept>
+#include <unordered_set>
 
 #include "commands.h"
+#include "dtrain/trace.h"
 
 namespace dtrain::tools {
 
@@ -38,6 +41,7 @@ struct RankTrace {
   json other = json::object();  // otherData
   std::vector<json> events;
   bool truncated = false;
+  size_t from_spool = 0;    // events read from the rank's spool (it ended without exit)
   int64_t measured_us = 0;  // otherData.clock_offset_us
   int64_t offset_us = 0;    // applied: measured, moved to respect the messages' order
 };
@@ -103,6 +107,30 @@ RankTrace readTrace(const fs::path& p) {
   return t;
 }
 
+// The spool a rank left beside its JSON (it ended without exit; include/dtrain/trace.h): its events
+// join the rank's. A rank killed while turning its spool into JSON has some events in both: kept once.
+void readSpool(RankTrace& t, const fs::path& spool) {
+  if (!fs::exists(spool)) return;
+  const std::string lines = dtrain::trace::spoolEvents(spool.string());
+  if (lines.empty()) return;
+  std::unordered_set<std::string> seen;
+  for (const auto& e : t.events) seen.insert(e.dump());
+  std::istringstream in(lines);
+  size_t added = 0;
+  for (std::string line; std::getline(in, line);) {
+    if (line.empty()) continue;
+    if (line.front() == ',') line.erase(0, 1);
+    json ev = json::parse("[" + line + "]", nullptr, false);  // an async slice is two events on a line
+    if (ev.is_discarded()) throw std::runtime_error(fmt::format("{}: an event does not parse: {}", spool.string(), line.substr(0, 200)));
+    for (auto& e : ev) {
+      if (seen.count(e.dump())) continue;
+      t.events.push_back(std::move(e));
+      ++added;
+    }
+  }
+  t.from_spool = added;
+}
+
 // The ranks' files, by rank.
 std::map<int, RankTrace> readAllRanks(const std::string& dir) {
   if (!fs::is_directory(dir)) throw std::runtime_error(fmt::format("{} is not a directory", dir));
@@ -113,6 +141,7 @@ std::map<int, RankTrace> readAllRanks(const std::string& dir) {
     const std::string name = entry.path().filename().string();
     if (!std::regex_match(name, m, kName)) continue;
     RankTrace t = readTrace(entry.path());
+    readSpool(t, fs::path(entry.path()).replace_extension(".spool"));
     const int rank = t.other.value("rank", std::stoi(m[1].str()));
     if (ranks.count(rank))
       throw std::runtime_error(fmt::format("{} and {} both hold rank {}", ranks[rank].file, t.file, rank));
@@ -199,6 +228,9 @@ void printRank(int rank, const RankTrace& t) {
   if (t.truncated)
     std::printf("  %s is cut short (the rank stopped while writing it): its %zu whole events are kept\n",
                 fs::path(t.file).filename().c_str(), t.events.size());
+  if (t.from_spool > 0)
+    std::printf("  %zu of them from its spool (the rank ended without exit, before they went into its JSON)\n",
+                t.from_spool);
 }
 
 }  // namespace

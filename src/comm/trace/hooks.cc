@@ -21,16 +21,15 @@ void opIssued(OpRecord& r) {
 void opStarted(OpRecord& r) {
   r.started_us = nowUs();
   flight::started(r);
-  if (timeline::on()) timeline::opStarted(r);
+  r.timeline_started = timeline::on();
+  if (r.timeline_started) timeline::opStarted(r);
 }
 
 void opFinished(OpRecord& r, const std::exception_ptr& error) {
   r.finished_us = nowUs();
   flight::finished(r, error);
-  if (timeline::on()) {
-    timeline::op(r, error);
-    timeline::opEnded(r);
-  }
+  if (timeline::on()) timeline::op(r, error);
+  if (r.timeline_started) timeline::opEnded(r);
 }
 
 }  // namespace dtrain::comm::trace

@@ -6,6 +6,7 @@
 #include <atomic>
 #include <mutex>
 
+#include "comm/trace/timeline_spool.h"
 #include "comm/trace/trace_internal.h"
 
 namespace dtrain::trace {
@@ -70,6 +71,8 @@ int64_t nowUs() {
 
 bool timelineOn() { return comm::trace::timeline::on(); }
 
+void setTimelineRecording(bool on) { comm::trace::timeline::setRecording(on); }
+
 Span::Span(const char* name, const char* category) { open(name, category); }
 
 Span::Span(std::string name, const char* category) : owned_(std::move(name)) { open(owned_.c_str(), category); }
@@ -121,9 +124,11 @@ void setThreadName(std::string name) {
   if (comm::trace::timeline::on()) comm::trace::timeline::threadNamed(t.id, name);
 }
 
-void flush() {
-  if (comm::trace::timeline::on()) comm::trace::timeline::flush();
-}
+void flush() { comm::trace::timeline::flush(true); }
+
+void flushSpool() { comm::trace::timeline::flush(false); }
+
+std::string spoolEvents(const std::string& path) { return comm::trace::timeline::spoolFileToJson(path); }
 
 }  // namespace dtrain::trace
 

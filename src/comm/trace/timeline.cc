@@ -1,6 +1,7 @@
 // The timeline's recording side (DTRAIN_TIMELINE=DIR; docs/OBSERVABILITY.md): spans, ops and the flow
 // events between ranks go into the calling thread's buffer (timeline_buffer.h) as raw fields; the
-// writer thread (timeline_writer.cc) formats them. Nothing here takes a lock or formats text per event.
+// writer thread (timeline_writer.cc) spools them and formats them when flushed. Nothing here takes a
+// lock or formats text per event.
 #include <algorithm>
 #include <cstring>
 #include <iterator>

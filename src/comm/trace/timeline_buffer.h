@@ -2,7 +2,7 @@
 //
 // Each thread appends raw events (no formatting, no lock) to its own list of chunks; a chunk is
 // published event by event through an atomic count, so the writer thread (timeline_writer.cc) reads
-// and formats what is there at any time, without stopping the thread that records. Strings that do not
+// and spools what is there at any time, without stopping the thread that records. Strings that do not
 // outlive the call (group names, run-time span names, error messages) and peer lists are copied into
 // the chunk's arena. A full chunk is followed by a new one; the writer frees a chunk once it has read
 // it and its owner moved on.
@@ -112,7 +112,7 @@ void prepareChunks();
 // The calling thread's buffer (registered with the writer on first use).
 ThreadBuffer& threadBuffer();
 
-// Opens DIR/trace-rank<R>.json (throws naming it on failure) and starts the writer thread; the header
+// Opens DIR/trace-rank<R>.json and its spool (throws naming one on failure) and starts the writer thread; the header
 // carries `other` (otherData's members, JSON text without braces).
 void openFile(const std::string& path, int rank, int64_t skew_us, const std::string& other);
 // Every registered buffer, for the writer (under the registry's lock).
@@ -120,9 +120,9 @@ std::mutex& registryMutex();
 std::vector<ThreadBuffer*>& registry();
 // Thread names to write (under the registry's lock).
 std::vector<std::pair<uint64_t, std::string>>& pendingNames();
-// Appends one event as JSON, preceded by "\n," (timeline_format.cc).
+// Appends one event as JSON, preceded by "\n," (timeline_format.cc; run on the spool's events).
 void format(std::string& out, const Event& e, int pid, uint64_t tid, int64_t skew_us);
-// Before a drained chunk is handed back for reuse: format() must not trust a shape pointer it saw.
+// Before format() is given events of other shapes (a new conversion's): it must not trust a pointer it saw.
 void forgetShapes();
 
 }  // namespace dtrain::comm::trace::timeline

@@ -1,17 +1,20 @@
-// The timeline's writer: a thread that, every kPeriod or when asked (flush(), a failed op, exit),
-// formats what the recording threads published and appends it to DIR/trace-rank<R>.json, then writes
-// the closing "]}" after it. The file is complete JSON between rounds, and a rank that dies mid-write
-// leaves a file whose lines up to the last whole one are still events (dtrain-trace merge reads them).
+// The timeline's writer: a thread that, every kPeriod or when a recording thread nudges it, copies what
+// the recording threads published into DIR/trace-rank<R>.spool (timeline_spool.h: compact binary), and
+// when asked (flush(), a failed op, exit) turns the spool into JSON appended to DIR/trace-rank<R>.json,
+// writes the closing "]}" after it and empties the spool. The JSON file is complete after every flush;
+// a rank that dies leaves its JSON (whole up to its last whole line) and its spool, and dtrain-trace
+// merge reads both.
 //
-// Writing: a busy rank makes tens of MB of events a second, and copying them through the page cache cost
-// the kernel about 10 us per 4 KiB page on the machine this was measured on (a sixth of a core, taken
-// from the ranks). So the file is written with O_DIRECT where the file system allows it (not tmpfs):
-// whole 4 KiB blocks from an aligned buffer, the last one padded and the file then cut to its real end;
-// the partial last block is kept in memory and written again, longer, by the next round.
+// Why a spool: a tight loop of 4 KiB allreduces over shared memory records a million events a second
+// per rank. Formatting them as JSON (some 250 bytes each) and writing that while the loop ran cost it
+// some 12% on the machine this was measured on, against some 3% for recording alone; the ranks spin on
+// both cores, and every slice the writer takes stalls a rank and its peer. The spool is some 40 bytes an
+// op, copied without formatting. (O_DIRECT writes were tried too: twice the cost of buffered ones here.)
+// Measured with `dtrain-bench allreduce --timeline-blocks` (docs/PERFORMANCE.md).
 //
-// Layout: {"otherData":{...},"displayTimeUnit":"ms","traceEvents":[   then one event per line, each
-// but the first starting with a comma, then  ]}  (overwritten by the next round's events). Every thread
-// whose events appear has a thread_name event (its name, or "thread N").
+// Layout of the JSON: {"otherData":{...},"displayTimeUnit":"ms","traceEvents":[   then one event per
+// line, each but the first starting with a comma, then  ]}  (overwritten by the next flush's events).
+// Every thread whose events appear has a thread_name event (its name, or "thread N").
 #include <fcntl.h>
 #include <fmt/format.h>
 #include <pthread.h>
@@ -29,7 +32,7 @@
 #include <thread>
 
 #include "comm/trace/timeline_buffer.h"
-#include "comm/util/json_text.h"
+#include "comm/trace/timeline_spool.h"
 #include "dtrain/comm/error.h"
 
 namespace dtrain::comm::trace::timeline {
@@ -39,9 +42,8 @@ namespace {
 constexpr auto kPeriod = std::chrono::milliseconds(250);
 constexpr auto kFlushWait = std::chrono::seconds(5);
 constexpr const char* kCloser = "\n]}\n";
-constexpr size_t kBlock = 4096;  // O_DIRECT's alignment of memory, file offsets and lengths
-// A round's text goes out in pieces of about this size, so the writer's buffers stay small and warm
-// (a round of a busy rank is tens of MB; buffers that size fault a fresh page per 4 KiB as they grow).
+// Spool and JSON go out in pieces of about this size, so the writer's buffers stay small and warm (a
+// round of a busy rank is MBs; buffers that size fault a fresh page per 4 KiB as they grow).
 constexpr size_t kPiece = size_t{1} << 20;
 
 struct WriterState {
@@ -49,21 +51,21 @@ struct WriterState {
   std::condition_variable cv;
   bool open = false, stop = false;
   uint64_t requested = 0, completed = 0;  // flush rounds
+  uint64_t json_requested = 0;            // the last of them that wants the JSON made
   std::thread thread;
   // The writer thread's own (and openFile's before it starts).
-  int fd = -1;
+  int fd = -1;  // the JSON file
   std::string path;
+  int spool_fd = -1;
+  std::string spool_path;
+  off_t spool_end = 0;
+  SpoolWriter spool;
   int pid = 0;
   int64_t skew_us = 0;
-  off_t end = 0;  // where the closer goes
+  off_t end = 0;  // where the JSON's closer goes
   bool failed = false;
-  // O_DIRECT writing: the file from block_start (a multiple of kBlock) to `end` is also in `tail`.
-  bool direct = false;
-  off_t block_start = 0;
-  std::string tail;
-  char* block_buf = nullptr;  // aligned to kBlock; block_cap bytes
-  size_t block_cap = 0;
-  std::string out;  // a round's events
+  std::string out;   // a round's spool records
+  std::string json;  // a conversion's events
   std::set<uint64_t> named;  // threads with a thread_name event
   std::atomic<bool> nudged{false};  // a recording thread asked for a round (nudgeWriter)
 };
@@ -82,109 +84,59 @@ WriterState& ws() {
   return *w;
 }
 
-bool writeFailed(WriterState& w) {
+bool writeFailed(WriterState& w, const std::string& path) {
   if (!w.failed) std::fprintf(stderr, "dtrain: timeline: writing %s failed: %s; no more events are written\n",
-                              w.path.c_str(), std::strerror(errno));
+                              path.c_str(), std::strerror(errno));
   w.failed = true;
   return false;
 }
 
-bool writeAt(WriterState& w, const char* text, size_t size, off_t at) {
+bool writeAt(WriterState& w, int fd, const std::string& path, const char* text, size_t size, off_t at) {
   size_t done = 0;
   while (done < size) {
-    ssize_t n = ::pwrite(w.fd, text + done, size - done, at + static_cast<off_t>(done));
+    ssize_t n = ::pwrite(fd, text + done, size - done, at + static_cast<off_t>(done));
     if (n < 0 && errno == EINTR) continue;
-    if (n <= 0) return writeFailed(w);
+    if (n <= 0) return writeFailed(w, path);
     done += static_cast<size_t>(n);
   }
   return true;
 }
-bool writeAt(WriterState& w, const std::string& text, off_t at) { return writeAt(w, text.data(), text.size(), at); }
-
-// Appends `out` and the closer after the file's end (O_DIRECT): the kept partial block, `out` and the
-// closer go out as whole blocks padded with spaces, the file is cut to its real size, and the new
-// partial block is kept.
-bool appendDirect(WriterState& w, const std::string& out) {
-  const size_t closer = std::strlen(kCloser);
-  const size_t data = w.tail.size() + out.size();
-  const size_t padded = (data + closer + kBlock - 1) / kBlock * kBlock;
-  if (padded > w.block_cap) {
-    std::free(w.block_buf);
-    w.block_cap = std::max(padded, 2 * w.block_cap);
-    w.block_buf = static_cast<char*>(std::aligned_alloc(kBlock, w.block_cap));
-    if (!w.block_buf) {
-      w.block_cap = 0;
-      errno = ENOMEM;
-      return writeFailed(w);
-    }
-  }
-  char* b = w.block_buf;
-  std::memcpy(b, w.tail.data(), w.tail.size());
-  std::memcpy(b + w.tail.size(), out.data(), out.size());
-  std::memcpy(b + data, kCloser, closer);
-  std::memset(b + data + closer, ' ', padded - data - closer);
-  for (size_t done = 0; done < padded;) {
-    ssize_t n = ::pwrite(w.fd, b + done, padded - done, w.block_start + static_cast<off_t>(done));
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0 && errno == EINVAL && done == 0) {  // opened with O_DIRECT, but this file system will not do it
-      w.direct = false;
-      if (::fcntl(w.fd, F_SETFL, ::fcntl(w.fd, F_GETFL) & ~O_DIRECT) != 0) return writeFailed(w);
-      if (!writeAt(w, b, data + closer, w.block_start)) return false;
-      w.end = w.block_start + static_cast<off_t>(data);
-      return true;
-    }
-    if (n <= 0) return writeFailed(w);
-    done += static_cast<size_t>(n);
-  }
-  if (::ftruncate(w.fd, w.block_start + static_cast<off_t>(data + closer)) != 0) return writeFailed(w);
-  const size_t whole = data / kBlock * kBlock;
-  w.tail.assign(b + whole, data - whole);
-  w.block_start += static_cast<off_t>(whole);
-  w.end = w.block_start + static_cast<off_t>(w.tail.size());
-  return true;
+bool writeJson(WriterState& w, const std::string& text, off_t at) {
+  return writeAt(w, w.fd, w.path, text.data(), text.size(), at);
 }
 
-void appendThreadName(std::string& out, int pid, uint64_t tid, const std::string& name) {
-  fmt::format_to(std::back_inserter(out), "\n,{{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":{},\"tid\":{},\"args\":{{\"name\":",
-                 pid, tid);
-  dtrain::detail::appendJsonQuoted(out, name);
-  fmt::format_to(std::back_inserter(out), "}}}}\n,{{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":{},\"tid\":{},"
-                 "\"args\":{{\"sort_index\":{}}}}}", pid, tid, tid);
+// Appends w.out to the spool, and empties it.
+void spillSpool(WriterState& w) {
+  if (!w.failed && !w.out.empty() && writeAt(w, w.spool_fd, w.spool_path, w.out.data(), w.out.size(), w.spool_end))
+    w.spool_end += static_cast<off_t>(w.out.size());
+  w.out.clear();
 }
 
-// Appends w.out (and the closer after it) to the file, and empties it.
-void spill(WriterState& w) {
-  std::string& out = w.out;
-  if (out.empty() || w.failed) {
-    out.clear();
-    return;
+// Appends `text` (JSON lines) and the closer after it to the JSON file, and empties it.
+void spillJson(WriterState& w, std::string& text) {
+  if (!w.failed && !text.empty() && writeJson(w, text, w.end)) {
+    w.end += static_cast<off_t>(text.size());
+    writeJson(w, kCloser, w.end);
   }
-  if (w.direct) {
-    appendDirect(w, out);
-  } else if (writeAt(w, out, w.end)) {
-    w.end += static_cast<off_t>(out.size());
-    writeAt(w, kCloser, w.end);
-  }
-  out.clear();
+  text.clear();
 }
 
-// Formats what `b` published since the last round, spilling each kPiece; frees the chunks its owner
+// Spools what `b` published since the last round, spilling each kPiece; frees the chunks its owner
 // left. Returns whether there was any.
 bool drain(WriterState& w, ThreadBuffer& b) {
-  std::string& out = w.out;
   bool any = false;
   for (;;) {
     Chunk* c = b.head;
     const uint32_t n = c->published.load(std::memory_order_acquire);
     any |= b.read < n;
     for (; b.read < n; ++b.read) {
-      format(out, c->events[b.read], w.pid, b.thread, w.skew_us);
-      if (out.size() >= kPiece) spill(w);
+      w.spool.event(w.out, c->events[b.read], *c, b.thread);
+      if (w.out.size() >= kPiece) spillSpool(w);
     }
     Chunk* next = c->next.load(std::memory_order_acquire);
     if (!next) return any;
     if (c->published.load(std::memory_order_acquire) != b.read) continue;  // published before it moved on
-    forgetShapes();  // its arena's shapes will be overwritten
+    w.spool.forgetShapes();  // its arena's shapes will be overwritten
     b.recycle(c);
     b.head = next;
     b.read = 0;
@@ -192,13 +144,11 @@ bool drain(WriterState& w, ThreadBuffer& b) {
 }
 
 void round(WriterState& w) {
-  std::string& out = w.out;
-  out.clear();
   std::vector<ThreadBuffer*> buffers;
   {
     std::lock_guard<std::mutex> g(registryMutex());
     for (auto& [tid, name] : pendingNames()) {
-      appendThreadName(out, w.pid, tid, name);
+      w.spool.threadName(w.out, tid, name);
       w.named.insert(tid);
     }
     pendingNames().clear();
@@ -208,20 +158,73 @@ void round(WriterState& w) {
   for (ThreadBuffer* b : buffers) {
     const bool exited = b->exited.load(std::memory_order_acquire);
     if (drain(w, *b) && w.named.insert(b->thread).second)
-      appendThreadName(out, w.pid, b->thread, fmt::format("thread {}", b->thread));
+      w.spool.threadName(w.out, b->thread, fmt::format("thread {}", b->thread));
     if (exited) gone.push_back(b);
   }
   if (!gone.empty()) {
     std::lock_guard<std::mutex> g(registryMutex());
     auto& all = registry();
-    forgetShapes();
+    w.spool.forgetShapes();
     for (ThreadBuffer* b : gone) {
       all.erase(std::remove(all.begin(), all.end(), b), all.end());
       delete b->head;
       delete b;
     }
   }
-  spill(w);
+  spillSpool(w);
+}
+
+// Starts the spool afresh: its header, no definitions.
+void restartSpool(WriterState& w) {
+  w.out.clear();
+  w.spool.begin(w.out, w.pid, w.skew_us);
+  w.spool_end = 0;
+  spillSpool(w);
+}
+
+// Turns the spool into JSON events appended to the JSON file, and empties the spool. (A rank that dies
+// between the two leaves those events in both; dtrain-trace merge keeps them once.)
+void convert(WriterState& w) {
+  if (w.failed || w.spool_end <= static_cast<off_t>(kSpoolHeader)) return;
+  forgetShapes();  // format()'s memory of the last op's shape: the reader's shapes are new
+  SpoolReader reader;
+  std::string buf;
+  std::vector<char> piece(kPiece);
+  bool head = false;
+  try {
+    for (off_t at = 0; at < w.spool_end;) {
+      const ssize_t n = ::pread(w.spool_fd, piece.data(), std::min<off_t>(kPiece, w.spool_end - at), at);
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        if (n == 0) errno = EIO;
+        writeFailed(w, w.spool_path);
+        return;
+      }
+      at += n;
+      buf.append(piece.data(), static_cast<size_t>(n));
+      size_t used = 0;
+      if (!head) {
+        if (buf.size() < kSpoolHeader) continue;
+        used = reader.header(buf.data(), buf.size());
+        head = true;
+      }
+      used += reader.read(buf.data() + used, buf.size() - used, w.json);
+      buf.erase(0, used);
+      if (w.json.size() >= kPiece) spillJson(w, w.json);
+    }
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "dtrain: timeline: reading back %s failed: %s; no more events are written\n",
+                 w.spool_path.c_str(), e.what());
+    w.failed = true;
+    return;
+  }
+  spillJson(w, w.json);
+  if (w.failed) return;
+  if (::ftruncate(w.spool_fd, 0) != 0) {
+    writeFailed(w, w.spool_path);
+    return;
+  }
+  restartSpool(w);
 }
 
 // The writer's nice value. The ranks of a tight loop of small collectives keep every core busy, and a
@@ -241,8 +244,10 @@ void loop() {
     });
     const uint64_t target = w.requested;
     const bool stopping = w.stop;
+    const bool asked = stopping || w.json_requested > w.completed;
     lk.unlock();
     round(w);
+    if (asked) convert(w);
     lk.lock();
     w.completed = target;
     w.cv.notify_all();
@@ -263,6 +268,9 @@ void finish() {
   if (w.thread.joinable()) w.thread.join();
   g_on.store(false);
   ::close(w.fd);
+  ::close(w.spool_fd);
+  // An empty spool (all its events are in the JSON) goes; one that could not be converted stays for merge.
+  if (!w.failed && w.spool_end <= static_cast<off_t>(kSpoolHeader)) ::unlink(w.spool_path.c_str());
 }
 
 }  // namespace
@@ -271,9 +279,7 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
   WriterState& w = ws();
   std::lock_guard<std::mutex> g(w.mu);
   DTRAIN_CHECK(!w.open, InvalidArgument, "[rank {}] the timeline is already being written to {}", rank, w.path);
-  w.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_DIRECT, 0644);
-  w.direct = w.fd >= 0;
-  if (!w.direct) w.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  w.fd = ::open(path.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w.fd < 0)
     throw IoError(fmt::format("[rank {}] DTRAIN_TIMELINE: cannot write {}: {}", rank, path, std::strerror(errno)));
   w.path = path;
@@ -285,13 +291,23 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
       "{{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":{},\"tid\":0,\"args\":{{\"name\":\"rank {}\"}}}}\n,"
       "{{\"ph\":\"M\",\"name\":\"process_sort_index\",\"pid\":{},\"tid\":0,\"args\":{{\"sort_index\":{}}}}}",
       other, rank, rank, rank, rank);
-  const bool wrote = w.direct ? appendDirect(w, head)
-                              : writeAt(w, head, 0) && writeAt(w, kCloser, static_cast<off_t>(head.size()));
-  if (!wrote) {
+  if (!writeJson(w, head, 0) || !writeJson(w, kCloser, static_cast<off_t>(head.size()))) {
     ::close(w.fd);
     throw IoError(fmt::format("[rank {}] DTRAIN_TIMELINE: cannot write {}: {}", rank, path, std::strerror(errno)));
   }
-  if (!w.direct) w.end = static_cast<off_t>(head.size());
+  w.end = static_cast<off_t>(head.size());
+  const std::string json_ext = ".json";
+  w.spool_path = path.size() > json_ext.size() && path.compare(path.size() - json_ext.size(), json_ext.size(), json_ext) == 0
+                     ? path.substr(0, path.size() - json_ext.size()) + ".spool"
+                     : path + ".spool";
+  w.spool_fd = ::open(w.spool_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (w.spool_fd >= 0) restartSpool(w);
+  if (w.spool_fd < 0 || w.failed) {
+    const std::string why = std::strerror(errno);
+    ::close(w.fd);
+    if (w.spool_fd >= 0) ::close(w.spool_fd);
+    throw IoError(fmt::format("[rank {}] DTRAIN_TIMELINE: cannot write {}: {}", rank, w.spool_path, why));
+  }
   auto named = namedThreads();
   {
     std::lock_guard<std::mutex> r(registryMutex());
@@ -305,18 +321,26 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
   pthread_atfork(nullptr, nullptr, afterFork);
 }
 
+void setRecording(bool on) {
+  if (g_forked.load()) return;
+  WriterState& w = ws();
+  std::lock_guard<std::mutex> g(w.mu);
+  if (w.open && !w.stop) g_on.store(on);
+}
+
 void nudgeWriter() {
   WriterState& w = ws();
   // No lock: a nudge the writer misses between its check and its wait costs at most one period.
   if (!w.nudged.exchange(true, std::memory_order_relaxed)) w.cv.notify_one();
 }
 
-void flush() {
+void flush(bool json) {
   if (g_forked.load()) return;
   WriterState& w = ws();
   std::unique_lock<std::mutex> lk(w.mu);
   if (!w.open || w.stop) return;
   const uint64_t target = ++w.requested;
+  if (json) w.json_requested = target;
   w.cv.notify_all();
   w.cv.wait_for(lk, kFlushWait, [&] { return w.completed >= target; });
 }

@@ -70,6 +70,7 @@ struct OpRecord {
   int64_t started_us = 0;         // on the group's thread
   int64_t finished_us = 0;
   uint64_t slot = 0;              // the flight recorder's handle for this op
+  bool timeline_started = false;  // the timeline saw it start (opEnded pairs with opStarted)
 };
 
 // Called by the process group: on the caller's thread when the op is issued, on the group's thread when
@@ -116,8 +117,11 @@ void received(const std::vector<transport::Op>& ops);  // a flow end (f) per rec
 
 // span.cc: a thread named itself while the timeline is on.
 void threadNamed(uint64_t thread, const std::string& name);
-// Writes what was recorded so far; the file is complete JSON afterwards (dtrain::trace::flush()).
-void flush();
+// Writes what was recorded so far to the spool and, with `json`, the spool to the JSON file, which is
+// complete afterwards (dtrain::trace::flush() and flushSpool()).
+void flush(bool json = true);
+// Pauses or resumes recording while the file is open (dtrain::trace::setTimelineRecording).
+void setRecording(bool on);
 }  // namespace timeline
 
 }  // namespace dtrain::comm::trace
