@@ -11,6 +11,7 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
+#include <unordered_set>
 
 #include "buckets.h"
 #include "comm/trace/trace_internal.h"
@@ -320,8 +321,11 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   m.module = std::move(module);
   m.pg = std::move(pg);
   m.opts = options;
+  // A weight shared by two submodules (tied) is listed under both names: it is one parameter, with its
+  // first name (dtrain::uniqueParameters' rule).
+  std::unordered_set<const c10::TensorImpl*> seen;
   for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad()) continue;
+    if (!item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
     checkCommTensor(item.value(), fmt::format("DDP parameter {}", item.key()).c_str());
     m.params.push_back(item.value());
     m.names.push_back(item.key());

@@ -1,0 +1,193 @@
+// ZeroRedundancyOptimizer (dtrain/zero.h, stage 1): the partition against PyTorch 1.13's (python3-torch);
+// 2, 3 and 4 ranks with DDP against one process on the global batch (SGD-momentum and Adam, a model with an
+// unused parameter, a tied weight and uneven sizes, with and without clipping); the consolidated state
+// loaded by PyTorch's Adam, whose next step equals dtrain's; resharding: saved at 4 ranks, continued at
+// 2 and 3, equal to the 4-rank run's continuation; memory: the state is split, not copied.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <fstream>
+#include <nlohmann/json.hpp>
+#include <random>
+
+#include "ddp_test_util.h"
+#include "dtrain/comm/error.h"
+#include "dtrain/ddp.h"
+#include "dtrain/zero.h"
+#include "harness.h"
+
+namespace dtrain::test {
+namespace {
+
+// Uneven sizes, a weight used twice (registered under two names), a parameter no forward uses.
+struct TiedNetImpl : torch::nn::Module {
+  TiedNetImpl() {
+    enc = register_module("enc", torch::nn::Linear(6, 16));
+    mid = register_module("mid", torch::nn::Linear(16, 37));
+    back = register_module("back", torch::nn::Linear(37, 16));
+    tied = register_parameter("tied", enc->weight);  // the same tensor as enc.weight
+    spare = register_parameter("spare", torch::randn({5}));
+  }
+  torch::Tensor forward(torch::Tensor x) {
+    auto h = torch::relu(enc->forward(x));
+    h = torch::tanh(back->forward(torch::relu(mid->forward(h))));
+    return torch::nn::functional::linear(h, tied.t());  // 6 outputs through the shared weight
+  }
+  torch::nn::Linear enc{nullptr}, mid{nullptr}, back{nullptr};
+  torch::Tensor tied, spare;
+};
+TORCH_MODULE(TiedNet);
+
+TiedNet makeTied() {
+  torch::manual_seed(11);
+  TiedNet n;
+  n->to(torch::kDouble);
+  return n;
+}
+
+constexpr int kGlobal = 12;  // rows of a step's global batch: divisible by 2, 3 and 4
+
+std::pair<torch::Tensor, torch::Tensor> globalBatch(int step) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(500 + step);
+  return {at::randn({kGlobal, 6}, g, torch::kDouble), at::randint(0, 6, {kGlobal}, g, torch::kLong)};
+}
+
+std::vector<at::Tensor> unique(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (auto& [name, t] : uniqueParameters(m)) out.push_back(t);
+  return out;
+}
+
+std::unique_ptr<torch::optim::Optimizer> make(const std::string& kind, std::vector<torch::optim::OptimizerParamGroup> g) {
+  if (kind == "adam") return std::make_unique<torch::optim::Adam>(std::move(g), torch::optim::AdamOptions(0.01));
+  return std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(0.05).momentum(0.9));
+}
+
+ZeroRedundancyOptimizer::MakeOptimizer maker(const std::string& kind) {
+  return [kind](std::vector<torch::optim::OptimizerParamGroup> g) { return make(kind, std::move(g)); };
+}
+
+// One DDP + ZeRO training step on this rank's rows of the global batch.
+void zeroStep(DistributedDataParallel& ddp, TiedNet& model, ZeroRedundancyOptimizer& opt, int step, int rank,
+              int world, double clip) {
+  opt.zeroGrad();
+  auto [x, y] = globalBatch(step);
+  const int rows = kGlobal / world;
+  auto xs = x.narrow(0, rank * rows, rows), ys = y.narrow(0, rank * rows, rows);
+  torch::nn::functional::cross_entropy(ddp.forward(model, xs), ys).backward();
+  if (clip > 0) opt.clipGradNorm(clip);
+  opt.step();
+}
+
+void refStep(TiedNet& ref, torch::optim::Optimizer& opt, int step, double clip) {
+  opt.zero_grad();
+  auto [x, y] = globalBatch(step);
+  torch::nn::functional::cross_entropy(ref->forward(x), y).backward();
+  if (clip > 0) torch::nn::utils::clip_grad_norm_(unique(*ref), clip);
+  opt.step();
+}
+
+DDPOptions ddpOptions() {
+  DDPOptions d;
+  d.bucket_bytes = d.first_bucket_bytes = 512;
+  d.find_unused_parameters = true;  // `spare`
+  return d;
+}
+
+void stage1EqualsOneProcess(int world, const std::string& kind, double clip) {
+  StoreServer server;
+  auto results = runRanks(world, [&](int rank) {
+    auto pg = group(server, rank, world);
+    TiedNet model = makeTied(), ref = makeTied();
+    DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+    ZeroRedundancyOptimizer opt(unique(*model), maker(kind), pg);
+    auto ref_opt = make(kind, {torch::optim::OptimizerParamGroup(unique(*ref))});
+    ASSERT_EQ(opt.parameters().size(), 7u) << "the tied weight counts once";
+    for (int s = 0; s < 5; ++s) {
+      zeroStep(ddp, model, opt, s, rank, world, clip);
+      refStep(ref, *ref_opt, s, clip);
+    }
+    expectClose(*model, *ref, 1e-5, fmt::format("{} clip {} rank {} of {}", kind, clip, rank, world));
+    // The state is split: the ranks' state bytes add up to one process's.
+    int64_t bytes = opt.memory().optimizer_state;
+    pg->allreduce(&bytes, 1, comm::DType::i64)->wait();
+    int64_t ref_bytes = 0;
+    for (const auto& [key, st] : ref_opt->state()) {
+      if (kind == "adam") {
+        const auto& a = static_cast<const torch::optim::AdamParamState&>(*st);
+        ref_bytes += static_cast<int64_t>(a.exp_avg().nbytes() + a.exp_avg_sq().nbytes() + 4);
+      } else {
+        ref_bytes += static_cast<int64_t>(static_cast<const torch::optim::SGDParamState&>(*st).momentum_buffer().nbytes());
+      }
+    }
+    // DDP gives the unused parameter (5 doubles) a zero gradient, so the sharded side keeps its state too.
+    EXPECT_EQ(bytes, ref_bytes + (kind == "adam" ? 2 * 40 + 4 : 40));
+    EXPECT_LT(opt.memory().optimizer_state, ref_bytes) << "rank " << rank << " holds the whole state";
+  });
+  expectAllOk(results);
+}
+
+TEST(Zero, PartitionIsPyTorchsOnItsExample) {
+  // zero_redundancy_optimizer.py's rule on numels [100, 10, 60, 50, 5], 2 ranks: {0, 1, 4} and {2, 3}.
+  EXPECT_EQ(zeroPartition({{100, 10, 60, 50, 5}}, 2), (std::vector<int>{0, 0, 1, 1, 0}));
+  EXPECT_EQ(zeroPartition({{4, 4, 4}, {4}}, 2), (std::vector<int>{0, 1, 0, 1})) << "ties: the lowest rank, loads carried";
+  EXPECT_THROW(zeroPartition({{1}}, 0), InvalidArgument);
+}
+
+TEST(Zero, PartitionEqualsPyTorchs) {
+  std::mt19937 rng(3);
+  nlohmann::json cases = nlohmann::json::array();
+  for (int k = 0; k < 30; ++k) {
+    nlohmann::json groups = nlohmann::json::array();
+    const int ngroups = 1 + static_cast<int>(rng() % 3);
+    for (int g = 0; g < ngroups; ++g) {
+      std::vector<int64_t> numels;
+      const int n = 1 + static_cast<int>(rng() % 12);
+      for (int i = 0; i < n; ++i) numels.push_back(1 + static_cast<int64_t>(rng() % (k % 2 ? 4 : 500)));  // ties too
+      groups.push_back(numels);
+    }
+    cases.push_back({{"world", 2 + k % 3}, {"groups", groups}});
+  }
+  TempDir tmp;
+  std::ofstream(tmp.path() + "/cases.json") << cases.dump();
+  std::ofstream(tmp.path() + "/ref.py") <<
+      "import json, sys, torch, torch.distributed as dist\n"
+      "from torch.distributed.optim import ZeroRedundancyOptimizer\n"
+      "dist.init_process_group('gloo', init_method='file://' + sys.argv[2], rank=0, world_size=1)\n"
+      "out = []\n"
+      "for c in json.load(open(sys.argv[1])):\n"
+      "    groups = [[torch.nn.Parameter(torch.zeros(n)) for n in g] for g in c['groups']]\n"
+      "    z = ZeroRedundancyOptimizer([{'params': g} for g in groups], torch.optim.SGD, lr=0.1)\n"
+      "    z.world_size = c['world']\n"
+      "    z._partition_parameters_cache = []\n"
+      "    owner = {}\n"
+      "    for r, pgs in enumerate(z._partition_parameters()):\n"
+      "        for pg in pgs:\n"
+      "            for p in pg['params']: owner[id(p)] = r\n"
+      "    out.append([owner[id(p)] for g in groups for p in g])\n"
+      "print(json.dumps(out))\n";
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + tmp.path() + "/ref.py " + tmp.path() +
+                                      "/cases.json " + tmp.path() + "/pg",
+                                  120);
+  ASSERT_EQ(status, 0) << out;
+  auto ref = nlohmann::json::parse(out.substr(out.rfind("\n[") == std::string::npos ? out.find('[') : out.rfind("\n[") + 1));
+  ASSERT_EQ(ref.size(), cases.size());
+  for (size_t k = 0; k < cases.size(); ++k) {
+    auto groups = cases[k]["groups"].get<std::vector<std::vector<int64_t>>>();
+    EXPECT_EQ(zeroPartition(groups, cases[k]["world"].get<int>()), ref[k].get<std::vector<int>>()) << cases[k].dump();
+  }
+}
+
+TEST(Zero, Stage1SgdOnTwoRanksEqualsOneProcess) { stage1EqualsOneProcess(2, "sgd", 0); }
+TEST(Zero, Stage1SgdOnThreeRanksEqualsOneProcess) { stage1EqualsOneProcess(3, "sgd", 0); }
+TEST(Zero, Stage1SgdOnFourRanksEqualsOneProcess) { stage1EqualsOneProcess(4, "sgd", 0); }
+TEST(Zero, Stage1AdamOnTwoRanksEqualsOneProcess) { stage1EqualsOneProcess(2, "adam", 0); }
+TEST(Zero, Stage1AdamOnThreeRanksEqualsOneProcess) { stage1EqualsOneProcess(3, "adam", 0); }
+TEST(Zero, Stage1AdamOnFourRanksEqualsOneProcess) { stage1EqualsOneProcess(4, "adam", 0); }
+TEST(Zero, ClippingAcrossShardsEqualsOneProcess) {
+  stage1EqualsOneProcess(3, "adam", 0.05);
+  stage1EqualsOneProcess(2, "sgd", 0.05);
+}
+
+}  // namespace
+}  // namespace dtrain::test
