@@ -127,6 +127,21 @@ void stage1EqualsOneProcess(int world, const std::string& kind, double clip) {
   expectAllOk(results);
 }
 
+void writeTensors(const std::string& path, const std::vector<at::Tensor>& ts) {
+  c10::List<at::Tensor> list;
+  for (const auto& t : ts) list.push_back(t.detach().clone());
+  auto bytes = torch::pickle_save(list);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::vector<at::Tensor> readTensors(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
+  std::vector<at::Tensor> out;
+  for (const auto& v : torch::pickle_load(bytes).toList()) out.push_back(v.get().toTensor());
+  return out;
+}
+
 TEST(Zero, PartitionIsPyTorchsOnItsExample) {
   // zero_redundancy_optimizer.py's rule on numels [100, 10, 60, 50, 5], 2 ranks: {0, 1, 4} and {2, 3}.
   EXPECT_EQ(zeroPartition({{100, 10, 60, 50, 5}}, 2), (std::vector<int>{0, 0, 1, 1, 0}));
@@ -187,6 +202,149 @@ TEST(Zero, Stage1AdamOnFourRanksEqualsOneProcess) { stage1EqualsOneProcess(4, "a
 TEST(Zero, ClippingAcrossShardsEqualsOneProcess) {
   stage1EqualsOneProcess(3, "adam", 0.05);
   stage1EqualsOneProcess(2, "sgd", 0.05);
+}
+
+// The consolidated file, loaded by PyTorch's own Adam (python3-torch): the next step with the same
+// gradients gives the same parameters as dtrain's sharded Adam.
+TEST(Zero, ConsolidatedStateLoadsIntoPyTorchsAdam) {
+  TempDir tmp;
+  const std::string dir = tmp.path();
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    TiedNet model = makeTied();
+    DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+    ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+    for (int s = 0; s < 3; ++s) zeroStep(ddp, model, opt, s, rank, 2, 0);
+    opt.saveConsolidated(dir + "/adam.pt");
+    auto params = opt.parameters();
+    std::vector<at::Tensor> grads;
+    for (size_t i = 0; i < params.size(); ++i) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(90 + i);
+      grads.push_back(at::randn(params[i].sizes(), g, torch::kDouble));
+      params[i].mutable_grad() = grads.back().clone();
+    }
+    if (rank == 0) {
+      writeTensors(dir + "/before.pt", params);
+      writeTensors(dir + "/grads.pt", grads);
+    }
+    opt.step();
+    if (rank == 0) writeTensors(dir + "/after.pt", params);
+    pg->barrier()->wait();
+  });
+  expectAllOk(results);
+  std::ofstream(dir + "/ref.py") <<
+      "import sys, torch\n"
+      "d = sys.argv[1]\n"
+      "ps = [torch.nn.Parameter(t) for t in torch.load(d + '/before.pt')]\n"
+      "sd = torch.load(d + '/adam.pt')\n"
+      "opt = torch.optim.Adam(ps, lr=0.5)\n"
+      "opt.load_state_dict(sd)\n"
+      "assert opt.param_groups[0]['lr'] == 0.01, opt.param_groups[0]\n"
+      "assert sorted(sd['state'].keys()) == list(range(len(ps))), sorted(sd['state'].keys())\n"
+      "for p, g in zip(ps, torch.load(d + '/grads.pt')): p.grad = g\n"
+      "opt.step()\n"
+      "diff = max((p - a).abs().max().item() for p, a in zip(ps, torch.load(d + '/after.pt')))\n"
+      "print('steps', int(opt.state[ps[0]]['step'].item()), 'max difference', diff)\n"
+      "sys.exit(0 if diff < 1e-10 else 1)\n";
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + dir + "/ref.py " + dir, 120);
+  EXPECT_EQ(status, 0) << out;
+  EXPECT_NE(out.find("steps 4 max difference"), std::string::npos) << out;
+}
+
+// Saved at 4 ranks after 3 steps, loaded at 2 and at 3 (other owners), 3 more steps: equal to the
+// 4-rank run's own continuation.
+TEST(Zero, ReshardsFromFourRanksToTwoAndThree) {
+  TempDir tmp;
+  const std::string dir = tmp.path();
+  {
+    StoreServer server;
+    auto results = runRanks(4, [&](int rank) {
+      auto pg = group(server, rank, 4);
+      TiedNet model = makeTied();
+      DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+      ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+      for (int s = 0; s < 3; ++s) zeroStep(ddp, model, opt, s, rank, 4, 0);
+      opt.saveConsolidated(dir + "/adam.pt");
+      if (rank == 0) writeTensors(dir + "/model.pt", opt.parameters());
+      for (int s = 3; s < 6; ++s) zeroStep(ddp, model, opt, s, rank, 4, 0);
+      if (rank == 0) writeTensors(dir + "/final4.pt", opt.parameters());
+    });
+    expectAllOk(results);
+  }
+  for (int world : {2, 3}) {
+    StoreServer server;
+    auto results = runRanks(world, [&](int rank) {
+      auto pg = group(server, rank, world);
+      TiedNet model = makeTied();
+      {
+        torch::NoGradGuard no_grad;
+        auto saved = readTensors(dir + "/model.pt");
+        auto params = unique(*model);
+        ASSERT_EQ(saved.size(), params.size());
+        for (size_t i = 0; i < params.size(); ++i) params[i].copy_(saved[i]);
+      }
+      DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+      ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+      opt.loadConsolidated(dir + "/adam.pt");
+      for (int s = 3; s < 6; ++s) zeroStep(ddp, model, opt, s, rank, world, 0);
+      auto want = readTensors(dir + "/final4.pt");
+      const auto& got = opt.parameters();
+      for (size_t i = 0; i < got.size(); ++i) {
+        const double diff = (got[i] - want[i]).abs().max().item<double>();
+        EXPECT_LE(diff / std::max(1.0, want[i].abs().max().item<double>()), 1e-5)
+            << "parameter " << i << " at world " << world << " rank " << rank;
+      }
+    });
+    expectAllOk(results);
+  }
+}
+
+TEST(Zero, LoadingAnotherOptimizersStateIsAnError) {
+  TempDir tmp;
+  StoreServer server;
+  auto results = runRanks(1, [&](int rank) {
+    auto pg = group(server, rank, 1);
+    TiedNet model = makeTied();
+    ZeroRedundancyOptimizer sgd(unique(*model), maker("sgd"), pg), adam(unique(*model), maker("adam"), pg);
+    sgd.saveConsolidated(tmp.path() + "/sgd.pt");
+    try {
+      adam.loadConsolidated(tmp.path() + "/sgd.pt");
+      ADD_FAILURE() << "loaded SGD's state into Adam";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("holds the state of SGD, this optimizer is Adam"), std::string::npos) << e.what();
+    }
+    std::ofstream(tmp.path() + "/junk.pt") << "junk";
+    EXPECT_THROW(adam.loadConsolidated(tmp.path() + "/junk.pt"), InvalidArgument);
+    TiedNet other = makeTied();
+    auto fewer = unique(*other);
+    fewer.pop_back();
+    ZeroRedundancyOptimizer small(fewer, maker("sgd"), pg);
+    try {
+      small.loadConsolidated(tmp.path() + "/sgd.pt");
+      ADD_FAILURE() << "loaded 7 parameters' state into 6";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("has 7 parameter(s), this optimizer's 6"), std::string::npos) << e.what();
+    }
+  });
+  expectAllOk(results);
+}
+
+TEST(Zero, RanksWithOtherParametersAllFail) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2, 10);
+    TiedNet model = makeTied();
+    auto params = unique(*model);
+    if (rank == 1) params.pop_back();
+    try {
+      ZeroRedundancyOptimizer opt(params, maker("sgd"), pg);
+      ADD_FAILURE() << "rank " << rank << " accepted other parameters";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("was given other parameters than rank"), std::string::npos) << e.what();
+    }
+  });
+  expectAllOk(results);
 }
 
 }  // namespace
