@@ -1,0 +1,108 @@
+// Sharded data parallel, ZeRO stages 2 and 3 (PyTorch FSDP's SHARD_GRAD_OP and FULL_SHARD): the model is
+// cut into units (consecutive children of a torch::nn::Sequential); each unit's parameters live as one
+// flat shard per rank (1/W of them, what the optimizer steps), are gathered just before the unit runs and
+// freed again; gradients are reduce-scattered into each rank's shard as backward finishes each unit.
+//
+// \code
+//   auto seq = torch::nn::Sequential(...);               // the layers, in order
+//   dtrain::FsdpOptions o;
+//   o.stage = 3;                                         // 2: keep a unit's parameters from its forward to its backward
+//   o.units = {2, 2, 1};                                 // children per unit (empty: o.min_unit_params decides)
+//   dtrain::FullyShardedDataParallel fsdp(seq, pg, o);
+//   torch::optim::Adam opt(fsdp.shards(), torch::optim::AdamOptions(1e-3));  // steps the shards
+//   for (...) {
+//     opt.zero_grad();
+//     loss(fsdp.forward(x), y).backward();               // gradients: averaged, in the shards' .grad()
+//     fsdp.clipGradNorm(1.0);                            // optional, the global norm across shards
+//     opt.step();
+//   }
+//   auto full = fsdp.fullState();                        // collective: every parameter, gathered, by name
+// \endcode
+//
+// Memory per rank: the shards (parameters, gradients and optimizer state: 1/W of each) plus, at stage 3,
+// the gathered parameters of at most two units at a time (the running one and the prefetched next), and at
+// stage 2 those of every unit between its forward and its backward. A unit's gathered parameters are the
+// module's own parameter tensors, viewing one buffer whose memory is released and allocated again
+// (PyTorch FSDP's storage resize), so the model's code and autograd's saved tensors are unchanged.
+//
+// Rules: every rank runs the same units in the same order (the gathers and reduce-scatters are issued as
+// forward and backward reach them); a unit's parameters share one dtype; a parameter belongs to the
+// unit of the child that registers it first (a weight tied across units is one parameter of the first;
+// the later unit uses it gathered only while the first unit's parameters are present — keep tied weights
+// in one unit). The optimizer must be elementwise (SGD, Adam, AdamW): the shards cut through parameters.
+// Recomputation: set recompute to run each unit through dtrain::recompute (its activations are dropped and
+// recomputed in backward, after the unit's parameters are gathered again).
+#pragma once
+#include <ATen/core/Tensor.h>
+#include <torch/nn/modules/container/sequential.h>
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace dtrain {
+namespace comm {
+class ProcessGroup;
+}
+
+struct FsdpOptions {
+  int stage = 3;                      // 2 or 3
+  std::vector<int> units;             // children per unit, in order, summing to the children's number
+  int64_t min_unit_params = 1 << 20;  // without `units`: a unit closes once it holds this many elements
+  bool prefetch = true;               // gather the next unit (forward) / the previous one (backward) early
+  bool recompute = false;             // run each unit through dtrain::recompute
+};
+
+class FullyShardedDataParallel {
+ public:
+  // Collective: rank 0's parameter values become everyone's. InvalidArgument for bad options or a unit
+  // with mixed dtypes.
+  FullyShardedDataParallel(torch::nn::Sequential model, std::shared_ptr<comm::ProcessGroup> pg, FsdpOptions o = {});
+  ~FullyShardedDataParallel();
+  FullyShardedDataParallel(const FullyShardedDataParallel&) = delete;
+  FullyShardedDataParallel& operator=(const FullyShardedDataParallel&) = delete;
+
+  // Runs the units in order, gathering each unit's parameters first.
+  at::Tensor forward(const at::Tensor& x);
+
+  // This rank's shards, one flat tensor per unit (requires_grad): give them to the optimizer.
+  std::vector<at::Tensor> shards() const;
+  // Collective: scales the shards' gradients as torch.nn.utils.clip_grad_norm_ over the whole model; the
+  // total norm.
+  double clipGradNorm(double max_norm);
+
+  // While alive, backward accumulates whole gradients on each rank without communication (gradient
+  // accumulation); the first backward after it reduce-scatters the sum.
+  class NoSync {
+   public:
+    explicit NoSync(FullyShardedDataParallel* f);
+    ~NoSync();
+    NoSync(const NoSync&) = delete;
+    NoSync& operator=(const NoSync&) = delete;
+
+   private:
+    FullyShardedDataParallel* f_;
+  };
+  [[nodiscard]] NoSync noSync() { return NoSync(this); }
+
+  // Collective: every parameter's current value (gathered from the shards), by its name in the model.
+  std::map<std::string, at::Tensor> fullState();
+  // Children per unit, as built.
+  std::vector<int> unitSizes() const;
+
+  // This rank's bytes: parameters held now (shards and any gathered unit), shard gradients, and the
+  // largest number of gathered parameter bytes held at once since construction.
+  struct Memory {
+    int64_t shard_parameters = 0, shard_gradients = 0, gathered_now = 0, gathered_peak = 0;
+  };
+  Memory memory() const;
+
+  struct Impl;
+
+ private:
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain

@@ -1,0 +1,365 @@
+// FullyShardedDataParallel (dtrain/fsdp.h): units of a Sequential whose parameters view one flat buffer
+// per unit; the buffer's memory is released when the unit's parameters are not needed and allocated again
+// (and filled by an allgather of the shards) before the unit's forward and its backward. Backward's
+// gradient accumulators tell when a unit's gradients are complete; its reduce-scatters are issued in
+// reverse unit order, so every rank issues the same sequence.
+#include "dtrain/fsdp.h"
+
+#include <fmt/format.h>
+#include <torch/csrc/autograd/engine.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
+#include <torch/nn/module.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <unordered_map>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/recompute.h"
+#include "dtrain/tensor.h"
+
+namespace dtrain {
+
+namespace {
+
+struct Unit {
+  int first = 0, children = 0;          // the Sequential's children [first, first + children)
+  std::vector<at::Tensor> params;       // the module's own parameter tensors, viewing `flat`
+  std::vector<std::string> names;
+  std::vector<int64_t> offsets;
+  int64_t numel = 0, chunk = 0;         // chunk: this rank's share (the buffer is W * chunk, zero-padded)
+  at::Tensor flat;                      // the gathered buffer (its memory released when not gathered)
+  at::Tensor shard;                     // this rank's part, what the optimizer steps
+  size_t bytes = 0;                     // of the gathered buffer
+  bool gathered = false;
+  comm::WorkPtr gathering;              // an allgather in flight (prefetch)
+  // This backward pass:
+  std::vector<char> ready;
+  size_t pending = 0;
+  comm::WorkPtr reducing;
+  at::Tensor grad_flat, grad_part;
+  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+};
+
+}  // namespace
+
+struct FullyShardedDataParallel::Impl {
+  torch::nn::Sequential model{nullptr};
+  std::shared_ptr<comm::ProcessGroup> pg;
+  FsdpOptions opts;
+  std::vector<Unit> units;
+  bool sync = true, in_backward = false;
+  int next_launch = -1;  // the next unit whose reduce-scatter may go (reverse order)
+  int64_t gathered_now = 0, gathered_peak = 0;
+  std::shared_ptr<std::atomic<Impl*>> owner;
+
+  void allocate(Unit& u) {
+    auto* s = u.flat.storage().unsafeGetStorageImpl();
+    s->set_data_ptr_noswap(s->allocator()->allocate(u.bytes));
+    s->set_nbytes(u.bytes);
+    gathered_now += static_cast<int64_t>(u.bytes);
+    gathered_peak = std::max(gathered_peak, gathered_now);
+  }
+  void release(Unit& u) {
+    if (u.gathering) u.gathering->wait();
+    u.gathering.reset();
+    if (!u.gathered) return;
+    u.flat.storage().unsafeGetStorageImpl()->reset();
+    gathered_now -= static_cast<int64_t>(u.bytes);
+    u.gathered = false;
+  }
+  // Starts gathering the unit's parameters (async: wait with ensure()).
+  void startGather(Unit& u) {
+    if (u.gathered) return;
+    allocate(u);
+    u.gathered = true;
+    u.gathering = pg->allgather(u.shard.data_ptr(), u.flat.data_ptr(), static_cast<size_t>(u.chunk),
+                                toCommDType(u.shard.scalar_type()));
+  }
+  void ensure(Unit& u) {
+    startGather(u);
+    if (u.gathering) u.gathering->wait();
+    u.gathering.reset();
+  }
+
+  void startPass();
+  void onPreBackward(size_t k);
+  void onGradReady(size_t k, size_t i);
+  void launchReady();
+  void reduceScatter(Unit& u);
+  void finishPass();
+};
+
+namespace {
+
+class GradHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradHook(std::shared_ptr<std::atomic<FullyShardedDataParallel::Impl*>> owner, size_t unit, size_t index)
+      : owner_(std::move(owner)), unit_(unit), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& /*inputs*/) override {
+    if (auto* m = owner_->load()) m->onGradReady(unit_, index_);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<FullyShardedDataParallel::Impl*>> owner_;
+  size_t unit_, index_;
+};
+
+// Children per unit: the caller's, or consecutive children until min_unit_params elements.
+std::vector<int> childrenPerUnit(const torch::nn::Sequential& seq, const FsdpOptions& o) {
+  const int n = static_cast<int>(seq->size());
+  if (!o.units.empty()) {
+    int sum = 0;
+    for (int c : o.units) {
+      DTRAIN_CHECK(c >= 1, InvalidArgument, "FSDP: a unit of {} children (each needs at least one)", c);
+      sum += c;
+    }
+    DTRAIN_CHECK(sum == n, InvalidArgument, "FSDP: units cover {} children, the Sequential has {}", sum, n);
+    return o.units;
+  }
+  DTRAIN_CHECK(o.min_unit_params >= 1, InvalidArgument, "FSDP: min_unit_params {} (must be positive)", o.min_unit_params);
+  std::vector<int> out;
+  int children = 0;
+  int64_t numel = 0;
+  for (int i = 0; i < n; ++i) {
+    ++children;
+    for (const auto& p : seq->ptr(static_cast<size_t>(i))->parameters()) numel += p.numel();
+    if (numel >= o.min_unit_params || i + 1 == n) {
+      out.push_back(children);
+      children = 0;
+      numel = 0;
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, std::shared_ptr<comm::ProcessGroup> pg,
+                                                   FsdpOptions o)
+    : impl_(std::make_unique<Impl>()) {
+  DTRAIN_CHECK(model.ptr() != nullptr, InvalidArgument, "FSDP: the model is null");
+  DTRAIN_CHECK(pg != nullptr, InvalidArgument, "FSDP: process group is null");
+  DTRAIN_CHECK(o.stage == 2 || o.stage == 3, InvalidArgument, "FSDP: stage {} (2 or 3; stage 1 is ZeroRedundancyOptimizer)",
+               o.stage);
+  Impl& m = *impl_;
+  m.model = model;
+  m.pg = std::move(pg);
+  m.opts = o;
+  const int world = m.pg->size(), rank = m.pg->rank();
+  std::unordered_map<const c10::TensorImpl*, std::string> name_of;
+  for (const auto& item : model->named_parameters(/*recurse=*/true)) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
+  std::unordered_map<const c10::TensorImpl*, bool> taken;
+  int first = 0;
+  for (int children : childrenPerUnit(model, o)) {
+    Unit u;
+    u.first = first;
+    u.children = children;
+    for (int c = first; c < first + children; ++c)
+      for (const auto& p : model->ptr(static_cast<size_t>(c))->parameters())
+        if (p.requires_grad() && !taken[p.unsafeGetTensorImpl()]) {
+          taken[p.unsafeGetTensorImpl()] = true;
+          checkCommTensor(p, fmt::format("FSDP parameter {}", name_of[p.unsafeGetTensorImpl()]).c_str());
+          DTRAIN_CHECK(u.params.empty() || p.scalar_type() == u.params[0].scalar_type(), InvalidArgument,
+                       "FSDP: unit {} mixes dtypes ({} is {}, {} is {}); keep one dtype per unit", m.units.size(),
+                       u.names[0], c10::toString(u.params[0].scalar_type()), name_of[p.unsafeGetTensorImpl()],
+                       c10::toString(p.scalar_type()));
+          u.offsets.push_back(u.numel);
+          u.numel += p.numel();
+          u.params.push_back(p);
+          u.names.push_back(name_of[p.unsafeGetTensorImpl()]);
+        }
+    first += children;
+    m.units.push_back(std::move(u));
+  }
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) {
+    const auto dtype = u.params.empty() ? at::kFloat : u.params[0].scalar_type();
+    u.chunk = std::max<int64_t>(1, (u.numel + world - 1) / world);
+    u.flat = at::zeros({u.chunk * world}, at::TensorOptions().dtype(dtype));
+    u.bytes = u.flat.nbytes();
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto view = u.flat.narrow(0, u.offsets[i], u.params[i].numel()).view(u.params[i].sizes());
+      view.copy_(u.params[i]);
+      u.params[i].set_data(view);
+    }
+    m.pg->broadcast(u.flat.data_ptr(), static_cast<size_t>(u.flat.numel()), toCommDType(dtype), 0)->wait();
+    u.shard = u.flat.narrow(0, rank * u.chunk, u.chunk).clone().requires_grad_(true);
+    u.gathered = true;
+    m.gathered_now += static_cast<int64_t>(u.bytes);
+    m.release(u);
+  }
+  m.gathered_peak = 0;
+  m.owner = std::make_shared<std::atomic<Impl*>>(impl_.get());
+  for (size_t k = 0; k < m.units.size(); ++k) {
+    auto& u = m.units[k];
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      auto acc = torch::autograd::impl::grad_accumulator(u.params[i]);
+      acc->add_post_hook(std::make_unique<GradHook>(m.owner, k, i));
+      u.accumulators.push_back(std::move(acc));
+    }
+  }
+}
+
+FullyShardedDataParallel::~FullyShardedDataParallel() {
+  if (impl_ && impl_->owner) impl_->owner->store(nullptr);
+}
+
+at::Tensor FullyShardedDataParallel::forward(const at::Tensor& x) {
+  Impl& m = *impl_;
+  // Gathered values may be older than the shards (an optimizer step since): gather afresh.
+  if (!m.in_backward)
+    for (auto& u : m.units) m.release(u);
+  const bool grad = at::GradMode::is_enabled();
+  at::Tensor h = x;
+  for (size_t k = 0; k < m.units.size(); ++k) {
+    Unit& u = m.units[k];
+    m.ensure(u);
+    if (m.opts.prefetch && k + 1 < m.units.size()) m.startGather(m.units[k + 1]);
+    auto seq = m.model;
+    const int from = u.first, to = u.first + u.children;
+    SegmentFn fn = [seq, from, to](const std::vector<at::Tensor>& in) mutable {
+      at::Tensor y = in[0];
+      for (int i = from; i < to; ++i) y = (seq->begin() + i)->forward(y);
+      return std::vector<at::Tensor>{y};
+    };
+    h = m.opts.recompute ? recompute(fn, {h}, u.params)[0] : fn({h})[0];
+    if (grad && h.requires_grad()) {
+      auto owner = m.owner;
+      h.register_hook([owner, k](const at::Tensor& g) {
+        if (auto* mm = owner->load()) mm->onPreBackward(k);
+        return g;
+      });
+    }
+    if (m.opts.stage == 3 || !grad) m.release(u);  // (no backward will need them)
+  }
+  return h;
+}
+
+void FullyShardedDataParallel::Impl::startPass() {
+  in_backward = true;
+  next_launch = static_cast<int>(units.size()) - 1;
+  for (auto& u : units) {
+    u.ready.assign(u.params.size(), 0);
+    u.pending = u.params.size();
+    u.reducing.reset();
+  }
+  torch::autograd::Engine::get_default_engine().queue_callback([this] { finishPass(); });
+}
+
+void FullyShardedDataParallel::Impl::onPreBackward(size_t k) {
+  if (!in_backward) startPass();
+  ensure(units[k]);
+  if (opts.prefetch && k > 0) startGather(units[k - 1]);
+}
+
+void FullyShardedDataParallel::Impl::onGradReady(size_t k, size_t i) {
+  if (!in_backward) startPass();
+  Unit& u = units[k];
+  if (u.ready[i]) return;
+  u.ready[i] = 1;
+  if (--u.pending == 0) launchReady();
+}
+
+void FullyShardedDataParallel::Impl::launchReady() {
+  while (next_launch >= 0 && units[static_cast<size_t>(next_launch)].pending == 0) {
+    Unit& u = units[static_cast<size_t>(next_launch--)];
+    if (sync) reduceScatter(u);
+    release(u);  // its backward is done
+  }
+}
+
+void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
+  u.grad_flat = at::zeros({u.chunk * pg->size()}, u.shard.options().requires_grad(false));
+  for (size_t i = 0; i < u.params.size(); ++i) {
+    auto& g = u.params[i].mutable_grad();
+    if (g.defined()) u.grad_flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(g.reshape(-1));
+    g.reset();
+  }
+  u.grad_part = at::empty({u.chunk}, u.grad_flat.options());
+  u.reducing = pg->reduceScatter(u.grad_flat.data_ptr(), u.grad_part.data_ptr(), static_cast<size_t>(u.chunk),
+                                 toCommDType(u.grad_flat.scalar_type()), comm::ReduceOp::avg);
+}
+
+void FullyShardedDataParallel::Impl::finishPass() {
+  struct Reset {
+    Impl* m;
+    ~Reset() { m->in_backward = false; }
+  } reset{this};
+  for (auto& u : units) u.pending = 0;  // parameters without a gradient in this pass: zeros
+  launchReady();
+  torch::NoGradGuard no_grad;
+  for (auto& u : units) {
+    if (!u.reducing) continue;
+    u.reducing->wait();
+    u.reducing.reset();
+    auto& g = u.shard.mutable_grad();
+    if (g.defined()) g.add_(u.grad_part);
+    else g = u.grad_part.clone();
+    u.grad_flat = at::Tensor();
+    u.grad_part = at::Tensor();
+  }
+}
+
+std::vector<at::Tensor> FullyShardedDataParallel::shards() const {
+  std::vector<at::Tensor> out;
+  for (const auto& u : impl_->units) out.push_back(u.shard);
+  return out;
+}
+
+double FullyShardedDataParallel::clipGradNorm(double max_norm) {
+  Impl& m = *impl_;
+  DTRAIN_CHECK(max_norm > 0 && std::isfinite(max_norm), InvalidArgument,
+               "FSDP::clipGradNorm: max_norm {} (must be positive and finite)", max_norm);
+  double sq = 0;
+  for (const auto& u : m.units)
+    if (u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
+  m.pg->allreduce(&sq, 1, comm::DType::f64, comm::ReduceOp::sum)->wait();
+  const double total = std::sqrt(sq), coef = max_norm / (total + 1e-6);
+  if (coef < 1) {
+    torch::NoGradGuard no_grad;
+    for (auto& u : m.units)
+      if (u.shard.grad().defined()) u.shard.mutable_grad().mul_(coef);
+  }
+  return total;
+}
+
+FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel* f) : f_(f) { f_->impl_->sync = false; }
+FullyShardedDataParallel::NoSync::~NoSync() { f_->impl_->sync = true; }
+
+std::map<std::string, at::Tensor> FullyShardedDataParallel::fullState() {
+  Impl& m = *impl_;
+  std::map<std::string, at::Tensor> out;
+  torch::NoGradGuard no_grad;
+  for (auto& u : m.units) {
+    const bool was = u.gathered;
+    m.ensure(u);
+    for (size_t i = 0; i < u.params.size(); ++i) out[u.names[i]] = u.params[i].detach().clone();
+    if (!was) m.release(u);
+  }
+  return out;
+}
+
+std::vector<int> FullyShardedDataParallel::unitSizes() const {
+  std::vector<int> out;
+  for (const auto& u : impl_->units) out.push_back(u.children);
+  return out;
+}
+
+FullyShardedDataParallel::Memory FullyShardedDataParallel::memory() const {
+  Memory out;
+  for (const auto& u : impl_->units) {
+    out.shard_parameters += static_cast<int64_t>(u.shard.nbytes());
+    if (u.shard.grad().defined()) out.shard_gradients += static_cast<int64_t>(u.shard.grad().nbytes());
+  }
+  out.gathered_now = impl_->gathered_now;
+  out.gathered_peak = impl_->gathered_peak;
+  return out;
+}
+
+}  // namespace dtrain
