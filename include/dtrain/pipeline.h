@@ -59,6 +59,7 @@
 namespace dtrain {
 
 class DistributedDataParallel;
+class FullyShardedDataParallel;
 
 enum class PipelineSchedule { gpipe, one_f_one_b };
 const char* scheduleName(PipelineSchedule s);
@@ -128,6 +129,9 @@ class Pipeline {
   // Gradients are averaged over ddp's group in the last micro-batch's backward only. ddp must wrap
   // this stage's module and outlive the Pipeline (or be detached with nullptr).
   void attachDataParallel(DistributedDataParallel* ddp);
+  // The same with ZeRO stage 2 or 3 over the data-parallel group (dtrain/fsdp.h): fsdp must wrap this
+  // stage's module (the Pipeline then runs fsdp->forward) and outlive the Pipeline.
+  void attachSharded(FullyShardedDataParallel* fsdp);
 
   int stage() const;
   int stages() const;

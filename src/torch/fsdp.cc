@@ -35,6 +35,7 @@ struct Unit {
   at::Tensor shard;                     // this rank's part, what the optimizer steps
   size_t bytes = 0;                     // of the gathered buffer
   bool gathered = false;
+  int64_t version = 0;                  // the shard's version counter when it was gathered
   comm::WorkPtr gathering;              // an allgather in flight (prefetch)
   // This backward pass:
   std::vector<char> ready;
@@ -76,6 +77,7 @@ struct FullyShardedDataParallel::Impl {
     if (u.gathered) return;
     allocate(u);
     u.gathered = true;
+    u.version = u.shard._version();
     u.gathering = pg->allgather(u.shard.data_ptr(), u.flat.data_ptr(), static_cast<size_t>(u.chunk),
                                 toCommDType(u.shard.scalar_type()));
   }
@@ -212,9 +214,9 @@ FullyShardedDataParallel::~FullyShardedDataParallel() {
 
 at::Tensor FullyShardedDataParallel::forward(const at::Tensor& x) {
   Impl& m = *impl_;
-  // Gathered values may be older than the shards (an optimizer step since): gather afresh.
-  if (!m.in_backward)
-    for (auto& u : m.units) m.release(u);
+  // Gathered values older than their shard (an optimizer step since) are gathered afresh.
+  for (auto& u : m.units)
+    if (u.gathered && u.version != u.shard._version()) m.release(u);
   const bool grad = at::GradMode::is_enabled();
   at::Tensor h = x;
   for (size_t k = 0; k < m.units.size(); ++k) {

@@ -22,6 +22,7 @@
 #include "comm/trace/trace_internal.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/tensor.h"
 #include "errors.h"
 
@@ -141,6 +142,7 @@ struct Pipeline::Impl {
   int64_t step_no = 0;
   c10::optional<c10::ScalarType> param_dtype;  // of the first floating parameter, to check inputs
   DistributedDataParallel* ddp = nullptr;
+  FullyShardedDataParallel* fsdp = nullptr;
   PipelineStats stats;               // of the last step(), or of the forward() under way
   std::vector<PipelineSpan> spans;
   PipelineStats forward_stats;       // of the last forward()
@@ -251,6 +253,11 @@ struct Pipeline::Impl {
 
   // The stage's modules one by one, so that the bytes of what they produce can be counted.
   at::Tensor runModules(at::Tensor x, int64_t& bytes) {
+    if (fsdp != nullptr) {  // the sharded stage gathers each unit's parameters as it runs it
+      x = fsdp->forward(x);
+      bytes += tensorBytes(x);
+      return x;
+    }
     for (auto& mod : mods) {
       x = mod.forward(x);
       bytes += tensorBytes(x);
@@ -385,6 +392,9 @@ struct Pipeline::Impl {
             if (ddp != nullptr && k != last_backward) {
               auto guard = ddp->noSync();
               run();
+            } else if (fsdp != nullptr && k != last_backward) {
+              auto guard = fsdp->noSync();
+              run();
             } else {
               run();
             }
@@ -504,6 +514,7 @@ double Pipeline::step(const at::Tensor& input, const at::Tensor& target, const L
 }
 at::Tensor Pipeline::forward(const at::Tensor& input) { return impl_->forward(input); }
 void Pipeline::attachDataParallel(DistributedDataParallel* ddp) { impl_->ddp = ddp; }
+void Pipeline::attachSharded(FullyShardedDataParallel* fsdp) { impl_->fsdp = fsdp; }
 int Pipeline::stage() const { return impl_->stage; }
 int Pipeline::stages() const { return impl_->stages; }
 torch::nn::Sequential& Pipeline::module() { return impl_->seq; }

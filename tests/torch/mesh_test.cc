@@ -6,9 +6,11 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/mesh.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/tensor_parallel.h"
+#include "dtrain/zero.h"
 #include "harness.h"
 
 namespace dtrain::test {
@@ -140,6 +142,71 @@ TEST(Hybrid, TwoDataByTwoPipelineEqualsOneProcess) {
   });
   expectAllOk(results);
 }
+
+// The same 2 data x 2 pipeline mesh with the training state sharded over each data group: ZeRO stage 1
+// (DDP and ZeroRedundancyOptimizer) and stages 2 and 3 (FullyShardedDataParallel attached to the
+// pipeline), Adam. Equal to one process on the whole batch.
+void shardedMeshEqualsOneProcess(int zero_stage) {
+  StoreServer server;
+  auto results = runRanks(4, [&](int rank) {
+    auto world = group(server, rank, 4);
+    DeviceMesh mesh(world, MeshShape{2, 2, 1});
+    auto model = makeModel(), ref = makeModel();
+    auto stage = pipelineStage(model, mesh.pipelineRank(), mesh.pipelineSize());
+    Pipeline pipe(stage, mesh.pipeline(), PipelineOptions{4, PipelineSchedule::one_f_one_b});
+    auto adam = [](std::vector<torch::optim::OptimizerParamGroup> g) {
+      return std::make_unique<torch::optim::Adam>(std::move(g), torch::optim::AdamOptions(0.01));
+    };
+    std::unique_ptr<DistributedDataParallel> ddp;
+    std::unique_ptr<ZeroRedundancyOptimizer> zero;
+    std::unique_ptr<FullyShardedDataParallel> fsdp;
+    std::unique_ptr<torch::optim::Optimizer> opt;
+    if (zero_stage == 1) {
+      ddp = std::make_unique<DistributedDataParallel>(stage.ptr(), mesh.data());
+      pipe.attachDataParallel(ddp.get());
+      zero = std::make_unique<ZeroRedundancyOptimizer>(stage->parameters(), adam, mesh.data());
+    } else {
+      FsdpOptions o;
+      o.stage = zero_stage;
+      o.min_unit_params = 1;
+      fsdp = std::make_unique<FullyShardedDataParallel>(stage, mesh.data(), o);
+      pipe.attachSharded(fsdp.get());
+      opt = adam({torch::optim::OptimizerParamGroup(fsdp->shards())});
+    }
+    auto ref_opt = adam({torch::optim::OptimizerParamGroup(ref->parameters())});
+    const bool first = mesh.pipelineRank() == 0, last = mesh.pipelineRank() == mesh.pipelineSize() - 1;
+    for (int step = 0; step < 3; ++step) {
+      auto g = at::make_generator<at::CPUGeneratorImpl>(700 + step);
+      auto x = at::randn({16, 6}, g, torch::kDouble);
+      auto y = at::randint(0, 3, {16}, g, torch::kLong);
+      auto xs = x.narrow(0, 8 * mesh.dataRank(), 8), ys = y.narrow(0, 8 * mesh.dataRank(), 8);
+      if (zero) zero->zeroGrad();
+      else opt->zero_grad();
+      pipe.step(first ? xs : at::Tensor(), last ? ys : at::Tensor(), lossFn);
+      if (zero) zero->step();
+      else opt->step();
+      ref_opt->zero_grad();
+      lossFn(ref->forward(x), y).backward();
+      ref_opt->step();
+    }
+    auto ref_params = ref->named_parameters();
+    std::map<std::string, at::Tensor> got;
+    if (fsdp) got = fsdp->fullState();
+    else
+      for (const auto& p : stage->named_parameters()) got[p.key()] = p.value();
+    EXPECT_EQ(got.size(), stage->named_parameters().size());
+    for (const auto& [name, t] : got) {
+      auto r = ref_params[name];
+      double diff = (t - r).abs().max().item<double>() / std::max(1.0, r.abs().max().item<double>());
+      EXPECT_LE(diff, 1e-5) << mesh.describe() << " ZeRO stage " << zero_stage << " parameter " << name;
+    }
+  });
+  expectAllOk(results);
+}
+
+TEST(Hybrid, TwoDataByTwoPipelineWithZeroStage1EqualsOneProcess) { shardedMeshEqualsOneProcess(1); }
+TEST(Hybrid, TwoDataByTwoPipelineWithZeroStage2EqualsOneProcess) { shardedMeshEqualsOneProcess(2); }
+TEST(Hybrid, TwoDataByTwoPipelineWithZeroStage3EqualsOneProcess) { shardedMeshEqualsOneProcess(3); }
 
 // 2 data x 2 tensor: a tensor-parallel MLP whose slices are replicated by DDP over the data group.
 TEST(Hybrid, TwoDataByTwoTensorEqualsOneProcess) {
