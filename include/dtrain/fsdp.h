@@ -92,10 +92,11 @@ class FullyShardedDataParallel {
   // Children per unit, as built.
   std::vector<int> unitSizes() const;
 
-  // This rank's bytes: parameters held now (shards and any gathered unit), shard gradients, and the
-  // largest number of gathered parameter bytes held at once since construction.
+  // This rank's bytes: its shards and their gradients; gathered parameters now and at most at once since
+  // construction; and the most of whole-unit tensors held at once (gathered parameters, plus during
+  // backward a unit's gradients as autograd made them and the buffer being reduce-scattered).
   struct Memory {
-    int64_t shard_parameters = 0, shard_gradients = 0, gathered_now = 0, gathered_peak = 0;
+    int64_t shard_parameters = 0, shard_gradients = 0, gathered_now = 0, gathered_peak = 0, transient_peak = 0;
   };
   Memory memory() const;
 

@@ -55,6 +55,8 @@ struct FullyShardedDataParallel::Impl {
   bool sync = true, in_backward = false;
   int next_launch = -1;  // the next unit whose reduce-scatter may go (reverse order)
   int64_t gathered_now = 0, gathered_peak = 0;
+  int64_t grad_now = 0;        // gradient buffers being reduce-scattered
+  int64_t transient_peak = 0;  // gathered parameters + gradients of whole units, at most at once
   std::shared_ptr<std::atomic<Impl*>> owner;
 
   void allocate(Unit& u) {
@@ -63,6 +65,7 @@ struct FullyShardedDataParallel::Impl {
     s->set_nbytes(u.bytes);
     gathered_now += static_cast<int64_t>(u.bytes);
     gathered_peak = std::max(gathered_peak, gathered_now);
+    transient_peak = std::max(transient_peak, gathered_now + grad_now);
   }
   void release(Unit& u) {
     if (u.gathering) u.gathering->wait();
@@ -92,6 +95,7 @@ struct FullyShardedDataParallel::Impl {
   void onGradReady(size_t k, size_t i);
   void launchReady();
   void reduceScatter(Unit& u);
+  void completeReduce(Unit& u);  // waits for u's reduce-scatter and adds it to the shard's gradient
   void finishPass();
 };
 
@@ -196,7 +200,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
     m.gathered_now += static_cast<int64_t>(u.bytes);
     m.release(u);
   }
-  m.gathered_peak = 0;
+  m.gathered_peak = m.transient_peak = 0;
   m.owner = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t k = 0; k < m.units.size(); ++k) {
     auto& u = m.units[k];
@@ -271,13 +275,34 @@ void FullyShardedDataParallel::Impl::onGradReady(size_t k, size_t i) {
 void FullyShardedDataParallel::Impl::launchReady() {
   while (next_launch >= 0 && units[static_cast<size_t>(next_launch)].pending == 0) {
     Unit& u = units[static_cast<size_t>(next_launch--)];
-    if (sync) reduceScatter(u);
     release(u);  // its backward is done
+    if (!sync) continue;
+    // One reduce-scatter in flight at a time: the previous unit's gradient buffer goes first.
+    if (next_launch + 2 < static_cast<int>(units.size())) completeReduce(units[static_cast<size_t>(next_launch + 2)]);
+    reduceScatter(u);
   }
+}
+
+void FullyShardedDataParallel::Impl::completeReduce(Unit& u) {
+  if (!u.reducing) return;
+  u.reducing->wait();
+  u.reducing.reset();
+  torch::NoGradGuard no_grad;
+  auto& g = u.shard.mutable_grad();
+  if (g.defined()) g.add_(u.grad_part);
+  else g = u.grad_part.clone();
+  grad_now -= static_cast<int64_t>(u.grad_flat.nbytes());
+  u.grad_flat = at::Tensor();
+  u.grad_part = at::Tensor();
 }
 
 void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
   u.grad_flat = at::zeros({u.chunk * pg->size()}, u.shard.options().requires_grad(false));
+  int64_t param_grads = 0;
+  for (const auto& p : u.params)
+    if (p.grad().defined()) param_grads += static_cast<int64_t>(p.grad().nbytes());
+  grad_now += static_cast<int64_t>(u.grad_flat.nbytes());
+  transient_peak = std::max(transient_peak, gathered_now + grad_now + param_grads);
   for (size_t i = 0; i < u.params.size(); ++i) {
     auto& g = u.params[i].mutable_grad();
     if (g.defined()) u.grad_flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(g.reshape(-1));
@@ -295,17 +320,7 @@ void FullyShardedDataParallel::Impl::finishPass() {
   } reset{this};
   for (auto& u : units) u.pending = 0;  // parameters without a gradient in this pass: zeros
   launchReady();
-  torch::NoGradGuard no_grad;
-  for (auto& u : units) {
-    if (!u.reducing) continue;
-    u.reducing->wait();
-    u.reducing.reset();
-    auto& g = u.shard.mutable_grad();
-    if (g.defined()) g.add_(u.grad_part);
-    else g = u.grad_part.clone();
-    u.grad_flat = at::Tensor();
-    u.grad_part = at::Tensor();
-  }
+  for (auto& u : units) completeReduce(u);
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::shards() const {
@@ -361,6 +376,7 @@ FullyShardedDataParallel::Memory FullyShardedDataParallel::memory() const {
   }
   out.gathered_now = impl_->gathered_now;
   out.gathered_peak = impl_->gathered_peak;
+  out.transient_peak = impl_->transient_peak;
   return out;
 }
 
