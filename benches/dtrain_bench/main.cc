@@ -11,6 +11,7 @@
 #include "ddp_bench.h"
 #include "pipeline_bench.h"
 #include "ps_bench.h"
+#include "zero_bench.h"
 #include "dtrain/comm/error.h"
 
 int main(int argc, char** argv) {
@@ -21,6 +22,7 @@ int main(int argc, char** argv) {
   dtrain::bench::addDdpCommand(app);
   dtrain::bench::addPipelineCommand(app);
   dtrain::bench::addPsCommand(app);
+  dtrain::bench::addZeroCommand(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

@@ -9,13 +9,15 @@ rank, the workload of `dtrain-bench ddp`. Prints rank 0's line:
 after WARMUP untimed steps (3) and STEPS timed ones. Then checks that every rank holds the same
 parameters (DDP's invariant: each parameter's sum); exits 1 if they differ.
 
-usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N]
-       torchrun ... torch_ddp.py env [STEPS] [BATCH_PER_RANK] [--hook H] [--warmup N]
+usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N] [--opt O]
+       torchrun ... torch_ddp.py env [STEPS] [BATCH_PER_RANK] [--hook H] [--warmup N] [--opt O]
 
 WORLD: spawns WORLD ranks on this host (rendezvous on 127.0.0.1); the parent compares the ranks'
 parameters, so the check needs no collective of the system under test. `env`: one rank per process
 as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. on the emulated cluster
 (`scripts/cluster.sh --launcher torchrun`); the check then gathers the sums with gloo.
+--opt: sgd (the default, as above), adam (Adam lr 1e-3) or zero-adam (ZeroRedundancyOptimizer over Adam
+lr 1e-3, PyTorch's ZeRO stage 1: the peer of `dtrain-bench zero --mode zero1`); the line then ends opt=O.
 --hook: none, fp16 (fp16_compress_hook) or powersgd:R (powerSGD_hook, matrix_approximation_rank R,
 start_powerSGD_iter 2, the rest of PowerSGDState's defaults). bytes_per_step is what each rank hands
 to allreduce per step once the hook is active, computed from the model's shapes and the hook's rules
@@ -80,7 +82,13 @@ def train(rank, world, a):
     ddp = nn.parallel.DistributedDataParallel(net) if world > 1 else net
     if world > 1:
         register(ddp, a.hook)
-    opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
+    if a.opt == "zero-adam" and world > 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam, lr=1e-3)
+    elif a.opt in ("adam", "zero-adam"):
+        opt = torch.optim.Adam(ddp.parameters(), lr=1e-3)
+    else:
+        opt = torch.optim.SGD(ddp.parameters(), lr=0.01, momentum=0.9)
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(a.batch, 784, generator=g)
     y = torch.randint(0, 10, (a.batch,), generator=g)
@@ -113,8 +121,8 @@ def report(world, a, results):
     _, dt, params, sums0, nbytes = results[0]
     differ = sum(r[3] != sums0 for r in results)
     print(f"torch-ddp world={world} params={params} batch_per_rank={a.batch} ms_per_step={dt * 1e3:.1f} "
-          f"samples_per_s={world * a.batch / dt:.1f} hook={a.hook} bytes_per_step={nbytes if world > 1 else 0}",
-          flush=True)
+          f"samples_per_s={world * a.batch / dt:.1f} hook={a.hook} bytes_per_step={nbytes if world > 1 else 0}"
+          + (f" opt={a.opt}" if a.opt != "sgd" else ""), flush=True)
     if differ:
         sys.exit(f"torch_ddp: {differ} of {world} ranks hold parameters different from rank 0's")
 
@@ -126,6 +134,7 @@ def main():
     p.add_argument("batch", nargs="?", type=int, default=64)
     p.add_argument("--hook", default="none")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--opt", default="sgd", choices=["sgd", "adam", "zero-adam"])
     a = p.parse_args()
     if a.hook not in ("none", "fp16") and not (a.hook.startswith("powersgd:") and a.hook[9:].isdigit()
                                                and int(a.hook[9:]) > 0):

@@ -127,6 +127,8 @@ class BytesSentMeter {
 
 // Resident memory of this process in bytes (/proc/self/statm); dtrain::IoError naming it if unreadable.
 uint64_t residentBytes();
+// The most resident memory this process has had (VmHWM of /proc/self/status), in bytes; IoError likewise.
+uint64_t peakResidentBytes();
 // Now, as Unix seconds with sub-second resolution.
 double unixTime();
 

@@ -31,7 +31,9 @@ struct Unit {
   std::vector<std::string> names;
   std::vector<int64_t> offsets;
   int64_t numel = 0, chunk = 0;         // chunk: this rank's share (the buffer is W * chunk, zero-padded)
-  at::Tensor flat;                      // the gathered buffer (its memory released when not gathered)
+  at::Tensor flat;                      // the gathered parameters (its memory lent by the pool while gathered)
+  at::Tensor param_buf;                 // the pool's buffer lent to `flat`
+  bool grads_in_buf = false;            // this pass's gradients are views into grad_flat (from the pool)
   at::Tensor shard;                     // this rank's part, what the optimizer steps
   size_t bytes = 0;                     // of the gathered buffer
   bool gathered = false;
@@ -55,23 +57,44 @@ struct FullyShardedDataParallel::Impl {
   bool sync = true, in_backward = false;
   int next_launch = -1;  // the next unit whose reduce-scatter may go (reverse order)
   int64_t gathered_now = 0, gathered_peak = 0;
-  int64_t grad_now = 0;        // gradient buffers being reduce-scattered
-  int64_t transient_peak = 0;  // gathered parameters + gradients of whole units, at most at once
+  int64_t transient_peak = 0;  // the pool's bytes at most (and autograd's own gradients of a unit, when used)
   std::shared_ptr<std::atomic<Impl*>> owner;
 
+  // Whole-unit buffers (gathered parameters, gradients) are lent from a pool and given back, so that a
+  // step does not allocate, fault in and free tens of MB: the pool keeps what was needed at most at once.
+  std::vector<at::Tensor> pool;  // free buffers
+  int64_t pool_bytes = 0;        // every buffer the pool made (free or lent)
+  at::Tensor borrow(size_t bytes) {
+    auto best = pool.end();
+    for (auto it = pool.begin(); it != pool.end(); ++it)
+      if (it->nbytes() >= bytes && (best == pool.end() || it->nbytes() < best->nbytes())) best = it;
+    if (best != pool.end()) {
+      at::Tensor t = *best;
+      pool.erase(best);
+      return t;
+    }
+    pool_bytes += static_cast<int64_t>(bytes);
+    transient_peak = std::max(transient_peak, pool_bytes);
+    return at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+  }
+  void giveBack(at::Tensor& t) {
+    if (t.defined()) pool.push_back(t);
+    t = at::Tensor();
+  }
   void allocate(Unit& u) {
+    u.param_buf = borrow(u.bytes);
     auto* s = u.flat.storage().unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(s->allocator()->allocate(u.bytes));
+    s->set_data_ptr_noswap(at::DataPtr(u.param_buf.data_ptr(), at::Device(at::kCPU)));
     s->set_nbytes(u.bytes);
     gathered_now += static_cast<int64_t>(u.bytes);
     gathered_peak = std::max(gathered_peak, gathered_now);
-    transient_peak = std::max(transient_peak, gathered_now + grad_now);
   }
   void release(Unit& u) {
     if (u.gathering) u.gathering->wait();
     u.gathering.reset();
     if (!u.gathered) return;
     u.flat.storage().unsafeGetStorageImpl()->reset();
+    giveBack(u.param_buf);
     gathered_now -= static_cast<int64_t>(u.bytes);
     u.gathered = false;
   }
@@ -260,8 +283,18 @@ void FullyShardedDataParallel::Impl::startPass() {
 
 void FullyShardedDataParallel::Impl::onPreBackward(size_t k) {
   if (!in_backward) startPass();
-  ensure(units[k]);
+  Unit& u = units[k];
+  ensure(u);
   if (opts.prefetch && k > 0) startGather(units[k - 1]);
+  // A synced pass whose gradients start from nothing: autograd accumulates them straight into a pooled
+  // buffer, which is then reduce-scattered as it is (no allocation, no copy).
+  bool fresh = sync && !u.grad_flat.defined();
+  for (const auto& p : u.params) fresh = fresh && !p.grad().defined();
+  if (!fresh || u.params.empty()) return;
+  u.grad_flat = borrow(u.bytes).view(u.shard.scalar_type()).zero_();
+  for (size_t i = 0; i < u.params.size(); ++i)
+    u.params[i].mutable_grad() = u.grad_flat.narrow(0, u.offsets[i], u.params[i].numel()).view(u.params[i].sizes());
+  u.grads_in_buf = true;
 }
 
 void FullyShardedDataParallel::Impl::onGradReady(size_t k, size_t i) {
@@ -291,23 +324,26 @@ void FullyShardedDataParallel::Impl::completeReduce(Unit& u) {
   auto& g = u.shard.mutable_grad();
   if (g.defined()) g.add_(u.grad_part);
   else g = u.grad_part.clone();
-  grad_now -= static_cast<int64_t>(u.grad_flat.nbytes());
+  at::Tensor bytes = u.grad_flat.view(at::kByte);
   u.grad_flat = at::Tensor();
+  giveBack(bytes);
   u.grad_part = at::Tensor();
 }
 
 void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
-  u.grad_flat = at::zeros({u.chunk * pg->size()}, u.shard.options().requires_grad(false));
-  int64_t param_grads = 0;
-  for (const auto& p : u.params)
-    if (p.grad().defined()) param_grads += static_cast<int64_t>(p.grad().nbytes());
-  grad_now += static_cast<int64_t>(u.grad_flat.nbytes());
-  transient_peak = std::max(transient_peak, gathered_now + grad_now + param_grads);
-  for (size_t i = 0; i < u.params.size(); ++i) {
-    auto& g = u.params[i].mutable_grad();
-    if (g.defined()) u.grad_flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(g.reshape(-1));
-    g.reset();
+  if (!u.grads_in_buf) {  // gradients accumulated by autograd itself (noSync passes before): copied in
+    int64_t param_grads = 0;
+    for (const auto& p : u.params)
+      if (p.grad().defined()) param_grads += static_cast<int64_t>(p.grad().nbytes());
+    transient_peak = std::max(transient_peak, pool_bytes + param_grads);
+    u.grad_flat = borrow(u.bytes).view(u.shard.scalar_type()).zero_();
+    for (size_t i = 0; i < u.params.size(); ++i) {
+      const auto& g = u.params[i].grad();
+      if (g.defined()) u.grad_flat.narrow(0, u.offsets[i], u.params[i].numel()).copy_(g.reshape(-1));
+    }
   }
+  for (auto& p : u.params) p.mutable_grad().reset();
+  u.grads_in_buf = false;
   u.grad_part = at::empty({u.chunk}, u.grad_flat.options());
   u.reducing = pg->reduceScatter(u.grad_flat.data_ptr(), u.grad_part.data_ptr(), static_cast<size_t>(u.chunk),
                                  toCommDType(u.grad_flat.scalar_type()), comm::ReduceOp::avg);

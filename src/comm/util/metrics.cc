@@ -12,6 +12,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <sstream>
 
 #include "comm/util/json_text.h"
 #include "dtrain/comm/error.h"
@@ -83,6 +84,17 @@ uint64_t residentBytes() {
   uint64_t size = 0, resident = 0;
   if (!(f >> size >> resident)) throw IoError("cannot read the resident memory from /proc/self/statm");
   return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+uint64_t peakResidentBytes() {
+  std::ifstream f("/proc/self/status");
+  for (std::string line; std::getline(f, line);) {
+    if (line.rfind("VmHWM:", 0) != 0) continue;
+    std::istringstream in(line.substr(6));
+    uint64_t kb = 0;
+    if (in >> kb) return kb * 1024;
+  }
+  throw IoError("cannot read the peak resident memory (VmHWM) from /proc/self/status");
 }
 
 double unixTime() {
