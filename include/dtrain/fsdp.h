@@ -35,6 +35,7 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 #include <torch/nn/modules/container/sequential.h>
+#include <torch/optim/optimizer.h>
 
 #include <cstdint>
 #include <map>
@@ -89,6 +90,17 @@ class FullyShardedDataParallel {
 
   // Collective: every parameter's current value (gathered from the shards), by its name in the model.
   std::map<std::string, at::Tensor> fullState();
+
+  // Collective: the whole model and `optimizer`'s state over the shards (Adam, AdamW, SGD), one file that
+  // rank `to` writes atomically, in ZeroRedundancyOptimizer's consolidated layout (dtrain/zero.h: PyTorch's
+  // optimizer state_dict, one index per parameter in the model's order, torch.load reads it) plus
+  // "model": {name: tensor} (the gathered parameters, for inference or to start plain DDP from) and
+  // "parameter_names" (the names in index order).
+  void saveConsolidated(const std::string& path, const torch::optim::Optimizer& optimizer, int to = 0);
+  // Reads such a file, saved at any world size and either stage: the parameters into this rank's shards
+  // and the optimizer's state for them; the groups' options too. Not collective. InvalidArgument naming
+  // the file and what does not match (a parameter missing or shaped otherwise, the optimizer's kind).
+  void loadConsolidated(const std::string& path, torch::optim::Optimizer& optimizer);
   // Children per unit, as built.
   std::vector<int> unitSizes() const;
 

@@ -1,0 +1,167 @@
+// FullyShardedDataParallel's consolidated file (dtrain/fsdp.h): the gathered model and the optimizer's
+// state over the shards, unflattened into one entry per parameter, in ZeroRedundancyOptimizer's layout
+// (torch/optim_state.h); read back at any world size by slicing each unit's flat state anew.
+#include <fmt/format.h>
+#include <torch/serialize.h>
+
+#include <filesystem>
+#include <unordered_map>
+
+#include "dtrain/comm/error.h"
+#include "torch/checkpoint_io.h"
+#include "torch/fsdp_impl.h"
+#include "torch/optim_state.h"
+
+namespace dtrain {
+
+namespace {
+
+using namespace optim_state;  // NOLINT(google-build-using-namespace): this file's vocabulary
+
+// The per-parameter entries a state may have, in a fixed order (every rank walks them alike).
+const char* const kEntries[] = {"step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_buffer"};
+
+// The optimizer group of each unit's shard; InvalidArgument for a shard the optimizer does not have.
+std::vector<size_t> groupOfUnits(const std::vector<fsdp_detail::Unit>& units, const torch::optim::Optimizer& opt) {
+  std::unordered_map<const c10::TensorImpl*, size_t> group;
+  for (size_t g = 0; g < opt.param_groups().size(); ++g)
+    for (const auto& p : opt.param_groups()[g].params()) group[p.unsafeGetTensorImpl()] = g;
+  std::vector<size_t> out;
+  for (size_t k = 0; k < units.size(); ++k) {
+    auto it = group.find(units[k].shard.unsafeGetTensorImpl());
+    DTRAIN_CHECK(it != group.end(), InvalidArgument,
+                 "FSDP consolidated state: the optimizer does not step unit {}'s shard (give it fsdp.shards())", k);
+    out.push_back(it->second);
+  }
+  return out;
+}
+
+}  // namespace
+
+void FullyShardedDataParallel::saveConsolidated(const std::string& path, const torch::optim::Optimizer& optimizer, int to) {
+  Impl& m = *impl_;
+  const int rank = m.pg->rank(), world = m.pg->size();
+  DTRAIN_CHECK(to >= 0 && to < world, InvalidArgument, "saveConsolidated: rank {} is not in a group of {}", to, world);
+  const Kind k = kindOf(optimizer);
+  const auto group_of = groupOfUnits(m.units, optimizer);
+  c10::Dict<int64_t, TensorDict> state;
+  c10::Dict<std::string, at::Tensor> model;
+  c10::List<std::string> names;
+  std::vector<std::vector<int64_t>> group_params(optimizer.param_groups().size());
+  torch::NoGradGuard no_grad;
+  int64_t index = 0;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    auto& unit = m.units[u];
+    const bool was = unit.gathered;
+    m.ensure(unit);
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      if (rank == to) model.insert(unit.names[i], unit.params[i].detach().clone());
+      names.push_back(unit.names[i]);
+      group_params[group_of[u]].push_back(index + static_cast<int64_t>(i));
+    }
+    if (!was) m.release(unit);
+    auto it = optimizer.state().find(keyOf(unit.shard));
+    int64_t has[2] = {it != optimizer.state().end(), it != optimizer.state().end()};
+    m.pg->allreduce(&has[0], 1, comm::DType::i64, comm::ReduceOp::min)->wait();
+    m.pg->allreduce(&has[1], 1, comm::DType::i64, comm::ReduceOp::max)->wait();
+    DTRAIN_CHECK(has[0] == has[1], InvalidArgument, "[rank {}] FSDP saveConsolidated: unit {}'s shard has optimizer "
+                 "state on some ranks and not on others (did every rank step?)", rank, u);
+    if (has[0]) {
+      const TensorDict mine = toDict(k, *it->second);
+      std::vector<TensorDict> per(unit.params.size());
+      for (const char* e : kEntries) {
+        if (!mine.contains(e)) continue;
+        const at::Tensor t = mine.at(e);
+        if (t.numel() != unit.chunk) {  // a scalar (Adam's step): the same for every parameter of the unit
+          for (auto& d : per) d.insert(e, t.clone());
+          continue;
+        }
+        at::Tensor full = at::empty({unit.chunk * world}, t.options());
+        m.pg->allgather(t.contiguous().data_ptr(), full.data_ptr(), static_cast<size_t>(unit.chunk),
+                        toCommDType(t.scalar_type()))->wait();
+        for (size_t i = 0; i < unit.params.size(); ++i)
+          per[i].insert(e, full.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes()).clone());
+      }
+      if (rank == to)
+        for (size_t i = 0; i < per.size(); ++i) state.insert(index + static_cast<int64_t>(i), per[i]);
+    }
+    index += static_cast<int64_t>(unit.params.size());
+  }
+  if (rank == to) {
+    c10::impl::GenericList groups(c10::AnyType::get());
+    for (size_t g = 0; g < group_params.size(); ++g) {
+      auto gd = groupDict(k, optimizer.param_groups()[g].options());
+      gd.insert("params", c10::List<int64_t>(group_params[g]));
+      groups.push_back(c10::IValue(gd));
+    }
+    c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+    root.insert("state", state);
+    root.insert("param_groups", groups);
+    root.insert("dtrain_optimizer", std::string(kindName(k)));
+    root.insert("model", model);
+    root.insert("parameter_names", names);
+    const auto fs_path = std::filesystem::path(path);
+    detail::writeFileAtomically(fs_path.has_parent_path() ? fs_path.parent_path().string() : std::string("."),
+                                fs_path.filename().string(), torch::pickle_save(root));
+  }
+  m.pg->barrier()->wait();
+}
+
+void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::optim::Optimizer& optimizer) {
+  Impl& m = *impl_;
+  const int rank = m.pg->rank();
+  const Kind k = kindOf(optimizer);
+  groupOfUnits(m.units, optimizer);  // (checks that the optimizer steps the shards)
+  auto dict = readStateDict(path, k);
+  DTRAIN_CHECK(dict.contains("model") && dict.contains("parameter_names"), InvalidArgument,
+               "{}: no 'model' and 'parameter_names' (an FSDP consolidated file has both)", path);
+  auto model = dict.at("model").toGenericDict();
+  std::unordered_map<std::string, int64_t> index_of;
+  {
+    auto names = dict.at("parameter_names").toList();
+    for (size_t i = 0; i < names.size(); ++i) index_of[names.get(i).toStringRef()] = static_cast<int64_t>(i);
+  }
+  auto state = dict.at("state").toGenericDict();
+  auto groups = dict.at("param_groups").toList();
+  DTRAIN_CHECK(groups.size() == optimizer.param_groups().size(), InvalidArgument,
+               "{} has {} parameter group(s), this optimizer {}", path, groups.size(), optimizer.param_groups().size());
+  for (size_t g = 0; g < groups.size(); ++g) applyGroupDict(k, optimizer.param_groups()[g].options(), groups.get(g).toGenericDict(), path);
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    auto& unit = m.units[u];
+    m.release(unit);
+    at::Tensor full = at::zeros({unit.chunk * m.pg->size()}, unit.shard.options().requires_grad(false));
+    std::vector<TensorDict> entries;
+    for (size_t i = 0; i < unit.params.size(); ++i) {
+      const auto& name = unit.names[i];
+      auto it = model.find(name);
+      DTRAIN_CHECK(it != model.end() && index_of.count(name), InvalidArgument, "{} has no parameter '{}'", path, name);
+      const at::Tensor t = it->value().toTensor();
+      DTRAIN_CHECK(t.sizes() == unit.params[i].sizes(), InvalidArgument, "{}: '{}' has shape {}, the model's is {}",
+                   path, name, c10::str(t.sizes()), c10::str(unit.params[i].sizes()));
+      full.narrow(0, unit.offsets[i], t.numel()).copy_(t.reshape(-1));
+      auto st = state.find(index_of[name]);
+      if (st != state.end()) entries.push_back(tensorDict(st->value(), path, index_of[name]));
+    }
+    unit.shard.copy_(full.narrow(0, rank * unit.chunk, unit.chunk));
+    optimizer.state().erase(keyOf(unit.shard));
+    if (entries.empty()) continue;  // never stepped
+    DTRAIN_CHECK(entries.size() == unit.params.size(), InvalidArgument,
+                 "{}: some of unit {}'s parameters have optimizer state and some not", path, u);
+    TensorDict mine;
+    for (const char* e : kEntries) {
+      if (!entries[0].contains(e)) continue;
+      if (std::string(e) == "step") {
+        mine.insert(e, entries[0].at(e));
+        continue;
+      }
+      at::Tensor flat = at::zeros({unit.chunk * m.pg->size()}, unit.shard.options().requires_grad(false));
+      for (size_t i = 0; i < entries.size(); ++i)
+        flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(entries[i].at(e).reshape(-1));
+      mine.insert(e, flat.narrow(0, rank * unit.chunk, unit.chunk).clone());
+    }
+    optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, path);
+  }
+}
+
+}  // namespace dtrain

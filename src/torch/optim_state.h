@@ -1,0 +1,35 @@
+// Optimizer state in PyTorch's state_dict layout (internal): per-parameter entries as {name: tensor}
+// (Adam/AdamW "step", "exp_avg", "exp_avg_sq", "max_exp_avg_sq"; SGD/Lars "momentum_buffer"; Lamb as
+// Adam), a group's options as PyTorch's param_groups entry, and back. ZeroRedundancyOptimizer and
+// FullyShardedDataParallel write and read consolidated files with them.
+#pragma once
+#include <torch/optim/optimizer.h>
+
+#include <memory>
+#include <string>
+
+namespace dtrain::optim_state {
+
+using torch::optim::OptimizerParamState;
+using TensorDict = c10::Dict<std::string, at::Tensor>;
+
+enum class Kind { kAdam, kAdamW, kSgd, kLamb, kLars };
+const char* kindName(Kind k);
+// InvalidArgument unless o is torch::optim Adam, AdamW, SGD or dtrain's Lamb or Lars.
+Kind kindOf(const torch::optim::Optimizer& o);
+// The key of a parameter's entry in Optimizer::state().
+std::string keyOf(const at::Tensor& p);
+
+TensorDict toDict(Kind k, const OptimizerParamState& s);
+// The state of parameter p (global index i, for messages) from its entries; InvalidArgument naming
+// `path` when one is missing or shaped unlike p.
+std::unique_ptr<OptimizerParamState> fromDict(Kind k, const TensorDict& d, const at::Tensor& p, size_t i,
+                                              const std::string& path);
+c10::impl::GenericDict groupDict(Kind k, const torch::optim::OptimizerOptions& o);
+void applyGroupDict(Kind k, torch::optim::OptimizerOptions& o, const c10::impl::GenericDict& g, const std::string& path);
+// A {name: tensor} dict as pickle_load returns it (untyped when Python wrote it).
+TensorDict tensorDict(const c10::IValue& v, const std::string& path, int64_t index);
+// A consolidated file's root dict, checked: a dict with "state" and "param_groups", of optimizer kind k.
+c10::impl::GenericDict readStateDict(const std::string& path, Kind k);
+
+}  // namespace dtrain::optim_state
