@@ -50,7 +50,7 @@
 //   {"format": "dtrain-checkpoint-v1", "model": {name: tensor}, "optimizer": uint8 tensor (the bytes of a
 //    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int,
 //    "rng": uint8 tensor (the default CPU generator's state, empty if not captured), "user_rng": str,
-//    "metrics": {str: float}, "parameter_server": {name: tensor}}
+//    "metrics": {str: float}, "parameter_server": {name: tensor}, "sharded": {name: tensor}}
 // and in the per-rank layout also "rank": int, "world_size": int.
 //
 // Single file: files are named ckpt-<epoch, 6 digits>-<step, 9 digits>.pt; the newest is the greatest
@@ -109,6 +109,9 @@ struct CheckpointState {
   // The parameter servers' state (values and optimizer state of every PS tensor and sparse table), as
   // ps::Worker::saveState() returns it; empty when training does not use a parameter server.
   std::map<std::string, at::Tensor> parameter_server;
+  // This rank's part of a sharded training state (ZeroRedundancyOptimizer / FullyShardedDataParallel
+  // captureSharded), per-rank layout only; empty otherwise.
+  std::map<std::string, at::Tensor> sharded;
 
   // Copies (CPU, detached) every named parameter and buffer of module, recursively.
   void captureModel(const torch::nn::Module& module);

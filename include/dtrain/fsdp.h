@@ -47,6 +47,7 @@ namespace dtrain {
 namespace comm {
 class ProcessGroup;
 }
+struct CheckpointState;
 
 struct FsdpOptions {
   int stage = 3;                      // 2 or 3
@@ -87,6 +88,14 @@ class FullyShardedDataParallel {
     FullyShardedDataParallel* f_;
   };
   [[nodiscard]] NoSync noSync() { return NoSync(this); }
+
+  // Per-rank checkpoints (dtrain/checkpoint.h, a Checkpointer over the group: every rank writes its part
+  // in parallel, complete on every rank or not at all): this rank's shards and the optimizer's state for
+  // them into s.sharded ("fsdp.<unit>.shard", "fsdp.<unit>.<entry>"; "fsdp.param_groups": the options).
+  void captureSharded(CheckpointState& s, const torch::optim::Optimizer& optimizer) const;
+  // From a per-rank checkpoint's directory (Checkpointer::list().back().path), saved at any world size and
+  // either stage: reads every rank's file and takes this rank's part of each unit. Not collective.
+  void restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer);
 
   // Collective: every parameter's current value (gathered from the shards), by its name in the model.
   std::map<std::string, at::Tensor> fullState();

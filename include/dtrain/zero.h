@@ -52,6 +52,7 @@ namespace dtrain {
 namespace comm {
 class ProcessGroup;
 }
+struct CheckpointState;
 
 // PyTorch 1.13's partition: the owner rank of every parameter, the groups' parameters concatenated in
 // order, from each parameter's number of elements.
@@ -111,6 +112,16 @@ class ZeroRedundancyOptimizer {
   // match (the number of parameters, a shape, the optimizer's kind).
   void loadConsolidated(const std::string& path);
 
+  // Per-rank checkpoints (dtrain/checkpoint.h, a Checkpointer over the group, each rank writing its
+  // part in parallel; complete on every rank or not at all): this rank's part into s.sharded, tensors
+  // named "zero.state.<index>.<entry>" (its owned parameters' entries) and "zero.param_groups" (the
+  // groups' options, pickled). The model itself: s.captureModel as usual.
+  void captureSharded(CheckpointState& s) const;
+  // From a per-rank checkpoint's directory (Checkpointer::list().back().path), saved at any world size:
+  // reads every rank's file and keeps the owned parameters' entries. Not collective. Error naming the
+  // directory when a rank's file is missing or does not hold ZeRO's state.
+  void restoreSharded(const std::string& checkpoint_dir);
+
   // What this rank holds, in bytes: parameters (all of them, at stage 1), gradients (defined ones),
   // optimizer state (its tensors).
   struct Memory {
@@ -118,8 +129,9 @@ class ZeroRedundancyOptimizer {
   };
   Memory memory() const;
 
- private:
   struct Impl;
+
+ private:
   std::unique_ptr<Impl> impl_;
 };
 

@@ -199,6 +199,9 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
   c10::Dict<std::string, at::Tensor> ps_state;
   for (const auto& [name, t] : s.parameter_server) ps_state.insert(name, t);
   dict.insert("parameter_server", ps_state);
+  c10::Dict<std::string, at::Tensor> sharded;
+  for (const auto& [name, t] : s.sharded) sharded.insert(name, t);
+  dict.insert("sharded", sharded);
   if (rank >= 0) {
     dict.insert("rank", int64_t{rank});
     dict.insert("world_size", int64_t{world_size});
@@ -260,6 +263,7 @@ CheckpointState unpickleState(const std::string& path, const c10::impl::GenericD
   s.user_rng = r.str("user_rng");
   s.metrics = r.numbers("metrics");
   if (r.has("parameter_server")) s.parameter_server = r.tensors("parameter_server");  // absent before PS state
+  if (r.has("sharded")) s.sharded = r.tensors("sharded");                                  // absent before ZeRO
   return s;
 }
 

@@ -7,6 +7,7 @@
 #include <filesystem>
 #include <unordered_map>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
 #include "torch/checkpoint_io.h"
 #include "torch/fsdp_impl.h"
@@ -161,6 +162,82 @@ void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::
       mine.insert(e, flat.narrow(0, rank * unit.chunk, unit.chunk).clone());
     }
     optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, path);
+  }
+}
+
+namespace {
+
+// One unit's tensor `entry` from every old rank's file, put together (the unit's numel first elements),
+// and this rank's part of it at the new world size.
+at::Tensor reslice(const std::vector<CheckpointState>& files, const std::string& key, const fsdp_detail::Unit& u,
+                   int rank, int world, const std::string& dir) {
+  std::vector<at::Tensor> parts;
+  for (size_t r = 0; r < files.size(); ++r) {
+    auto it = files[r].sharded.find(key);
+    DTRAIN_CHECK(it != files[r].sharded.end(), InvalidArgument, "{}: rank {}'s file has no '{}'", dir, r, key);
+    parts.push_back(it->second.reshape(-1));
+  }
+  at::Tensor whole = at::cat(parts);
+  DTRAIN_CHECK(whole.numel() >= u.numel, InvalidArgument, "{}: '{}' holds {} elements, the unit {}", dir, key,
+               whole.numel(), u.numel);
+  at::Tensor padded = at::zeros({u.chunk * world}, whole.options());
+  padded.narrow(0, 0, u.numel).copy_(whole.narrow(0, 0, u.numel));
+  return padded.narrow(0, rank * u.chunk, u.chunk).clone();
+}
+
+}  // namespace
+
+void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::optim::Optimizer& optimizer) const {
+  const Impl& m = *impl_;
+  const Kind k = kindOf(optimizer);
+  const auto group_of = groupOfUnits(m.units, optimizer);
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    const auto& unit = m.units[u];
+    s.sharded[fmt::format("fsdp.{}.shard", u)] = unit.shard.detach().clone();
+    auto it = optimizer.state().find(keyOf(unit.shard));
+    if (it == optimizer.state().end()) continue;
+    for (const auto& e : toDict(k, *it->second)) s.sharded[fmt::format("fsdp.{}.{}", u, e.key())] = e.value().detach().clone();
+  }
+  c10::impl::GenericList groups(c10::AnyType::get());
+  for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
+    auto gd = groupDict(k, optimizer.param_groups()[g].options());
+    c10::List<int64_t> units;
+    for (size_t u = 0; u < group_of.size(); ++u)
+      if (group_of[u] == g) units.push_back(static_cast<int64_t>(u));
+    gd.insert("units", units);
+    groups.push_back(c10::IValue(gd));
+  }
+  s.sharded["fsdp.param_groups"] = bytesTensor(torch::pickle_save(groups));
+}
+
+void FullyShardedDataParallel::restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer) {
+  Impl& m = *impl_;
+  const Kind k = kindOf(optimizer);
+  groupOfUnits(m.units, optimizer);  // (checks that the optimizer steps the shards)
+  const auto files = readRankFiles(checkpoint_dir);
+  auto g = files[0].sharded.find("fsdp.param_groups");
+  DTRAIN_CHECK(g != files[0].sharded.end(), InvalidArgument,
+               "{}: rank 0's file holds no FSDP state (no 'fsdp.param_groups'; saved with captureSharded?)", checkpoint_dir);
+  auto groups = torch::pickle_load(tensorBytes(g->second)).toList();
+  DTRAIN_CHECK(groups.size() == optimizer.param_groups().size(), InvalidArgument,
+               "{} has {} parameter group(s), this optimizer {}", checkpoint_dir, groups.size(), optimizer.param_groups().size());
+  for (size_t i = 0; i < groups.size(); ++i)
+    applyGroupDict(k, optimizer.param_groups()[i].options(), groups.get(i).toGenericDict(), checkpoint_dir);
+  const int rank = m.pg->rank(), world = m.pg->size();
+  torch::NoGradGuard no_grad;
+  for (size_t u = 0; u < m.units.size(); ++u) {
+    auto& unit = m.units[u];
+    m.release(unit);
+    unit.shard.copy_(reslice(files, fmt::format("fsdp.{}.shard", u), unit, rank, world, checkpoint_dir));
+    optimizer.state().erase(keyOf(unit.shard));
+    TensorDict mine;
+    for (const char* e : kEntries) {
+      const std::string key = fmt::format("fsdp.{}.{}", u, e);
+      auto it = files[0].sharded.find(key);
+      if (it == files[0].sharded.end()) continue;
+      mine.insert(e, std::string(e) == "step" ? it->second : reslice(files, key, unit, rank, world, checkpoint_dir));
+    }
+    if (mine.size() > 0) optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, checkpoint_dir);
   }
 }
 

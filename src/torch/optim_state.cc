@@ -8,8 +8,11 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <iterator>
+#include <regex>
 
 #include "dtrain/comm/error.h"
 #include "dtrain/optim.h"
@@ -267,6 +270,38 @@ TensorDict tensorDict(const c10::IValue& v, const std::string& path, int64_t ind
   return d;
 }
 
+
+at::Tensor bytesTensor(const std::vector<char>& bytes) {
+  at::Tensor t = at::empty({static_cast<int64_t>(bytes.size())}, at::kByte);
+  std::memcpy(t.data_ptr(), bytes.data(), bytes.size());
+  return t;
+}
+
+std::vector<char> tensorBytes(const at::Tensor& t) {
+  const at::Tensor c = t.contiguous();
+  const auto* p = static_cast<const char*>(c.data_ptr());
+  return std::vector<char>(p, p + c.numel());
+}
+
+std::vector<CheckpointState> readRankFiles(const std::string& dir) {
+  static const std::regex kName(R"(rank-(\d+)-of-(\d+)\.pt)");
+  int world = -1;
+  if (std::filesystem::is_directory(dir))
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      std::smatch m;
+      const std::string name = e.path().filename().string();
+      if (std::regex_match(name, m, kName)) world = std::stoi(m[2].str());
+    }
+  DTRAIN_CHECK(world > 0, InvalidArgument, "{} holds no per-rank checkpoint files (rank-<r>-of-<n>.pt)", dir);
+  std::vector<CheckpointState> out;
+  for (int r = 0; r < world; ++r) {
+    const std::string path = dir + "/" + Checkpointer::rankFileName(r, world);
+    DTRAIN_CHECK(std::filesystem::exists(path), InvalidArgument, "{}: rank {}'s file {} is missing (a checkpoint of {} ranks)",
+                 dir, r, Checkpointer::rankFileName(r, world), world);
+    out.push_back(Checkpointer::load(path));
+  }
+  return out;
+}
 
 c10::impl::GenericDict readStateDict(const std::string& path, Kind k) {
   std::ifstream f(path, std::ios::binary);

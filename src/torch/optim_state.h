@@ -7,6 +7,9 @@
 
 #include <memory>
 #include <string>
+#include <vector>
+
+#include "dtrain/checkpoint.h"
 
 namespace dtrain::optim_state {
 
@@ -29,6 +32,12 @@ c10::impl::GenericDict groupDict(Kind k, const torch::optim::OptimizerOptions& o
 void applyGroupDict(Kind k, torch::optim::OptimizerOptions& o, const c10::impl::GenericDict& g, const std::string& path);
 // A {name: tensor} dict as pickle_load returns it (untyped when Python wrote it).
 TensorDict tensorDict(const c10::IValue& v, const std::string& path, int64_t index);
+// Bytes (a pickle) as a uint8 tensor, for a checkpoint's tensor map, and back.
+at::Tensor bytesTensor(const std::vector<char>& bytes);
+std::vector<char> tensorBytes(const at::Tensor& t);
+// Every rank's state of a per-rank checkpoint directory (rank-<r>-of-<n>.pt for every r), in rank order;
+// Error naming the directory when a rank's file is missing.
+std::vector<CheckpointState> readRankFiles(const std::string& dir);
 // A consolidated file's root dict, checked: a dict with "state" and "param_groups", of optimizer kind k.
 c10::impl::GenericDict readStateDict(const std::string& path, Kind k);
 

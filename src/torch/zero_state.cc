@@ -7,11 +7,14 @@
 #include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
+#include <cstring>
 #include <filesystem>
+#include <map>
 #include <fstream>
 #include <iterator>
 
 #include "dtrain/comm/error.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/optim.h"
 #include "torch/checkpoint_io.h"
@@ -51,6 +54,49 @@ std::vector<at::Tensor> optimizerStateTensors(const torch::optim::Optimizer& opt
   return out;
 }
 
+namespace {
+
+// PyTorch's param_groups: each group's options and its parameters' global indices.
+c10::impl::GenericList groupsOf(const ZeroRedundancyOptimizer::Impl& m, Kind k) {
+  c10::impl::GenericList groups(c10::AnyType::get());
+  size_t first = 0;
+  for (const auto& grp : m.groups) {
+    auto g = groupDict(k, grp.options());
+    c10::List<int64_t> ids;
+    for (size_t i = 0; i < grp.params().size(); ++i) ids.push_back(static_cast<int64_t>(first + i));
+    first += grp.params().size();
+    g.insert("params", ids);
+    groups.push_back(c10::IValue(g));
+  }
+  return groups;
+}
+
+// The entries of every parameter (global index -> {entry: tensor}) and the groups' options, whatever
+// they were read from: each rank keeps its owned parameters'.
+void applyState(ZeroRedundancyOptimizer::Impl& m, Kind k, const c10::impl::GenericDict& state,
+                const c10::List<c10::IValue>& groups, const std::string& path) {
+  DTRAIN_CHECK(groups.size() == m.groups.size(), InvalidArgument, "{} has {} parameter group(s), this optimizer {}",
+               path, groups.size(), m.groups.size());
+  for (size_t g = 0; g < m.groups.size(); ++g) {
+    auto gd = groups.get(g).toGenericDict();
+    const auto n = gd.contains("params") ? gd.at("params").toList().size() : 0;
+    DTRAIN_CHECK(n == m.groups[g].params().size(), InvalidArgument,
+                 "{}: parameter group {} has {} parameter(s), this optimizer's {}", path, g, n,
+                 m.groups[g].params().size());
+    applyGroupDict(k, m.groups[g].options(), gd, path);
+    m.local->param_groups()[g].set_options(m.groups[g].options().clone());
+  }
+  auto& local_state = m.local->state();
+  local_state.clear();
+  for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) {
+    auto it = state.find(static_cast<int64_t>(i));
+    if (it == state.end()) continue;  // never stepped (an unused parameter)
+    local_state[keyOf(m.params[i])] = fromDict(k, tensorDict(it->value(), path, static_cast<int64_t>(i)), m.params[i], i, path);
+  }
+}
+
+}  // namespace
+
 void ZeroRedundancyOptimizer::saveConsolidated(const std::string& path, int to) {
   Impl& m = *impl_;
   const int rank = m.pg->rank(), world = m.pg->size();
@@ -78,16 +124,7 @@ void ZeroRedundancyOptimizer::saveConsolidated(const std::string& path, int to) 
     for (const auto& e : torch::pickle_load(bytes).toGenericDict())
       state.insert(e.key().toInt(), tensorDict(e.value(), fmt::format("rank {}'s state", r), e.key().toInt()));
   }
-  c10::impl::GenericList groups(c10::AnyType::get());
-  size_t first = 0;
-  for (const auto& grp : m.groups) {
-    auto g = groupDict(k, grp.options());
-    c10::List<int64_t> ids;
-    for (size_t i = 0; i < grp.params().size(); ++i) ids.push_back(static_cast<int64_t>(first + i));
-    first += grp.params().size();
-    g.insert("params", ids);
-    groups.push_back(c10::IValue(g));
-  }
+  const auto groups = groupsOf(m, k);
   c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
   root.insert("state", state);
   root.insert("param_groups", groups);
@@ -98,30 +135,47 @@ void ZeroRedundancyOptimizer::saveConsolidated(const std::string& path, int to) 
   m.pg->barrier()->wait();
 }
 
+
 void ZeroRedundancyOptimizer::loadConsolidated(const std::string& path) {
   Impl& m = *impl_;
   const Kind k = kindOf(*m.local);
   auto dict = readStateDict(path, k);
-  auto groups = dict.at("param_groups").toList();
-  DTRAIN_CHECK(groups.size() == m.groups.size(), InvalidArgument, "{} has {} parameter group(s), this optimizer {}",
-               path, groups.size(), m.groups.size());
-  for (size_t g = 0; g < m.groups.size(); ++g) {
-    auto gd = groups.get(g).toGenericDict();
-    const auto n = gd.contains("params") ? gd.at("params").toList().size() : 0;
-    DTRAIN_CHECK(n == m.groups[g].params().size(), InvalidArgument,
-                 "{}: parameter group {} has {} parameter(s), this optimizer's {}", path, g, n,
-                 m.groups[g].params().size());
-    applyGroupDict(k, m.groups[g].options(), gd, path);
-    m.local->param_groups()[g].set_options(m.groups[g].options().clone());
-  }
-  auto state = dict.at("state").toGenericDict();
-  auto& local_state = m.local->state();
-  local_state.clear();
+  applyState(m, k, dict.at("state").toGenericDict(), dict.at("param_groups").toList(), path);
+}
+
+void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
+  const Impl& m = *impl_;
+  const Kind k = kindOf(*m.local);
+  const auto& state = m.local->state();
   for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) {
-    auto it = state.find(static_cast<int64_t>(i));
-    if (it == state.end()) continue;  // never stepped (an unused parameter)
-    local_state[keyOf(m.params[i])] = fromDict(k, tensorDict(it->value(), path, static_cast<int64_t>(i)), m.params[i], i, path);
+    auto it = state.find(keyOf(m.params[i]));
+    if (it == state.end()) continue;
+    for (const auto& e : toDict(k, *it->second))
+      s.sharded[fmt::format("zero.state.{}.{}", i, e.key())] = e.value().detach().clone();
   }
+  s.sharded["zero.param_groups"] = bytesTensor(torch::pickle_save(groupsOf(m, k)));
+}
+
+void ZeroRedundancyOptimizer::restoreSharded(const std::string& checkpoint_dir) {
+  Impl& m = *impl_;
+  const Kind k = kindOf(*m.local);
+  const auto files = readRankFiles(checkpoint_dir);
+  std::map<int64_t, TensorDict> entries;
+  for (const auto& f : files)
+    for (const auto& [name, t] : f.sharded) {
+      if (name.rfind("zero.state.", 0) != 0) continue;
+      const auto rest = name.substr(std::strlen("zero.state."));
+      const auto dot = rest.find('.');
+      DTRAIN_CHECK(dot != std::string::npos, InvalidArgument, "{}: a ZeRO entry named '{}'", checkpoint_dir, name);
+      auto& d = entries.try_emplace(std::stoll(rest.substr(0, dot))).first->second;
+      d.insert(rest.substr(dot + 1), t);
+    }
+  auto g = files[0].sharded.find("zero.param_groups");
+  DTRAIN_CHECK(g != files[0].sharded.end(), InvalidArgument,
+               "{}: rank 0's file holds no ZeRO state (no 'zero.param_groups'; saved with captureSharded?)", checkpoint_dir);
+  c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
+  for (auto& [i, d] : entries) state.insert(i, d);
+  applyState(m, k, state, torch::pickle_load(tensorBytes(g->second)).toList(), checkpoint_dir);
 }
 
 }  // namespace dtrain

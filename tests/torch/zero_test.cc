@@ -6,11 +6,13 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <random>
 
 #include "ddp_test_util.h"
+#include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
 #include "dtrain/zero.h"
@@ -298,6 +300,67 @@ TEST(Zero, ReshardsFromFourRanksToTwoAndThree) {
     });
     expectAllOk(results);
   }
+}
+
+// Per-rank checkpoint files (a Checkpointer over the group, each rank writing its part): saved at 4
+// ranks, restored at 2 and 3 and continued as the 4-rank run; at 4 ranks bit for bit.
+TEST(Zero, PerRankCheckpointsReshard) {
+  TempDir tmp;
+  const std::string dir = tmp.path(), saved = dir + "/" + Checkpointer::dirName(0, 3);
+  {
+    StoreServer server;
+    auto results = runRanks(4, [&](int rank) {
+      auto pg = group(server, rank, 4);
+      TiedNet model = makeTied();
+      DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+      ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+      for (int s = 0; s < 3; ++s) zeroStep(ddp, model, opt, s, rank, 4, 0);
+      CheckpointState st;
+      st.step = 3;
+      st.captureModel(*model);
+      opt.captureSharded(st);
+      Checkpointer(dir, pg).save(st);
+      for (int s = 3; s < 6; ++s) zeroStep(ddp, model, opt, s, rank, 4, 0);
+      if (rank == 0) writeTensors(dir + "/final4.pt", opt.parameters());
+    });
+    expectAllOk(results);
+  }
+  for (int world : {2, 3, 4}) {
+    StoreServer server;
+    auto results = runRanks(world, [&](int rank) {
+      auto pg = group(server, rank, world);
+      TiedNet model = makeTied();
+      Checkpointer::load(saved + "/" + Checkpointer::rankFileName(0, 4)).restoreModel(*model);
+      DistributedDataParallel ddp(model.ptr(), pg, ddpOptions());
+      ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+      opt.restoreSharded(saved);
+      for (int s = 3; s < 6; ++s) zeroStep(ddp, model, opt, s, rank, world, 0);
+      auto want = readTensors(dir + "/final4.pt");
+      for (size_t i = 0; i < want.size(); ++i) {
+        if (world == 4) {
+          EXPECT_TRUE(torch::equal(opt.parameters()[i], want[i])) << "parameter " << i << ": not bit for bit";
+        } else {
+          const double diff = (opt.parameters()[i] - want[i]).abs().max().item<double>();
+          EXPECT_LE(diff / std::max(1.0, want[i].abs().max().item<double>()), 1e-5) << i << " at world " << world;
+        }
+      }
+    });
+    expectAllOk(results);
+  }
+  StoreServer server;
+  auto results = runRanks(1, [&](int rank) {
+    auto pg = group(server, rank, 1);
+    TiedNet model = makeTied();
+    ZeroRedundancyOptimizer opt(unique(*model), maker("adam"), pg);
+    std::filesystem::remove(saved + "/" + Checkpointer::rankFileName(2, 4));
+    try {
+      opt.restoreSharded(saved);
+      ADD_FAILURE() << "restored from a checkpoint without rank 2's file";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 2's file rank-00002-of-00004.pt is missing"), std::string::npos) << e.what();
+    }
+  });
+  expectAllOk(results);
 }
 
 TEST(Zero, LoadingAnotherOptimizersStateIsAnError) {
