@@ -50,7 +50,7 @@
 //   {"format": "dtrain-checkpoint-v1", "model": {name: tensor}, "optimizer": uint8 tensor (the bytes of a
 //    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int,
 //    "rng": uint8 tensor (the default CPU generator's state, empty if not captured), "user_rng": str,
-//    "metrics": {str: float}, "parameter_server": {name: tensor}, "sharded": {name: tensor}}
+//    "metrics": {str: float}, "parameter_server": {name: tensor}} and "sharded": {name: tensor} when set
 // and in the per-rank layout also "rank": int, "world_size": int.
 //
 // Single file: files are named ckpt-<epoch, 6 digits>-<step, 9 digits>.pt; the newest is the greatest

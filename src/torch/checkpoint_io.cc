@@ -199,9 +199,11 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
   c10::Dict<std::string, at::Tensor> ps_state;
   for (const auto& [name, t] : s.parameter_server) ps_state.insert(name, t);
   dict.insert("parameter_server", ps_state);
-  c10::Dict<std::string, at::Tensor> sharded;
-  for (const auto& [name, t] : s.sharded) sharded.insert(name, t);
-  dict.insert("sharded", sharded);
+  if (!s.sharded.empty()) {  // (only then: files without sharded state keep their layout)
+    c10::Dict<std::string, at::Tensor> sharded;
+    for (const auto& [name, t] : s.sharded) sharded.insert(name, t);
+    dict.insert("sharded", sharded);
+  }
   if (rank >= 0) {
     dict.insert("rank", int64_t{rank});
     dict.insert("world_size", int64_t{world_size});
