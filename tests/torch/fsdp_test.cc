@@ -200,6 +200,34 @@ void fsdpSteps(FullyShardedDataParallel& fsdp, torch::optim::Optimizer& opt, int
   }
 }
 
+// A name -> tensor map in a file (torch::pickle_save), and back.
+void saveNamed(const std::string& path, const std::map<std::string, at::Tensor>& m) {
+  c10::Dict<std::string, at::Tensor> d;
+  for (const auto& [name, t] : m) d.insert(name, t);
+  auto bytes = torch::pickle_save(d);
+  std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
+}
+
+std::map<std::string, at::Tensor> loadNamed(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : torch::pickle_load(bytes).toGenericDict()) out[e.key().toStringRef()] = e.value().toTensor();
+  return out;
+}
+
+// After resuming: equal to the uninterrupted run's parameters, bit for bit at its world size.
+void expectResumed(FullyShardedDataParallel& fsdp, const std::map<std::string, at::Tensor>& want, int world) {
+  for (auto& [name, t] : fsdp.fullState()) {
+    if (world == 4) {
+      EXPECT_TRUE(torch::equal(t, want.at(name))) << name << ": resumed at the same world size, not bit for bit";
+    } else {
+      const double diff = (t - want.at(name)).abs().max().item<double>();
+      EXPECT_LE(diff / std::max(1.0, want.at(name).abs().max().item<double>()), 1e-5) << name << " at world " << world;
+    }
+  }
+}
+
 // Stage 3 at 4 ranks saves a consolidated file after 3 steps and goes on for 3 more. Loaded at 2 and 3
 // ranks (stages 2 and 3) the 3 more steps equal that continuation; at 4 ranks they are bit for bit the
 // same. Python's torch.load reads the file (the model's parameters by name, Adam's state per parameter).
@@ -218,20 +246,12 @@ TEST(Fsdp, ReshardsAndResumesFromAConsolidatedFile) {
       fsdpSteps(fsdp, opt, 0, 3, rank, 4);
       fsdp.saveConsolidated(file, opt);
       fsdpSteps(fsdp, opt, 3, 6, rank, 4);
-      if (rank == 0) {
-        c10::Dict<std::string, at::Tensor> d;
-        for (auto& [name, t] : fsdp.fullState()) d.insert(name, t);
-        auto bytes = torch::pickle_save(d);
-        std::ofstream(tmp.path() + "/final.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      } else {
-        fsdp.fullState();  // (collective)
-      }
+      auto full = fsdp.fullState();  // (collective)
+      if (rank == 0) saveNamed(tmp.path() + "/final.pt", full);
     });
     expectAllOk(results);
   }
-  std::ifstream f(tmp.path() + "/final.pt", std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
-  for (const auto& e : torch::pickle_load(bytes).toGenericDict()) want[e.key().toStringRef()] = e.value().toTensor();
+  want = loadNamed(tmp.path() + "/final.pt");
   ASSERT_EQ(want.size(), 8u);
   for (auto [world, stage] : {std::pair{2, 2}, {3, 3}, {4, 3}}) {
     StoreServer server;
@@ -244,15 +264,7 @@ TEST(Fsdp, ReshardsAndResumesFromAConsolidatedFile) {
       torch::optim::Adam opt(fsdp.shards(), torch::optim::AdamOptions(0.5));  // (the file's lr wins)
       fsdp.loadConsolidated(file, opt);
       fsdpSteps(fsdp, opt, 3, 6, rank, world);
-      for (auto& [name, t] : fsdp.fullState()) {
-        if (world == 4) {
-          EXPECT_TRUE(torch::equal(t, want.at(name))) << name << ": resumed at the same world size, not bit for bit";
-        } else {
-          const double diff = (t - want.at(name)).abs().max().item<double>();
-          EXPECT_LE(diff / std::max(1.0, want.at(name).abs().max().item<double>()), 1e-5)
-              << name << " at world " << world << " stage " << stage;
-        }
-      }
+      expectResumed(fsdp, want, world);
     });
     expectAllOk(results);
   }
@@ -291,20 +303,12 @@ TEST(Fsdp, PerRankCheckpointsReshard) {
       fsdp.captureSharded(st, opt);
       Checkpointer(dir, pg).save(st);
       fsdpSteps(fsdp, opt, 3, 6, rank, 4);
-      auto full = fsdp.fullState();
-      if (rank == 0) {
-        c10::Dict<std::string, at::Tensor> d;
-        for (auto& [name, t] : full) d.insert(name, t);
-        auto bytes = torch::pickle_save(d);
-        std::ofstream(dir + "/final.pt", std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-      }
+      auto full = fsdp.fullState();  // (collective)
+      if (rank == 0) saveNamed(dir + "/final.pt", full);
     });
     expectAllOk(results);
   }
-  std::ifstream f(dir + "/final.pt", std::ios::binary);
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
-  std::map<std::string, at::Tensor> want;
-  for (const auto& e : torch::pickle_load(bytes).toGenericDict()) want[e.key().toStringRef()] = e.value().toTensor();
+  const auto want = loadNamed(dir + "/final.pt");
   for (auto [world, stage] : {std::pair{2, 2}, {3, 3}, {4, 3}}) {
     StoreServer server;
     auto results = runRanks(world, [&, world = world, stage = stage](int rank) {
@@ -316,14 +320,7 @@ TEST(Fsdp, PerRankCheckpointsReshard) {
       torch::optim::Adam opt(fsdp.shards(), torch::optim::AdamOptions(0.5));
       fsdp.restoreSharded(saved, opt);
       fsdpSteps(fsdp, opt, 3, 6, rank, world);
-      for (auto& [name, t] : fsdp.fullState()) {
-        if (world == 4) {
-          EXPECT_TRUE(torch::equal(t, want.at(name))) << name << ": not bit for bit";
-        } else {
-          const double diff = (t - want.at(name)).abs().max().item<double>();
-          EXPECT_LE(diff / std::max(1.0, want.at(name).abs().max().item<double>()), 1e-5) << name << " at world " << world;
-        }
-      }
+      expectResumed(fsdp, want, world);
     });
     expectAllOk(results);
   }
