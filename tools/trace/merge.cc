@@ -54,6 +54,14 @@ std::string readAll(const fs::path& p) {
   return ss.str();
 }
 
+// One line of a timeline's events (a leading or trailing comma dropped): its events (an async slice is
+// two on a line), or a discarded value when the line does not parse.
+json eventsOfLine(std::string line) {
+  if (!line.empty() && line.front() == ',') line.erase(0, 1);
+  if (!line.empty() && line.back() == ',') line.pop_back();
+  return json::parse("[" + line + "]", nullptr, false);
+}
+
 // A file that does not parse as a whole, read line by line as the timeline writes it: the header
 // line, one event per line (two for an async slice), the closing "]}". A cut last line is tolerated.
 void readLines(RankTrace& t, const std::string& text, const std::string& whole_error) {
@@ -72,14 +80,12 @@ void readLines(RankTrace& t, const std::string& text, const std::string& whole_e
   while (last > 1 && lines[last - 1].empty()) --last;
   bool closed = false;
   for (size_t i = 1; i < last; ++i) {
-    std::string line = lines[i];
+    const std::string& line = lines[i];
     if (line == "]}") {
       closed = true;
       break;
     }
-    if (!line.empty() && line.front() == ',') line.erase(0, 1);
-    if (!line.empty() && line.back() == ',') line.pop_back();
-    json ev = json::parse("[" + line + "]", nullptr, false);
+    json ev = eventsOfLine(line);
     if (ev.is_discarded()) {
       if (i + 1 == last) break;  // the writer was stopped inside this line
       throw std::runtime_error(fmt::format("{}: line {} is not a trace event: {}", t.file, i + 1, line.substr(0, 200)));
@@ -119,8 +125,7 @@ void readSpool(RankTrace& t, const fs::path& spool) {
   size_t added = 0;
   for (std::string line; std::getline(in, line);) {
     if (line.empty()) continue;
-    if (line.front() == ',') line.erase(0, 1);
-    json ev = json::parse("[" + line + "]", nullptr, false);  // an async slice is two events on a line
+    json ev = eventsOfLine(line);
     if (ev.is_discarded()) throw std::runtime_error(fmt::format("{}: an event does not parse: {}", spool.string(), line.substr(0, 200)));
     for (auto& e : ev) {
       if (seen.count(e.dump())) continue;

@@ -205,6 +205,7 @@ bool readRef(Cursor& in, std::deque<std::string>& text, std::unordered_map<uint3
 
 size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
   Cursor in{data, data + n};
+  auto ref = [&](const char*& s) { return readRef(in, text_, strings_, s); };
   size_t done = 0;
   while (in.p < in.end) {
     const char type = *in.p++;
@@ -229,10 +230,7 @@ size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
       std::memcpy(peers.data(), in.p, pb);
       in.p += pb;
       const char *group = nullptr, *dtype = nullptr, *algorithm = nullptr, *name = nullptr, *cat = nullptr;
-      if (!readRef(in, text_, strings_, group) || !readRef(in, text_, strings_, dtype) ||
-          !readRef(in, text_, strings_, algorithm) || !readRef(in, text_, strings_, name) ||
-          !readRef(in, text_, strings_, cat))
-        break;
+      if (!ref(group) || !ref(dtype) || !ref(algorithm) || !ref(name) || !ref(cat)) break;
       s.op = name ? name : "";
       peers_.push_back(std::move(peers));
       s.peers = peers_.back().data();
@@ -258,7 +256,7 @@ size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
         e.name = it->second->name;
         e.cat = it->second->cat;
         e.o.text = nullptr;
-        if (e.failed && !readRef(in, text_, strings_, e.o.text)) break;
+        if (e.failed && !ref(e.o.text)) break;
         format(out, e, pid_, tid_, skew_us_);
       } else if (e.kind <= Event::kFlowIn) {
         e.s.index = in.get<int64_t>();
@@ -269,12 +267,12 @@ size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
       }
       if (e.kind != Event::kOp) {
         const char *name = nullptr, *cat = nullptr;
-        if (!readRef(in, text_, strings_, name) || !readRef(in, text_, strings_, cat)) break;
+        if (!ref(name) || !ref(cat)) break;
         e.name = name ? name : "";
         e.cat = cat ? cat : "";
         bool whole = true;
         if (hasArgs(e.kind))
-          for (Arg& a : e.s.args) whole = whole && readRef(in, text_, strings_, a.key);
+          for (Arg& a : e.s.args) whole = whole && ref(a.key);
         if (!whole) break;
         format(out, e, pid_, tid_, skew_us_);
       }

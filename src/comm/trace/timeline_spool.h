@@ -69,14 +69,13 @@ class SpoolReader {
   // Formats the whole records at the front of [data, data + n) onto `out`; returns the bytes they took
   // (a record cut by the end of the data is left for the next call). Throws on a record that cannot be.
   size_t read(const char* data, size_t n, std::string& out);
-  int pid() const { return pid_; }
 
  private:
   int pid_ = 0;
   int64_t skew_us_ = 0;
   uint64_t tid_ = 0;
   std::deque<std::string> text_;                      // every string read (stable addresses)
-  std::unordered_map<uint32_t, const char*> strings_;  // 'S' ids
+  std::unordered_map<uint32_t, const char*> strings_;  // kDefine ids
   struct Shape {  // an 'H' record read
     OpShape shape;
     const char* name;

@@ -27,6 +27,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <filesystem>
 #include <iterator>
 #include <set>
 #include <thread>
@@ -296,10 +297,7 @@ void openFile(const std::string& path, int rank, int64_t skew_us, const std::str
     throw IoError(fmt::format("[rank {}] DTRAIN_TIMELINE: cannot write {}: {}", rank, path, std::strerror(errno)));
   }
   w.end = static_cast<off_t>(head.size());
-  const std::string json_ext = ".json";
-  w.spool_path = path.size() > json_ext.size() && path.compare(path.size() - json_ext.size(), json_ext.size(), json_ext) == 0
-                     ? path.substr(0, path.size() - json_ext.size()) + ".spool"
-                     : path + ".spool";
+  w.spool_path = std::filesystem::path(path).replace_extension(".spool").string();  // (merge.cc's rule)
   w.spool_fd = ::open(w.spool_path.c_str(), O_RDWR | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
   if (w.spool_fd >= 0) restartSpool(w);
   if (w.spool_fd < 0 || w.failed) {
