@@ -11,13 +11,13 @@
 #include <algorithm>
 #include <atomic>
 #include <map>
-#include <unordered_set>
 
 #include "buckets.h"
 #include "comm/trace/trace_internal.h"
 #include "ddp_impl.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "dtrain/zero.h"
 #include "errors.h"
 
 namespace dtrain {
@@ -322,13 +322,12 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   m.pg = std::move(pg);
   m.opts = options;
   // A weight shared by two submodules (tied) is listed under both names: it is one parameter, with its
-  // first name (dtrain::uniqueParameters' rule).
-  std::unordered_set<const c10::TensorImpl*> seen;
-  for (const auto& item : m.module->named_parameters(/*recurse=*/true)) {
-    if (!item.value().requires_grad() || !seen.insert(item.value().unsafeGetTensorImpl()).second) continue;
-    checkCommTensor(item.value(), fmt::format("DDP parameter {}", item.key()).c_str());
-    m.params.push_back(item.value());
-    m.names.push_back(item.key());
+  // first name.
+  for (const auto& [name, p] : uniqueParameters(*m.module)) {
+    if (!p.requires_grad()) continue;
+    checkCommTensor(p, fmt::format("DDP parameter {}", name).c_str());
+    m.params.push_back(p);
+    m.names.push_back(name);
   }
   for (const auto& item : m.module->named_buffers(/*recurse=*/true)) {
     if (m.pg->size() > 1) checkCommTensor(item.value(), fmt::format("DDP buffer {}", item.key()).c_str());

@@ -13,7 +13,6 @@
 
 #include <algorithm>
 #include <atomic>
-#include <cmath>
 #include <unordered_map>
 
 #include "dtrain/comm/error.h"
@@ -21,6 +20,7 @@
 #include "dtrain/recompute.h"
 #include "dtrain/tensor.h"
 #include "torch/fsdp_impl.h"
+#include "torch/sharding.h"
 
 namespace dtrain {
 using fsdp_detail::Unit;
@@ -153,13 +153,7 @@ at::Tensor FullyShardedDataParallel::forward(const at::Tensor& x) {
     Unit& u = m.units[k];
     m.ensure(u);
     if (m.opts.prefetch && k + 1 < m.units.size()) m.startGather(m.units[k + 1]);
-    auto seq = m.model;
-    const int from = u.first, to = u.first + u.children;
-    SegmentFn fn = [seq, from, to](const std::vector<at::Tensor>& in) mutable {
-      at::Tensor y = in[0];
-      for (int i = from; i < to; ++i) y = (seq->begin() + i)->forward(y);
-      return std::vector<at::Tensor>{y};
-    };
+    const SegmentFn fn = childrenOf(m.model, u.first, u.first + u.children);
     h = m.opts.recompute ? recompute(fn, {h}, u.params)[0] : fn({h})[0];
     if (grad && h.requires_grad()) {
       auto owner = m.owner;
@@ -269,20 +263,8 @@ std::vector<at::Tensor> FullyShardedDataParallel::shards() const {
 }
 
 double FullyShardedDataParallel::clipGradNorm(double max_norm) {
-  Impl& m = *impl_;
-  DTRAIN_CHECK(max_norm > 0 && std::isfinite(max_norm), InvalidArgument,
-               "FSDP::clipGradNorm: max_norm {} (must be positive and finite)", max_norm);
-  double sq = 0;
-  for (const auto& u : m.units)
-    if (u.shard.grad().defined()) sq += u.shard.grad().to(at::kDouble).pow(2).sum().item<double>();
-  m.pg->allreduce(&sq, 1, comm::DType::f64, comm::ReduceOp::sum)->wait();
-  const double total = std::sqrt(sq), coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    torch::NoGradGuard no_grad;
-    for (auto& u : m.units)
-      if (u.shard.grad().defined()) u.shard.mutable_grad().mul_(coef);
-  }
-  return total;
+  const auto mine = shards();
+  return clipGradNormAcross(*impl_->pg, mine, mine, max_norm, "FSDP::clipGradNorm");
 }
 
 FullyShardedDataParallel::NoSync::NoSync(FullyShardedDataParallel* f) : f_(f) { f_->impl_->sync = false; }

@@ -4,12 +4,10 @@
 #include <fmt/format.h>
 #include <torch/serialize.h>
 
-#include <filesystem>
 #include <unordered_map>
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
-#include "torch/checkpoint_io.h"
 #include "torch/fsdp_impl.h"
 #include "torch/optim_state.h"
 
@@ -95,15 +93,10 @@ void FullyShardedDataParallel::saveConsolidated(const std::string& path, const t
       gd.insert("params", c10::List<int64_t>(group_params[g]));
       groups.push_back(c10::IValue(gd));
     }
-    c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
-    root.insert("state", state);
-    root.insert("param_groups", groups);
-    root.insert("dtrain_optimizer", std::string(kindName(k)));
+    auto root = consolidatedRoot(k, state, groups);
     root.insert("model", model);
     root.insert("parameter_names", names);
-    const auto fs_path = std::filesystem::path(path);
-    detail::writeFileAtomically(fs_path.has_parent_path() ? fs_path.parent_path().string() : std::string("."),
-                                fs_path.filename().string(), torch::pickle_save(root));
+    writeConsolidated(path, root);
   }
   m.pg->barrier()->wait();
 }

@@ -10,12 +10,11 @@
 
 #include <cstring>
 #include <filesystem>
-#include <fstream>
-#include <iterator>
 #include <regex>
 
 #include "dtrain/comm/error.h"
 #include "dtrain/optim.h"
+#include "torch/checkpoint_io.h"
 
 namespace dtrain::optim_state {
 
@@ -303,13 +302,25 @@ std::vector<CheckpointState> readRankFiles(const std::string& dir) {
   return out;
 }
 
+c10::impl::GenericDict consolidatedRoot(Kind k, const c10::Dict<int64_t, TensorDict>& state,
+                                        const c10::impl::GenericList& groups) {
+  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
+  root.insert("state", state);
+  root.insert("param_groups", groups);
+  root.insert("dtrain_optimizer", std::string(kindName(k)));
+  return root;
+}
+
+void writeConsolidated(const std::string& path, const c10::impl::GenericDict& root) {
+  const auto p = std::filesystem::path(path);
+  detail::writeFileAtomically(p.has_parent_path() ? p.parent_path().string() : std::string("."), p.filename().string(),
+                              torch::pickle_save(root));
+}
+
 c10::impl::GenericDict readStateDict(const std::string& path, Kind k) {
-  std::ifstream f(path, std::ios::binary);
-  if (!f) throw IoError(fmt::format("cannot read {}", path));
-  std::vector<char> bytes((std::istreambuf_iterator<char>(f)), {});
   c10::IValue root;
   try {
-    root = torch::pickle_load(bytes);
+    root = torch::pickle_load(detail::readFile(path));
   } catch (const std::exception& e) {
     throw InvalidArgument(fmt::format("{} is not a consolidated optimizer state (torch.load-able dict): {}", path,
                                       e.what()));

@@ -38,6 +38,11 @@ std::vector<char> tensorBytes(const at::Tensor& t);
 // Every rank's state of a per-rank checkpoint directory (rank-<r>-of-<n>.pt for every r), in rank order;
 // Error naming the directory when a rank's file is missing.
 std::vector<CheckpointState> readRankFiles(const std::string& dir);
+// The root of a consolidated file: {"state", "param_groups", "dtrain_optimizer"} (callers may add more),
+// and its atomic write (a temporary file renamed into place).
+c10::impl::GenericDict consolidatedRoot(Kind k, const c10::Dict<int64_t, TensorDict>& state,
+                                        const c10::impl::GenericList& groups);
+void writeConsolidated(const std::string& path, const c10::impl::GenericDict& root);
 // A consolidated file's root dict, checked: a dict with "state" and "param_groups", of optimizer kind k.
 c10::impl::GenericDict readStateDict(const std::string& path, Kind k);
 

@@ -12,6 +12,7 @@
 #include <utility>
 
 #include "dtrain/comm/error.h"
+#include "torch/sharding.h"
 
 namespace dtrain {
 
@@ -111,11 +112,7 @@ at::Tensor recomputeSequential(torch::nn::Sequential& seq, int segments, const a
     std::vector<at::Tensor> params;
     for (int i = from; i < to; ++i)
       for (const auto& p : children[static_cast<size_t>(i)]->parameters()) params.push_back(p);
-    SegmentFn fn = [&seq, from, to](const std::vector<at::Tensor>& in) {
-      at::Tensor y = in[0];
-      for (int i = from; i < to; ++i) y = (seq->begin() + i)->forward(y);
-      return std::vector<at::Tensor>{y};
-    };
+    const SegmentFn fn = childrenOf(seq, from, to);
     h = s + 1 < segments ? recompute(fn, {h}, params)[0] : fn({h})[0];
   }
   return h;

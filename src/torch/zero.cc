@@ -7,7 +7,6 @@
 #include <torch/nn/module.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <numeric>
 #include <unordered_set>
@@ -15,6 +14,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/tensor.h"
+#include "torch/sharding.h"
 #include "torch/zero_impl.h"
 
 namespace dtrain {
@@ -204,22 +204,9 @@ void ZeroRedundancyOptimizer::zeroGrad() {
 
 double ZeroRedundancyOptimizer::clipGradNorm(double max_norm) {
   Impl& m = *impl_;
-  DTRAIN_CHECK(max_norm > 0 && std::isfinite(max_norm), InvalidArgument,
-               "ZeroRedundancyOptimizer::clipGradNorm: max_norm {} (must be positive and finite)", max_norm);
-  double sq = 0;
-  for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) {
-    const auto& g = m.params[i].grad();
-    if (g.defined()) sq += g.to(at::kDouble).pow(2).sum().item<double>();
-  }
-  m.pg->allreduce(&sq, 1, comm::DType::f64, comm::ReduceOp::sum)->wait();
-  const double total = std::sqrt(sq);
-  const double coef = max_norm / (total + 1e-6);
-  if (coef < 1) {
-    torch::NoGradGuard no_grad;
-    for (auto& p : m.params)
-      if (p.grad().defined()) p.mutable_grad().mul_(coef);
-  }
-  return total;
+  std::vector<at::Tensor> owned;
+  for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) owned.push_back(m.params[i]);
+  return clipGradNormAcross(*m.pg, owned, m.params, max_norm, "ZeroRedundancyOptimizer::clipGradNorm");
 }
 
 std::vector<torch::optim::OptimizerParamGroup>& ZeroRedundancyOptimizer::paramGroups() { return impl_->groups; }

@@ -2,22 +2,14 @@
 // PyTorch's state_dict layout with global parameter indices, one file that torch.load reads and that
 // loadConsolidated reads back at any world size.
 #include <fmt/format.h>
-#include <torch/optim/adam.h>
-#include <torch/optim/adamw.h>
-#include <torch/optim/sgd.h>
 #include <torch/serialize.h>
 
 #include <cstring>
-#include <filesystem>
 #include <map>
-#include <fstream>
-#include <iterator>
 
-#include "dtrain/comm/error.h"
 #include "dtrain/checkpoint.h"
+#include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
-#include "dtrain/optim.h"
-#include "torch/checkpoint_io.h"
 #include "torch/optim_state.h"
 #include "torch/zero_impl.h"
 
@@ -125,13 +117,7 @@ void ZeroRedundancyOptimizer::saveConsolidated(const std::string& path, int to) 
       state.insert(e.key().toInt(), tensorDict(e.value(), fmt::format("rank {}'s state", r), e.key().toInt()));
   }
   const auto groups = groupsOf(m, k);
-  c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());
-  root.insert("state", state);
-  root.insert("param_groups", groups);
-  root.insert("dtrain_optimizer", std::string(kindName(k)));
-  const auto fs_path = std::filesystem::path(path);
-  const auto dir = fs_path.has_parent_path() ? fs_path.parent_path().string() : std::string(".");
-  detail::writeFileAtomically(dir, fs_path.filename().string(), torch::pickle_save(root));
+  writeConsolidated(path, consolidatedRoot(k, state, groups));
   m.pg->barrier()->wait();
 }
 
