@@ -75,18 +75,7 @@ ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Opti
     auto ref = trainReference(gx, gy, o.warmup + o.steps);
     return compareParams(net, ref, spec.kind == "none" ? kTolerance : kToleranceCompressed);
   }
-  ParamCheck c;
-  std::vector<double> lo, hi;
-  for (const auto& p : net->parameters()) lo.push_back(p.detach().to(torch::kDouble).sum().item<double>());
-  hi = lo;
-  dist.world()->allreduce(lo.data(), lo.data(), lo.size(), comm::DType::f64, comm::ReduceOp::min)->wait();
-  dist.world()->allreduce(hi.data(), hi.data(), hi.size(), comm::DType::f64, comm::ReduceOp::max)->wait();
-  c.tensors = static_cast<int64_t>(lo.size());
-  for (size_t i = 0; i < lo.size(); ++i) {
-    if (lo[i] != hi[i]) ++c.wrong;
-    c.max_rel = std::max(c.max_rel, std::abs(hi[i] - lo[i]) / std::max(1e-30, std::abs(hi[i])));
-  }
-  return c;
+  return ranksAgree(*dist.world(), net->parameters());
 }
 
 int runDdp(const Options& o) {

@@ -69,6 +69,21 @@ ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref,
   return c;
 }
 
+ParamCheck ranksAgree(comm::ProcessGroup& pg, const std::vector<at::Tensor>& params) {
+  ParamCheck c;
+  std::vector<double> lo, hi;
+  for (const auto& p : params) lo.push_back(p.detach().to(torch::kDouble).sum().item<double>());
+  hi = lo;
+  pg.allreduce(lo.data(), lo.data(), lo.size(), comm::DType::f64, comm::ReduceOp::min)->wait();
+  pg.allreduce(hi.data(), hi.data(), hi.size(), comm::DType::f64, comm::ReduceOp::max)->wait();
+  c.tensors = static_cast<int64_t>(lo.size());
+  for (size_t i = 0; i < lo.size(); ++i) {
+    if (lo[i] != hi[i]) ++c.wrong;
+    c.max_rel = std::max(c.max_rel, std::abs(hi[i] - lo[i]) / std::max(1e-30, std::abs(hi[i])));
+  }
+  return c;
+}
+
 int64_t countParams(torch::nn::Sequential& net) {
   int64_t n = 0;
   for (auto& p : net->parameters()) n += p.numel();

@@ -12,6 +12,9 @@
 
 #include <cstdint>
 #include <utility>
+#include <vector>
+
+#include "dtrain/comm/process_group.h"
 
 namespace dtrain::bench {
 
@@ -44,6 +47,11 @@ struct ParamCheck {
 // relative errors of about 1e-3 after 30 steps, while not averaging, or averaging only some
 // buckets, is off by order 1.
 ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol);
+
+// Data parallelism's invariant: every rank of pg holds the same parameters. Each of `params`' sums is
+// compared across ranks (min against max, collective); wrong counts those that differ, max_rel is the
+// largest relative spread.
+ParamCheck ranksAgree(comm::ProcessGroup& pg, const std::vector<at::Tensor>& params);
 
 int64_t countParams(torch::nn::Sequential& net);
 

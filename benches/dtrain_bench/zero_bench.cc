@@ -140,15 +140,9 @@ struct Trainer {
     return b;
   }
 
-  // Every parameter's sum, to compare across ranks (DDP and stage 1 keep whole replicas; the shards of
-  // stages 2 and 3 have no such invariant: their equality with one process is what tests/torch/fsdp_test.cc
-  // checks).
-  std::vector<double> sums() {
-    std::vector<double> out;
-    if (!fsdp)
-      for (const auto& p : net->parameters()) out.push_back(p.detach().to(torch::kDouble).sum().item<double>());
-    return out;
-  }
+  // The parameters to compare across ranks: DDP and stage 1 keep whole replicas; the shards of stages 2
+  // and 3 have no such invariant (their equality with one process is what tests/torch/fsdp_test.cc checks).
+  std::vector<at::Tensor> replicated() const { return fsdp ? std::vector<at::Tensor>{} : net->parameters(); }
 };
 
 int runZero(const Options& o) {
@@ -176,11 +170,7 @@ int runZero(const Options& o) {
   progress.finish();
   const uint64_t hwm = peakResidentBytes();  // (before the check below allocates anything)
   // The check: every rank holds the same parameters.
-  auto lo = t.sums(), hi = lo;
-  dist.world()->allreduce(lo.data(), lo.data(), lo.size(), comm::DType::f64, comm::ReduceOp::min)->wait();
-  dist.world()->allreduce(hi.data(), hi.data(), hi.size(), comm::DType::f64, comm::ReduceOp::max)->wait();
-  int64_t wrong = 0;
-  for (size_t i = 0; i < lo.size(); ++i) wrong += lo[i] != hi[i];
+  const int64_t wrong = ranksAgree(*dist.world(), t.replicated()).wrong;
   const Bytes b = t.bytes();
   const int64_t state = b.params + b.grads + b.optim + b.transient;
   std::printf("dtrain-zero mode=%s world=%d rank=%d model=%s params=%lld ms_per_step=%.1f samples_per_s=%.1f "
