@@ -4,23 +4,30 @@
 #            dtrain DDP, ZeRO stage 1 (ZeroRedundancyOptimizer), stages 2 and 3 (FullyShardedDataParallel)
 #            and PyTorch's ZeroRedundancyOptimizer over DDP (benches/peers/torch_ddp.py --opt zero-adam,
 #            gloo), REPS interleaved runs each; medians of samples/s and the ratios the issue sets.
-#   memory   a 100.7M-parameter model (6 Linear 4096 x 4096, batch 8, Adam) at 2 and 4 ranks: every rank's
-#            model-state bytes per mode as dtrain-bench zero counts them, against its peak resident memory
-#            (VmHWM) minus that of the same program without a model (--mode empty).
+#   memory   a 100.7M-parameter model (--layers 6 x Linear(--width 4096), batch 8, Adam) at 2 and 4 ranks:
+#            every rank's model-state bytes per mode as dtrain-bench zero counts them, against its peak
+#            resident memory while training (VmHWM) minus that of the same program without a model
+#            (--mode empty); for stage 3 (with prefetch, and without: zero3-lean) the issue's check, against
+#            1/W of DDP's model state plus two units. glibc's mmap threshold is fixed at 1 MiB unless
+#            --default-malloc.
 #   limit    the same model at 4 ranks under `prlimit --data=LIMIT` per process: DDP, then stage 3.
 #
-#   benches/zero.sh [speed] [memory] [limit] [--reps 5] [--limit 1400M]     (default: all three)
+#   benches/zero.sh [speed] [memory] [limit] [--reps 5] [--limit 1400M] [--layers 6 --width 4096]
+#                   [--default-malloc]                                       (default: all three)
 # Needs a build (BUILD_DIR, default <repo>/build), python3-torch for the peer, a quiet machine and about
 # 8 GB of free memory.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 build=${BUILD_DIR:-$here/../build}
 bin=$(cd "$build/bin" && pwd)
-reps=5 limit=1400M parts=()
+reps=5 limit=1400M layers=6 width=4096 parts=()
 while (($#)); do
   case $1 in
     --reps) reps=$2; shift 2 ;;
     --limit) limit=$2; shift 2 ;;
+    --layers) layers=$2; shift 2 ;;
+    --width) width=$2; shift 2 ;;
+    --default-malloc) export ZERO_MALLOC_TUNABLES=; shift ;;
     speed|memory|limit) parts+=("$1"); shift ;;
     -h|--help) sed -n '2,/^set -euo/p' "$0" | sed '$d' | sed 's/^# \{0,1\}//'; exit 0 ;;
     *) echo "zero.sh: unknown argument '$1' (see --help)" >&2; exit 2 ;;
@@ -57,20 +64,35 @@ speed() {
 }
 
 memory() {
-  echo "== memory: 6 x Linear(4096, 4096) = 100.7M parameters, Adam, batch 8 per rank (bytes per rank)"
+  # glibc's malloc keeps freed blocks below its (self-raising) mmap threshold resident, and on these
+  # models 100-170 MB of them are free at the peak; a fixed threshold returns every freed block of 1 MiB
+  # or more at once (docs/ZERO.md "Memory"). --default-malloc measures without it.
+  local tun=${ZERO_MALLOC_TUNABLES-glibc.malloc.mmap_threshold=1048576}
+  echo "== memory: $layers x Linear($width, $width), Adam, batch 8 per rank (bytes per rank; GLIBC_TUNABLES=$tun)"
+  local unit=$((width * (width + 1) * 4))
   for n in 2 4; do
-    local base
-    base=$(run "$n" --mode empty | grep -o "vmhwm_bytes=[0-9]*" | cut -d= -f2 | median)
+    local base ddp_state=0
+    base=$(GLIBC_TUNABLES=$tun run "$n" --mode empty | grep -o "vmhwm_bytes=[0-9]*" | cut -d= -f2 | median)
     echo "-- $n ranks; the program without a model peaks at $base bytes resident"
-    printf '%-6s %5s %14s %14s %14s %14s %16s %16s %7s\n' mode rank params grads optim transient model_state vmhwm-empty ratio
-    for m in ddp zero1 zero2 zero3; do
-      run "$n" --mode "$m" --model wide --batch 8 --steps 2 --warmup 1 | grep -o "dtrain-zero .*" | while read -r line; do
-        local st hwm
+    printf '%-11s %4s %11s %11s %11s %11s %12s %12s %6s %12s %12s\n' mode rank params grads optim transient model_state \
+      vmhwm-empty ratio build-peak bound
+    for m in ddp zero1 zero2 zero3 zero3-lean; do
+      local args=(--mode "${m%-lean}")
+      [[ $m == *-lean ]] && args+=(--no-prefetch)
+      while read -r line; do
+        local st hwm bound=- check=
         st=$(field model_state_bytes <<<"$line") hwm=$(field vmhwm_bytes <<<"$line")
-        printf '%-6s %5s %14s %14s %14s %14s %16s %16s %7.2f\n' "$m" "$(field rank <<<"$line")" \
+        [[ $m == ddp ]] && ddp_state=$st
+        if [[ $m == zero3* ]]; then  # the issue's bound: 1/W of DDP's model state plus two units
+          bound=$((ddp_state / n + 2 * unit))
+          check=$(awk -v a="$((hwm - base))" -v b="$bound" 'BEGIN {printf "  (vmhwm-empty / bound %.2f: %s)", a / b, a <= 1.15 * b ? "within 15%" : "NOT within 15%"}')
+        fi
+        printf '%-11s %4s %11s %11s %11s %11s %12s %12s %6.2f %12s %12s%s\n' "$m" "$(field rank <<<"$line")" \
           "$(field param_bytes <<<"$line")" "$(field grad_bytes <<<"$line")" "$(field optim_bytes <<<"$line")" \
-          "$(field transient_bytes <<<"$line")" "$st" "$((hwm - base))" "$(awk -v a="$((hwm - base))" -v b="$st" 'BEGIN {print a / b}')"
-      done
+          "$(field transient_bytes <<<"$line")" "$st" "$((hwm - base))" "$(awk -v a="$((hwm - base))" -v b="$st" 'BEGIN {print a / b}')" \
+          "$(($(field build_vmhwm_bytes <<<"$line") - base))" "$bound" "$check"
+      done < <(GLIBC_TUNABLES=$tun run "$n" "${args[@]}" --model wide --layers "$layers" --width "$width" --batch 8 --steps 3 --warmup 1 |
+        grep -o "dtrain-zero .*" | sort -t= -k4 -n)
     done
   done
 }

@@ -53,7 +53,12 @@ struct FsdpOptions {
   int stage = 3;                      // 2 or 3
   std::vector<int> units;             // children per unit, in order, summing to the children's number
   int64_t min_unit_params = 1 << 20;  // without `units`: a unit closes once it holds this many elements
-  bool prefetch = true;               // gather the next unit (forward) / the previous one (backward) early
+  // true: gather the next unit (forward) / the previous one (backward) while one computes, and reduce-
+  // scatter a unit's gradients while the next unit's backward runs (up to four whole-unit buffers at
+  // once: two units' parameters, two units' gradients). false: at most two (the running unit's
+  // parameters, then its gradients, which reuse them), and no communication overlaps computation; for
+  // memory-tight runs (docs/ZERO.md "Memory").
+  bool prefetch = true;
   bool recompute = false;             // run each unit through dtrain::recompute
 };
 

@@ -129,6 +129,10 @@ class BytesSentMeter {
 uint64_t residentBytes();
 // The most resident memory this process has had (VmHWM of /proc/self/status), in bytes; IoError likewise.
 uint64_t peakResidentBytes();
+// Lowers the peak (VmHWM) to the resident memory now, so that a later peakResidentBytes() is the peak of
+// what ran since: e.g. of training, without the model's construction (writes 5 to /proc/self/clear_refs,
+// Linux 4.0+); IoError if that file cannot be written.
+void resetPeakResidentBytes();
 // Now, as Unix seconds with sub-second resolution.
 double unixTime();
 

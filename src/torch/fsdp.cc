@@ -184,8 +184,10 @@ void FullyShardedDataParallel::Impl::onPreBackward(size_t k) {
   ensure(u);
   if (opts.prefetch && k > 0) startGather(units[k - 1]);
   // A synced pass whose gradients start from nothing: autograd accumulates them straight into a pooled
-  // buffer, which is then reduce-scattered as it is (no allocation, no copy).
-  bool fresh = sync && !u.grad_flat.defined();
+  // buffer, which is then reduce-scattered as it is (no allocation, no copy). Without prefetch (at most
+  // two units' buffers) autograd's own gradient tensors are kept instead and copied into the buffer the
+  // parameters leave: a pooled gradient buffer would be a third unit beside autograd's temporaries.
+  bool fresh = opts.prefetch && sync && !u.grad_flat.defined();
   for (const auto& p : u.params) fresh = fresh && !p.grad().defined();
   if (!fresh || u.params.empty()) return;
   u.grad_flat = borrow(u.bytes).view(u.shard.scalar_type()).zero_();
@@ -207,9 +209,11 @@ void FullyShardedDataParallel::Impl::launchReady() {
     Unit& u = units[static_cast<size_t>(next_launch--)];
     release(u);  // its backward is done
     if (!sync) continue;
-    // One reduce-scatter in flight at a time: the previous unit's gradient buffer goes first.
+    // One reduce-scatter in flight at a time: the previous unit's gradient buffer goes first. Without
+    // prefetch none overlaps the next unit's backward, whose gradients would be a unit more.
     if (next_launch + 2 < static_cast<int>(units.size())) completeReduce(units[static_cast<size_t>(next_launch + 2)]);
     reduceScatter(u);
+    if (!opts.prefetch) completeReduce(u);
   }
 }
 
@@ -219,8 +223,8 @@ void FullyShardedDataParallel::Impl::completeReduce(Unit& u) {
   u.reducing.reset();
   torch::NoGradGuard no_grad;
   auto& g = u.shard.mutable_grad();
-  if (g.defined()) g.add_(u.grad_part);
-  else g = u.grad_part.clone();
+  if (!g.defined()) g = u.grad_part;  // (reduced into a tensor of its own, see reduceScatter)
+  else g.add_(u.grad_part);
   at::Tensor bytes = u.grad_flat.view(at::kByte);
   u.grad_flat = at::Tensor();
   giveBack(bytes);
@@ -241,7 +245,7 @@ void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
   }
   for (auto& p : u.params) p.mutable_grad().reset();
   u.grads_in_buf = false;
-  u.grad_part = at::empty({u.chunk}, u.grad_flat.options());
+  u.grad_part = at::empty({u.chunk}, u.grad_flat.options());  // becomes the shard's gradient if it has none
   u.reducing = pg->reduceScatter(u.grad_flat.data_ptr(), u.grad_part.data_ptr(), static_cast<size_t>(u.chunk),
                                  toCommDType(u.grad_flat.scalar_type()), comm::ReduceOp::avg);
 }

@@ -204,6 +204,12 @@ TEST_P(Collectives, AllgatherAndReduceScatter) {
                                          comm::dtypeName(t), total, n);
             EXPECT_BUF(close(rout.at(i), expectedReduce(n, off[r] + i, op, t), t), rout.at(i),
                        expectedReduce(n, off[r] + i, op, t), counts[r], w2);
+            EXPECT_BUF(rin.at(i) == inputValue(r, i, op), rin.at(i), inputValue(r, i, op), total, w2 + " (input)");
+            // In place: the output is this rank's own block of the input.
+            char* mine = static_cast<char*>(rin.data()) + off[r] * comm::dtypeSize(t);
+            pg.reduceScatterv(rin.data(), mine, counts, t, op)->wait();
+            EXPECT_BUF(close(rin.at(off[r] + i), expectedReduce(n, off[r] + i, op, t), t), rin.at(off[r] + i),
+                       expectedReduce(n, off[r] + i, op, t), counts[r], w2 + " (in place)");
           }
         }
       }

@@ -158,8 +158,10 @@ TEST(Fsdp, ClippingAndNoSyncAccumulationEqualOneProcess) {
   expectAllOk(results);
 }
 
-// Stage 3 holds 1/W of the parameters between steps, and at most two units gathered at once.
-TEST(Fsdp, Stage3HoldsItsShardAndAtMostTwoUnits) {
+// Stage 3 holds 1/W of the parameters between steps, and at most two units gathered at once; whole-unit
+// buffers (gathered parameters, gradients: the pool's, and autograd's own) at most four units with
+// prefetch and two without.
+void holdsItsShard(bool prefetch) {
   StoreServer server;
   auto results = runRanks(2, [&](int rank) {
     auto pg = group(server, rank, 2);
@@ -170,6 +172,7 @@ TEST(Fsdp, Stage3HoldsItsShardAndAtMostTwoUnits) {
     for (const auto& p : seq->parameters()) total += p.nbytes();
     FsdpOptions o;
     o.min_unit_params = 1;  // one child per unit
+    o.prefetch = prefetch;
     FullyShardedDataParallel fsdp(seq, pg, o);
     EXPECT_EQ(fsdp.unitSizes(), (std::vector<int>{1, 1, 1, 1}));
     torch::optim::Adam opt(fsdp.shards(), torch::optim::AdamOptions(1e-3));
@@ -185,9 +188,14 @@ TEST(Fsdp, Stage3HoldsItsShardAndAtMostTwoUnits) {
     const int64_t unit = (64 * 64 + 64) * 4;
     EXPECT_LE(mem.gathered_peak, 2 * unit) << "more than two units gathered at once";
     EXPECT_GE(mem.gathered_peak, unit);
+    EXPECT_LE(mem.transient_peak, (prefetch ? 4 : 2) * unit) << "whole-unit buffers, prefetch " << prefetch;
+    EXPECT_GE(mem.transient_peak, 2 * unit);
   });
   expectAllOk(results);
 }
+
+TEST(Fsdp, Stage3HoldsItsShardAndAtMostTwoUnits) { holdsItsShard(true); }
+TEST(Fsdp, Stage3WithoutPrefetchHoldsAtMostTwoWholeUnitBuffers) { holdsItsShard(false); }
 
 // Steps [from, to) of FSDP training on this rank's rows (Adam over the shards).
 void fsdpSteps(FullyShardedDataParallel& fsdp, torch::optim::Optimizer& opt, int from, int to, int rank, int world) {

@@ -107,7 +107,8 @@ class ProcessGroup {
   WorkPtr allgather(const void* in, void* out, size_t count, DType t);
   // Uneven blocks: counts[r] elements from rank r, in rank order; every rank passes the same counts.
   WorkPtr allgatherv(const void* in, void* out, std::vector<size_t> counts, DType t);
-  // in holds size() * count elements; out receives this rank's reduced block of count elements.
+  // in holds size() * count elements; out receives this rank's reduced block of count elements. out is
+  // a buffer of its own or this rank's block of in (in place); it must not overlap in's other blocks.
   WorkPtr reduceScatter(const void* in, void* out, size_t count, DType t, ReduceOp op = ReduceOp::sum);
   WorkPtr reduceScatterv(const void* in, void* out, std::vector<size_t> counts, DType t,
                          ReduceOp op = ReduceOp::sum);

@@ -97,6 +97,11 @@ uint64_t peakResidentBytes() {
   throw IoError("cannot read the peak resident memory (VmHWM) from /proc/self/status");
 }
 
+void resetPeakResidentBytes() {
+  std::ofstream f("/proc/self/clear_refs");
+  if (!(f << "5" << std::flush)) throw IoError("cannot reset the peak resident memory: /proc/self/clear_refs is not writable");
+}
+
 double unixTime() {
   return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
 }
