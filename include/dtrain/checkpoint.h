@@ -48,7 +48,7 @@
 //
 // A file is torch::pickle_save of a dict, so Python reads it with torch.load(path):
 //   {"format": "dtrain-checkpoint-v1", "model": {name: tensor}, "optimizer": uint8 tensor (the bytes of a
-//    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int,
+//    torch::serialize::OutputArchive), "scheduler": {str: float}, "epoch": int, "step": int, "samples": int,
 //    "rng": uint8 tensor (the default CPU generator's state, empty if not captured), "user_rng": str,
 //    "metrics": {str: float}, "parameter_server": {name: tensor}} and "sharded": {name: tensor} when set
 // and in the per-rank layout also "rank": int, "world_size": int.
@@ -103,6 +103,9 @@ struct CheckpointState {
   std::map<std::string, double> scheduler;       // the caller's LR-scheduler numbers
   int64_t epoch = 0;
   int64_t step = 0;
+  // Samples of `epoch` read by all ranks together (DistributedLoaderSampler::globalPosition()): resume
+  // with sampler.setEpoch(epoch, samples), at any world size.
+  int64_t samples = 0;
   at::Tensor rng;                                // default CPU generator state; undefined: not captured
   std::string user_rng;                          // e.g. a std::mt19937 written with operator<<
   std::map<std::string, double> metrics;

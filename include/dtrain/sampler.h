@@ -23,7 +23,12 @@
 // The order: torch.randperm(n) seeded with seed + epoch (or 0..n-1 without shuffle); then either padded
 // to a multiple of the number of replicas by repeating indices from the start (so every rank gets the
 // same count and no collective is left waiting), or, with drop_last, truncated to a multiple; rank r
-// takes every R-th index starting at r.
+// takes every R-th index starting at r. Resumed at global position s (setEpoch(epoch, s)), the same
+// applies to the order's samples from s on: rank r's i-th index is order[(s + r + i R) mod n] (the
+// padding repeats the epoch's first samples, as without resuming; at the same world size the resumed
+// sampler reads exactly what the uninterrupted one would have).
+// A rank's first k indices are order[k R) of what was left, so after k of them on every rank the global
+// position is s + k R (DistributedLoaderSampler::globalPosition()).
 //
 // Forgetting setEpoch (PyTorch's set_epoch) makes every epoch read the same order. With shuffle on,
 // a warning goes to stderr once ("[rank r] ..."): from DistributedLoaderSampler when an epoch starts
@@ -50,16 +55,20 @@ class DistributedSampler {
   DistributedSampler(int64_t dataset_size, const Distributed& dist, bool shuffle = true, uint64_t seed = 0,
                      bool drop_last = false);
 
-  // Call at the start of every epoch: the permutation is seeded with seed + epoch.
-  void setEpoch(int64_t epoch) {
-    epoch_ = epoch;
-    epoch_set_ = true;
-  }
+  // Call at the start of every epoch: the permutation is seeded with seed + epoch. To resume an epoch,
+  // pass how many samples of its order were read before, by all ranks together (`start`, in global
+  // samples: steps done * batch per rank * the world size then): the ranks share the rest of the order,
+  // at this sampler's world size, whatever it was before, and no sample is read twice or skipped.
+  // InvalidArgument unless 0 <= start <= the dataset's size.
+  void setEpoch(int64_t epoch, int64_t start = 0);
   int64_t epoch() const { return epoch_; }
+  // The samples of this epoch read before it (setEpoch's start).
+  int64_t start() const { return start_; }
 
-  // This rank's indices for the current epoch; size() of them.
+  // This rank's indices for the current epoch (from start()); size() of them.
   std::vector<int64_t> indices() const;
-  // How many indices each rank gets: ceil(n / R), or floor(n / R) with drop_last.
+  // How many indices each rank gets: ceil(m / R), or floor(m / R) with drop_last, where m is the
+  // number of samples left (the dataset's size minus start()).
   int64_t size() const { return num_samples_; }
   // size() * num_replicas: the length of the padded or truncated order all ranks share.
   int64_t totalSize() const { return num_samples_ * num_replicas_; }
@@ -83,6 +92,7 @@ class DistributedSampler {
   bool drop_last_;
   int64_t num_samples_;
   int64_t epoch_ = 0;
+  int64_t start_ = 0;
   bool epoch_set_ = false;
   mutable int64_t indices_calls_ = 0;
   mutable bool warned_ = false;
@@ -93,7 +103,9 @@ class DistributedSampler {
 // so the copy the loader holds follows setEpoch() on the one you keep. Each epoch (each reset(), i.e.
 // each loader->begin()) starts the current epoch's order from the beginning; reset(new_size) changes
 // the dataset size. save()/load() keep the epoch and the position in it (torch::serialize archives),
-// as libtorch's samplers do; note that a DataLoader's begin() calls reset(), which starts over.
+// as libtorch's samplers do, the position in global samples, so that load() at another world size goes
+// on where the saved run stopped; note that a DataLoader's begin() calls reset(), which starts the
+// epoch's order over from the setEpoch start (after load(): the loaded position).
 class DistributedLoaderSampler : public torch::data::samplers::Sampler<> {
  public:
   // As DistributedSampler's constructors (InvalidArgument for the same bad arguments).
@@ -102,8 +114,13 @@ class DistributedLoaderSampler : public torch::data::samplers::Sampler<> {
   DistributedLoaderSampler(int64_t dataset_size, const Distributed& dist, bool shuffle = true, uint64_t seed = 0,
                            bool drop_last = false);
 
-  void setEpoch(int64_t epoch);
+  // As DistributedSampler::setEpoch (start: global samples of the epoch read before).
+  void setEpoch(int64_t epoch, int64_t start = 0);
   int64_t epoch() const;
+  // Samples of the current epoch read by all ranks together: start plus R times this rank's indices
+  // handed out since the epoch began (the loader's batches), at most the dataset's size. Save it with the
+  // checkpoint (CheckpointState::samples) and resume with setEpoch(epoch, it) at any world size.
+  int64_t globalPosition() const;
   // This rank's indices per epoch.
   int64_t size() const;
 

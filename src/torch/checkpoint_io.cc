@@ -193,6 +193,7 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
   dict.insert("scheduler", scheduler);
   dict.insert("epoch", s.epoch);
   dict.insert("step", s.step);
+  dict.insert("samples", s.samples);
   dict.insert("rng", s.rng.defined() ? s.rng.contiguous() : torch::empty({0}, torch::kUInt8));
   dict.insert("user_rng", s.user_rng);
   dict.insert("metrics", metrics);
@@ -260,6 +261,7 @@ CheckpointState unpickleState(const std::string& path, const c10::impl::GenericD
   s.scheduler = r.numbers("scheduler");
   s.epoch = r.integer("epoch");
   s.step = r.integer("step");
+  if (r.has("samples")) s.samples = r.integer("samples");  // absent before resuming at new world sizes
   s.rng = r.tensor("rng");
   if (s.rng.numel() == 0) s.rng = at::Tensor();
   s.user_rng = r.str("user_rng");

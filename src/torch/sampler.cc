@@ -30,6 +30,17 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int num_replicas, i
   num_samples_ = drop_last ? dataset_size / r : (dataset_size + r - 1) / r;
 }
 
+void DistributedSampler::setEpoch(int64_t epoch, int64_t start) {
+  DTRAIN_CHECK(start >= 0 && start <= dataset_size_, InvalidArgument,
+               "DistributedSampler::setEpoch: start {} (samples already read) is outside [0, dataset size {}]", start,
+               dataset_size_);
+  epoch_ = epoch;
+  start_ = start;
+  epoch_set_ = true;
+  const int64_t left = dataset_size_ - start, r = num_replicas_;
+  num_samples_ = drop_last_ ? left / r : (left + r - 1) / r;
+}
+
 DistributedSampler::DistributedSampler(int64_t dataset_size, const Distributed& dist, bool shuffle,
                                        uint64_t seed, bool drop_last)
     : DistributedSampler(dataset_size, dist.size(), dist.rank(), shuffle, seed, drop_last) {}
@@ -67,7 +78,7 @@ std::vector<int64_t> DistributedSampler::order() const {
   // whole order as often as needed when n < pad); truncation is the same formula with totalSize() <= n.
   out.reserve(static_cast<size_t>(num_samples_));
   for (int64_t i = 0; i < num_samples_; ++i) {
-    const int64_t j = (rank_ + i * num_replicas_) % n;
+    const int64_t j = (start_ + rank_ + i * num_replicas_) % n;
     out.push_back(p ? p[j] : j);
   }
   return out;
@@ -91,7 +102,12 @@ DistributedLoaderSampler::DistributedLoaderSampler(int64_t dataset_size, const D
                                                    uint64_t seed, bool drop_last)
     : DistributedLoaderSampler(dataset_size, dist.size(), dist.rank(), shuffle, seed, drop_last) {}
 
-void DistributedLoaderSampler::setEpoch(int64_t epoch) { state_->sampler.setEpoch(epoch); }
+void DistributedLoaderSampler::setEpoch(int64_t epoch, int64_t start) { state_->sampler.setEpoch(epoch, start); }
+
+int64_t DistributedLoaderSampler::globalPosition() const {
+  const auto& s = state_->sampler;
+  return std::min(s.datasetSize(), s.start() + static_cast<int64_t>(state_->pos) * s.numReplicas());
+}
 int64_t DistributedLoaderSampler::epoch() const { return state_->sampler.epoch(); }
 int64_t DistributedLoaderSampler::size() const { return state_->sampler.size(); }
 
@@ -101,7 +117,7 @@ void DistributedLoaderSampler::reset(torch::optional<size_t> new_size) {
     const auto& s = st.sampler;
     DistributedSampler resized(static_cast<int64_t>(*new_size), s.numReplicas(), s.rank(), s.shuffle(), s.seed(),
                                s.dropLast());
-    resized.setEpoch(s.epoch());
+    resized.setEpoch(s.epoch(), std::min(s.start(), static_cast<int64_t>(*new_size)));
     st.sampler = resized;
   }
   const int64_t epoch = st.sampler.epoch();
@@ -128,6 +144,7 @@ torch::optional<std::vector<size_t>> DistributedLoaderSampler::next(size_t batch
 void DistributedLoaderSampler::save(torch::serialize::OutputArchive& archive) const {
   archive.write("epoch", torch::tensor(state_->sampler.epoch(), torch::kInt64), /*is_buffer=*/true);
   archive.write("position", torch::tensor(static_cast<int64_t>(state_->pos), torch::kInt64), /*is_buffer=*/true);
+  archive.write("global_position", torch::tensor(globalPosition(), torch::kInt64), /*is_buffer=*/true);
 }
 
 void DistributedLoaderSampler::load(torch::serialize::InputArchive& archive) {
@@ -135,6 +152,17 @@ void DistributedLoaderSampler::load(torch::serialize::InputArchive& archive) {
   archive.read("epoch", epoch, /*is_buffer=*/true);
   archive.read("position", pos, /*is_buffer=*/true);
   State& st = *state_;
+  at::Tensor global = torch::empty({}, torch::kInt64);
+  if (archive.try_read("global_position", global, /*is_buffer=*/true)) {  // (absent in older archives)
+    const int64_t g = global.item<int64_t>();
+    DTRAIN_CHECK(g >= 0 && g <= st.sampler.datasetSize(), InvalidArgument,
+                 "DistributedLoaderSampler::load: global position {} is outside the dataset's {} samples", g,
+                 st.sampler.datasetSize());
+    st.sampler.setEpoch(epoch.item<int64_t>(), g);  // the rest of the epoch, at this world size
+    st.order = st.sampler.order();
+    st.pos = 0;
+    return;
+  }
   st.sampler.setEpoch(epoch.item<int64_t>());
   st.order = st.sampler.order();
   const int64_t p = pos.item<int64_t>();

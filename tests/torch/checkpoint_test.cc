@@ -78,6 +78,7 @@ void checkResumeIsBitExact(MakeOptimizer make) {
   s.captureOptimizer(*opt);
   s.epoch = 0;
   s.step = 3;
+  s.samples = 96;
   ckpt.save(s);
   for (int i = 3; i < 6; ++i) trainStep(net, *opt, batches[i]);
 
@@ -87,6 +88,7 @@ void checkResumeIsBitExact(MakeOptimizer make) {
   auto loaded = ckpt.loadLatest();
   ASSERT_TRUE(loaded.has_value());
   EXPECT_EQ(loaded->step, 3);
+  EXPECT_EQ(loaded->samples, 96);
   loaded->restoreModel(*fresh);
   loaded->restoreOptimizer(*fresh_opt);
   for (int i = 3; i < 6; ++i) trainStep(fresh, *fresh_opt, batches[i]);
@@ -465,7 +467,7 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
     std::getline(lines, line);
     return line;
   };
-  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'parameter_server', 'rng', 'scheduler', 'step', 'user_rng']");
+  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'parameter_server', 'rng', 'samples', 'scheduler', 'step', 'user_rng']");
   EXPECT_EQ(next(), "dtrain-checkpoint-v1 3 77 mt state");
   EXPECT_EQ(next(), "['bn.bias', 'bn.num_batches_tracked', 'bn.running_mean', 'bn.running_var', 'bn.weight', "
                     "'fc.bias', 'fc.weight', 'head.bias', 'head.weight']");
