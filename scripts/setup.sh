@@ -3,7 +3,7 @@
 # Idempotent: packages already present are skipped. Needs root or sudo.
 set -euo pipefail
 pkgs=(
-  build-essential cmake ninja-build pkg-config git
+  build-essential cmake ninja-build pkg-config git libssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libtorch-dev libopenblas0-pthread
   openmpi-bin libopenmpi-dev python3-torch

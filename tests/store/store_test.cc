@@ -387,6 +387,11 @@ TEST(TcpStoreServerTest, AnswersAWellFormedRawRequest) {
   TcpStoreServer server("127.0.0.1", 0);
   TcpStore(("127.0.0.1"), server.port(), 5s).set("one", toBytes("1"));
   net::Socket s = rawClient(server.port());
+  // First the greeting: "DTAU", no secret required, a 32-byte challenge.
+  uint8_t greeting[4 + 1 + 32];
+  s.recvAll(greeting, sizeof greeting, net::deadlineAfter(2s));
+  EXPECT_EQ(std::string(greeting, greeting + 4), "DTAU");
+  EXPECT_EQ(greeting[4], 0);
   Bytes req = wireHeader(kWireMagic, kWireVersion, kCmdNumKeys, 0);
   s.sendAll(req.data(), req.size(), net::deadlineAfter(2s));
   uint8_t answer[12 + 8];

@@ -7,6 +7,7 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
+#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -308,17 +309,44 @@ void checkOptions(const Options& o) {
   }
 }
 
+namespace {
+// 32 random bytes from the kernel, as hex: a job secret (docs/SECURITY.md).
+std::string newSecret() {
+  unsigned char raw[32];
+  size_t got = 0;
+  while (got < sizeof raw) {
+    ssize_t n = ::getrandom(raw + got, sizeof raw - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::runtime_error(fmt::format("--job-secret: getrandom: {}", std::strerror(errno)));
+    got += static_cast<size_t>(n);
+  }
+  std::string hex;
+  for (unsigned char c : raw) hex += fmt::format("{:02x}", c);
+  return hex;
+}
+}  // namespace
+
 Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_unique<SignalWatcher>()) {
   checkOptions(opts_);
+  // The job secret: the user's (workers inherit the variable), or with --job-secret one made here and
+  // handed to the workers in their environment (never on a command line).
+  opts_.secret = comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
+  if (opts_.job_secret) {
+    if (!opts_.secret.empty()) throw std::runtime_error("--job-secret: DTRAIN_SECRET or DTRAIN_SECRET_FILE is already set");
+    if (opts_.nnodes > 1)
+      throw std::runtime_error("--job-secret makes a secret on this node only: across nodes give every node the "
+                               "same DTRAIN_SECRET_FILE");
+    opts_.secret = newSecret();
+  }
   if (opts_.standalone) {
     opts_.master_addr = "127.0.0.1";
-    store_ = std::make_unique<comm::TcpStoreServer>(opts_.master_addr, 0);
+    store_ = std::make_unique<comm::TcpStoreServer>(opts_.master_addr, 0, opts_.secret);
   } else if (opts_.node_rank == 0) {
     // Across nodes, listen on every interface: MASTER_ADDR is what the other nodes dial, and a host
     // name can resolve to a loopback address on its own host (Debian's 127.0.1.1).
     std::string host = opts_.master_addr;
     if (opts_.nnodes > 1) host = host.find(':') != std::string::npos ? "::" : "0.0.0.0";
-    store_ = std::make_unique<comm::TcpStoreServer>(host, static_cast<uint16_t>(opts_.master_port));
+    store_ = std::make_unique<comm::TcpStoreServer>(host, static_cast<uint16_t>(opts_.master_port), opts_.secret);
   }
   master_port_ = store_ ? store_->port() : static_cast<uint16_t>(opts_.master_port);
   if (parseStreamSpec("--redirects", opts_.redirects).any() || parseStreamSpec("--tee", opts_.tee).any()) {
@@ -379,6 +407,7 @@ std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::
   // A pipe makes stdout block-buffered: what a worker printed would be lost when it is stopped.
   // dtrain's library makes stdout line-buffered when this is 1 (src/comm/rendezvous/init.cc).
   if (!std::getenv("DTRAIN_LINE_BUFFERED")) common["DTRAIN_LINE_BUFFERED"] = "1";
+  if (o.job_secret) common["DTRAIN_SECRET"] = o.secret;  // (made by --job-secret)
 
   const StreamSpec redirects = parseStreamSpec("--redirects", o.redirects);
   const StreamSpec tee = parseStreamSpec("--tee", o.tee);

@@ -30,6 +30,8 @@ struct Options {
   std::string master_addr = "127.0.0.1";
   int master_port = 29500;  // 0: a free port (only when every worker is on this node)
   bool standalone = false;  // one node, store on a free local port
+  bool job_secret = false;  // --job-secret: make a secret for this job (one node) and give it to the workers
+  std::string secret;       // the job secret (the user's DTRAIN_SECRET(_FILE), or the one made); "": none
   int max_restarts = 0;
   int num_servers = 0;  // parameter-server processes, started on node 0 only
   bool prefix_output = true;

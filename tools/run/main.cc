@@ -43,6 +43,9 @@ int main(int argc, char** argv) {
                    ->capture_default_str();
   app.add_flag("--standalone", opts.standalone, "One node; host the store on a free local port")
       ->excludes(nnodes, node_rank, addr, port);
+  app.add_flag("--job-secret", opts.job_secret,
+               "Make a secret for this job (one node) that every connection must prove (docs/SECURITY.md); the "
+               "workers get it in DTRAIN_SECRET. Without it the user's DTRAIN_SECRET or DTRAIN_SECRET_FILE applies");
   app.add_option("--max-restarts,--max_restarts", opts.max_restarts,
                  "Restart the whole group up to this many times after a failure")
       ->capture_default_str();

@@ -43,6 +43,10 @@ struct GroupOptions {
   // Ring capacity of the shm transport per peer pair and staging size of tcp; 0 picks a default.
   // Tests set it small to reach multi-segment paths. DTRAIN_SEGMENT_BYTES.
   size_t segment_bytes = 0;
+  // The job secret every tcp connection between ranks must prove it knows (challenge-response; see
+  // jobSecretFrom in store.h and docs/SECURITY.md); empty: connections are not authenticated.
+  // DTRAIN_SECRET or DTRAIN_SECRET_FILE.
+  std::string secret;
   // Every collective's fingerprint (op, dtype, count, reduce op, root, seq, v-op counts) is always
   // compared across ranks, and a mismatch fails every rank naming both calls (on shm before any output
   // is written; on tcp the mismatched call's outputs are unspecified). This option additionally

@@ -58,11 +58,21 @@ class Store {
   Duration timeout_;
 };
 
+// The job secret given by the values of DTRAIN_SECRET and DTRAIN_SECRET_FILE (either may be null or
+// empty): the first, or the contents of the file the second names, which must be a regular file of
+// this user that nobody else may read or write (one trailing newline is dropped); "" when neither is
+// set. InvalidArgument naming the variable when both are set, or the file is missing, open to others
+// or empty. dtrain's own stores and transports take it from the environment (docs/SECURITY.md).
+std::string jobSecretFrom(const char* secret, const char* secret_file);
+
 // Serves a TcpStore on host:port (port 0 picks a free one) from a background thread until destroyed.
 // Malformed or oversized requests close that client's connection; the server keeps serving others.
+// With a secret (jobSecretFrom) every client must prove it knows it before its first request
+// (challenge-response, HMAC-SHA256; the secret never crosses the wire); a client that does not is
+// refused, and the refusal is logged to stderr with its address.
 class TcpStoreServer {
  public:
-  TcpStoreServer(const std::string& host, uint16_t port);
+  TcpStoreServer(const std::string& host, uint16_t port, std::string secret = "");
   ~TcpStoreServer();
   TcpStoreServer(const TcpStoreServer&) = delete;
   TcpStoreServer& operator=(const TcpStoreServer&) = delete;
@@ -76,10 +86,11 @@ class TcpStoreServer {
 };
 
 // A client of a TcpStoreServer. Connecting retries until `timeout` (the server may start later).
-// Safe to use from several threads (requests are serialised).
+// Safe to use from several threads (requests are serialised). `secret` must be the server's:
+// RendezvousError "... authentication failed ..." otherwise (also when only one side has one).
 class TcpStore : public Store {
  public:
-  TcpStore(const std::string& host, uint16_t port, Duration timeout);
+  TcpStore(const std::string& host, uint16_t port, Duration timeout, std::string secret = "");
   ~TcpStore() override;
   void set(const std::string& key, const Bytes& value) override;
   Bytes get(const std::string& key) override;

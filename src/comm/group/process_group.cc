@@ -408,6 +408,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
     to.timeout = opts.timeout;
     to.listen_host = opts.listen_host;
     to.segment_bytes = opts.segment_bytes;
+    to.secret = opts.secret;
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
     Impl* raw = impl.get();

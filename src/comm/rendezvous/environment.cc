@@ -27,6 +27,8 @@ constexpr const char* kVariables[] = {
     // the store and the process group
     "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_USE_AGENT_STORE", "DTRAIN_TIMEOUT", "DTRAIN_TRANSPORT",
     "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME",
+    // the job secret connections prove (src/comm/net/auth.cc)
+    "DTRAIN_SECRET", "DTRAIN_SECRET_FILE",
     // the allreduce algorithm (collectives/select.cc); DTRAIN_HOST_ID is a test hook (prepended to this
     // host's id, so ranks on one machine can pretend to be on different hosts: transport::hostId())
     "DTRAIN_ALGO", "DTRAIN_HOST_ID",

@@ -57,6 +57,7 @@ GroupOptions groupOptions(const Environment& env) {
   }
   const char* debug = env.get("DTRAIN_DEBUG");
   o.check_fingerprints = debug && std::strcmp(debug, "detail") == 0;
+  o.secret = jobSecretFrom(env.get("DTRAIN_SECRET"), env.get("DTRAIN_SECRET_FILE"));
   return o;
 }
 

@@ -100,6 +100,7 @@ JobStore openJobStore(const Environment& env, const InitOptions& o, const JobSto
   if (!method.empty() && method != "env://" && method.rfind("tcp://", 0) != 0) {
     throw InvalidArgument(fmt::format("init_method '{}': expected env://, tcp://host:port or file:///path", method));
   }
+  const std::string secret = jobSecretFrom(env.get("DTRAIN_SECRET"), env.get("DTRAIN_SECRET_FILE"));
   const StoreAddress addr =
       method.rfind("tcp://", 0) == 0 ? tcpMethodAddress(env, method, !o.init_method.empty()) : storeAddress(env, o);
   js.address = addr;
@@ -108,7 +109,8 @@ JobStore openJobStore(const Environment& env, const InitOptions& o, const JobSto
   if (r.may_host && r.rank == 0 && !env.flag("DTRAIN_USE_AGENT_STORE")) {
     try {
       // A derived address is a node name: listen on every interface, not wherever the name resolves here.
-      server = std::make_shared<TcpStoreServer>(addr.derived ? "0.0.0.0" : addr.host, static_cast<uint16_t>(addr.port));
+      server = std::make_shared<TcpStoreServer>(addr.derived ? "0.0.0.0" : addr.host, static_cast<uint16_t>(addr.port),
+                                                secret);
     } catch (const Error& e) {
       throw RendezvousError(fmt::format(
           "[rank 0] cannot host the store on {}: {}; is another job or program using the port? Set MASTER_PORT to "
@@ -118,7 +120,7 @@ JobStore openJobStore(const Environment& env, const InitOptions& o, const JobSto
   }
   std::shared_ptr<Store> client;
   try {
-    client = std::make_shared<TcpStore>(addr.host, static_cast<uint16_t>(addr.port), r.timeout);
+    client = std::make_shared<TcpStore>(addr.host, static_cast<uint16_t>(addr.port), r.timeout, secret);
   } catch (const Error& e) {
     throw RendezvousError(fmt::format(
         "{}cannot reach the store at {}: {}. Check that {} is running with the same store address "

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <mutex>
 
+#include "comm/net/auth.h"
 #include "comm/net/socket.h"
 #include "comm/store/quote.h"
 #include "comm/store/tcp_store_codec.h"
@@ -22,7 +23,8 @@ std::string msText(Duration d) { return fmt::format("{}ms", d.count()); }
 }  // namespace
 
 struct TcpStore::Impl {
-  Impl(std::string h, uint16_t p) : host(std::move(h)), port(p), addr(fmt::format("{}:{}", host, port)) {}
+  Impl(std::string h, uint16_t p, std::string s)
+      : host(std::move(h)), port(p), addr(fmt::format("{}:{}", host, port)), secret(std::move(s)) {}
 
   // Sends one request and returns the answer's payload. Any failure but a rejected argument drops
   // the connection, so the next request starts on a fresh one and cannot read a stale answer.
@@ -32,17 +34,29 @@ struct TcpStore::Impl {
   void connect(net::Deadline deadline, Duration timeout, const std::string& what);
   Bytes exchange(const Bytes& frame, net::Deadline deadline);
   std::vector<std::string> missingKeys(const std::vector<std::string>& keys, Duration timeout);
+  // A connection to the server, authenticated (net/auth.h): its greeting read, and with a secret the
+  // challenge answered.
+  net::Socket open(net::Deadline deadline) const {
+    net::Socket s = net::Socket::connect(host, port, deadline);
+    net::authenticate(s, secret, "store", nullptr, 0, deadline, "the store server " + addr);
+    return s;
+  }
 
   const std::string host;
   const uint16_t port;
   const std::string addr;
+  const std::string secret;
   std::mutex mu;      // serialises requests: one in flight per connection
   net::Socket sock;   // invalid while disconnected
 };
 
 void TcpStore::Impl::connect(net::Deadline deadline, Duration timeout, const std::string& what) {
   try {
-    sock = net::Socket::connect(host, port, deadline);
+    sock = open(deadline);
+  } catch (const RendezvousError& e) {
+    if (std::string(e.what()).rfind("authentication failed", 0) == 0) throw RendezvousError(fmt::format("TcpStore {}: {}", what, e.what()));
+    throw RendezvousError(fmt::format("TcpStore {}: cannot reach the store server {} within {}: {}", what,
+                                      addr, msText(timeout), e.what()));
   } catch (const Error& e) {
     throw RendezvousError(fmt::format("TcpStore {}: cannot reach the store server {} within {}: {}", what,
                                       addr, msText(timeout), e.what()));
@@ -107,7 +121,7 @@ std::vector<std::string> TcpStore::Impl::missingKeys(const std::vector<std::stri
   if (keys.size() <= 1) return keys;
   try {
     net::Deadline deadline = net::deadlineAfter(std::min<Duration>(timeout, std::chrono::seconds(1)));
-    sock = net::Socket::connect(host, port, deadline);
+    sock = open(deadline);
     Bytes answer = exchange(Writer().keys(keys).finish(static_cast<uint16_t>(Cmd::kCheck)), deadline);
     if (answer.size() != keys.size()) throw ProtocolError("CHECK answer of the wrong size");
     std::vector<std::string> missing;
@@ -147,8 +161,8 @@ void checkKeyList(const std::vector<std::string>& keys, const char* op) {
 uint16_t code(Cmd c) { return static_cast<uint16_t>(c); }
 }  // namespace
 
-TcpStore::TcpStore(const std::string& host, uint16_t port, Duration timeout)
-    : Store(timeout), impl_(std::make_unique<Impl>(host, port)) {
+TcpStore::TcpStore(const std::string& host, uint16_t port, Duration timeout, std::string secret)
+    : Store(timeout), impl_(std::make_unique<Impl>(host, port, std::move(secret))) {
   impl_->connect(net::deadlineAfter(timeout), timeout, "connect");
 }
 

@@ -19,6 +19,7 @@
 #include <thread>
 #include <unordered_map>
 
+#include "comm/net/auth.h"
 #include "comm/net/socket.h"
 #include "comm/store/quote.h"
 #include "comm/store/tcp_store_codec.h"
@@ -41,7 +42,7 @@ Bytes intBytes(int64_t v) { return toBytes(std::to_string(v)); }
 }  // namespace
 
 struct TcpStoreServer::Impl {
-  Impl(const std::string& host, uint16_t port);
+  Impl(const std::string& host, uint16_t port, std::string secret);
   ~Impl();
 
   // One client connection and where its current request stands.
@@ -58,7 +59,13 @@ struct TcpStoreServer::Impl {
     Cmd parked_cmd = Cmd::kGet;
     std::vector<std::string> parked_keys;
     bool dead = false;      // closed at the end of this poll round
-    bool wantsInput() const { return !parked && out.empty() && !dead; }
+    // With a job secret: the greeting's challenge, and the MAC arriving (before any request).
+    bool authenticating = false;
+    net::Challenge challenge{};
+    uint8_t mac[net::kMacBytes] = {};
+    size_t mac_got = 0;
+    bool close_after_flush = false;  // refused: the verdict goes out, then the connection closes
+    bool wantsInput() const { return !parked && out.empty() && !dead && !close_after_flush; }
   };
 
   void run();
@@ -72,11 +79,13 @@ struct TcpStoreServer::Impl {
   void wakeParked();
   bool allExist(const std::vector<std::string>& keys) const;
   void drop(Conn& c, const std::string& why);
+  void readMac(Conn& c);
 
   net::Socket listener;
   net::Fd wake;  // an eventfd: the destructor writes it to stop the thread
   uint16_t port = 0;
   std::string addr;
+  const std::string secret;  // "": connections are not authenticated
   std::atomic<int> clients{0};
   // Owned by the server thread.
   std::unordered_map<std::string, Bytes> data;
@@ -100,8 +109,8 @@ void releaseIfLarge(Bytes& b) {
 }
 }  // namespace
 
-TcpStoreServer::Impl::Impl(const std::string& host, uint16_t p)
-    : listener(net::Socket::listen(host, p)), wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)) {
+TcpStoreServer::Impl::Impl(const std::string& host, uint16_t p, std::string s)
+    : listener(net::Socket::listen(host, p)), wake(::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK)), secret(std::move(s)) {
   if (!wake.valid()) throw IoError(fmt::format("TcpStoreServer: eventfd: {}", strerror(errno)));
   listener.setNonBlocking(true);
   port = listener.localPort();
@@ -174,6 +183,10 @@ void TcpStoreServer::Impl::acceptAll() {
     c.sock = net::Socket(net::Fd(fd));
     c.sock.setNoDelay();
     c.peer = c.sock.peerAddr().str();
+    c.challenge = net::freshChallenge();
+    c.authenticating = !secret.empty();
+    const net::Greeting g = net::greeting(c.authenticating, c.challenge);
+    c.out.assign(g.begin(), g.end());
     conns.emplace(next_id++, std::move(c));
     clients.store(static_cast<int>(conns.size()));
   }
@@ -193,6 +206,9 @@ void TcpStoreServer::Impl::serve(Conn& c, short revents) {
       // Closed while parked or being answered: nobody is left to answer.
       c.dead = true;
     }
+    if (c.dead && c.authenticating)
+      fmt::print(stderr, "dtrain TcpStoreServer {}: refused a connection from {}: closed before authenticating "
+                 "(no job secret?)\n", addr, c.peer);
   } catch (const std::exception& e) {  // a ProtocolError, or bad_alloc for a large but legal request
     drop(c, e.what());
   }
@@ -211,7 +227,23 @@ bool TcpStoreServer::Impl::recvResult(Conn& c, ssize_t r) {
   return false;
 }
 
+void TcpStoreServer::Impl::readMac(Conn& c) {
+  ssize_t r = ::recv(c.sock.fd(), c.mac + c.mac_got, net::kMacBytes - c.mac_got, MSG_DONTWAIT);
+  if (!recvResult(c, r)) return;
+  c.mac_got += static_cast<size_t>(r);
+  if (c.mac_got < net::kMacBytes) return;
+  c.authenticating = false;
+  const bool ok = net::macMatches(secret, "store", c.challenge, nullptr, 0, c.mac);
+  c.out.push_back(ok ? net::kAccepted : net::kRefused);
+  if (!ok) {
+    fmt::print(stderr, "dtrain TcpStoreServer {}: refused a connection from {}: authentication failed (wrong job "
+               "secret)\n", addr, c.peer);
+    c.close_after_flush = true;
+  }
+}
+
 void TcpStoreServer::Impl::readFrames(Conn& c) {
+  if (c.authenticating) return readMac(c);
   for (int frames = 0; frames < kFramesPerRound && c.wantsInput();) {
     if (c.hdr_got < kHeaderBytes) {
       ssize_t r = ::recv(c.sock.fd(), c.hdr + c.hdr_got, kHeaderBytes - c.hdr_got, MSG_DONTWAIT);
@@ -373,10 +405,11 @@ void TcpStoreServer::Impl::flush(Conn& c) {
   }
   releaseIfLarge(c.out);
   c.out_off = 0;
+  if (c.close_after_flush) c.dead = true;
 }
 
-TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port)
-    : impl_(std::make_unique<Impl>(host, port)) {}
+TcpStoreServer::TcpStoreServer(const std::string& host, uint16_t port, std::string secret)
+    : impl_(std::make_unique<Impl>(host, port, std::move(secret))) {}
 TcpStoreServer::~TcpStoreServer() = default;
 uint16_t TcpStoreServer::port() const { return impl_->port; }
 int TcpStoreServer::numClients() const { return impl_->clients.load(); }

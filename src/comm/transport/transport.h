@@ -136,6 +136,7 @@ struct TransportOptions {
   std::chrono::milliseconds timeout{std::chrono::seconds(300)};
   std::string listen_host;      // tcp: address to listen on and advertise
   size_t segment_bytes = 0;     // shm: ring capacity per peer pair; tcp: reduce staging. 0 = default
+  std::string secret;           // tcp: the job secret connections must prove (net/auth.h); "": none
 };
 
 class Staging;

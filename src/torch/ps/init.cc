@@ -56,9 +56,10 @@ Job init(PSOptions opts) {
           "[rank {}] ps::init: a world of {} processes but no parameter servers (DTRAIN_NUM_SERVERS is not set): "
           "start them with dtrain-run --servers S",
           info.rank, info.size));
-    job.store_server_ = std::make_shared<comm::TcpStoreServer>("127.0.0.1", 0);
+    const std::string secret = comm::rendezvous::groupOptions(env).secret;
+    job.store_server_ = std::make_shared<comm::TcpStoreServer>("127.0.0.1", 0, secret);
     job.store_ = std::make_shared<comm::PrefixStore>(
-        "ps", std::make_shared<comm::TcpStore>("127.0.0.1", job.store_server_->port(), opts.timeout));
+        "ps", std::make_shared<comm::TcpStore>("127.0.0.1", job.store_server_->port(), opts.timeout, secret));
     job.num_servers_ = 1;
     job.workers_ = job.local_ = comm::ProcessGroup::create(nullptr, 0, 1, comm::rendezvous::groupOptions(env));
     job.colocated_ = std::make_unique<ColocatedServer>(job.store_, 0, 1, 1, opts);

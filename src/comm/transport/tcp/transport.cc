@@ -24,6 +24,7 @@
 #include <cstring>
 #include <random>
 
+#include "comm/net/auth.h"
 #include "comm/net/socket.h"
 #include "comm/transport/tcp/hello.h"
 #include "comm/transport/transport.h"
@@ -70,11 +71,16 @@ class TcpTransport : public Transport {
       hello.nonce = nonce_;
       hello.rank = rank;
       hello.size = size;
-      s.sendAll(&hello, sizeof hello, deadline, "hello");
+      try {  // the greeting, the hello (and with a secret its MAC and the verdict)
+        net::authenticate(s, opts.secret, "transport", &hello, sizeof hello, deadline,
+                          fmt::format("rank {} at {}", p, addr));
+      } catch (const RendezvousError& e) {
+        throw RendezvousError(fmt::format("[rank {}] tcp transport: {}", rank, e.what()));
+      }
       peers_[p].addr = addr;
       peers_[p].sock = std::move(s);
     }
-    acceptHigherRanks(listener, deadline, opts.timeout);
+    acceptHigherRanks(listener, deadline, opts.timeout, opts.secret);
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       peers_[p].sock.setNonBlocking(true);
@@ -87,12 +93,20 @@ class TcpTransport : public Transport {
 
   // Accepts one connection from every higher rank. Connections wait for their Hello concurrently, so a
   // stranger that connects and stalls delays nobody; anything that is not a Hello of this group (wrong
-  // magic, nonce, rank, or a duplicate) is closed.
-  void acceptHigherRanks(const net::Socket& listener, Deadline deadline, std::chrono::milliseconds timeout) {
+  // magic, nonce, rank, or a duplicate) is closed. Each connection is greeted first (net/auth.h); with
+  // a secret the Hello must come with the MAC of the greeting's challenge, and a wrong one is refused
+  // and logged with the peer's address.
+  void acceptHigherRanks(const net::Socket& listener, Deadline deadline, std::chrono::milliseconds timeout,
+                         const std::string& secret) {
     struct Pending {
       net::Socket sock;
-      TcpHello hello;
+      net::Challenge challenge{};
+      uint8_t buf[sizeof(TcpHello) + net::kMacBytes] = {};
       size_t got = 0;
+    };
+    const size_t want = sizeof(TcpHello) + (secret.empty() ? 0 : net::kMacBytes);
+    auto verdict = [&](const net::Socket& s, uint8_t v) {
+      if (!secret.empty()) (void)::send(s.fd(), &v, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
     };
     std::vector<Pending> pending;
     listener.setNonBlocking(true);
@@ -113,17 +127,28 @@ class TcpTransport : public Transport {
       for (size_t k = pending.size(); k-- > 0;) {
         if (!pfds[k + 1].revents) continue;
         Pending& p = pending[k];
-        ssize_t n = ::recv(p.sock.fd(), reinterpret_cast<char*>(&p.hello) + p.got, sizeof(TcpHello) - p.got,
-                           MSG_DONTWAIT);
+        ssize_t n = ::recv(p.sock.fd(), p.buf + p.got, want - p.got, MSG_DONTWAIT);
         if (n < 0 && (errno == EAGAIN || errno == EINTR)) continue;
         bool drop = n <= 0;
+        if (drop && !secret.empty())
+          fmt::print(stderr, "[rank {}] tcp transport: refused a connection from {}: closed before authenticating\n",
+                     rank_, p.sock.peerAddr().str());
         if (n > 0) {
           p.got += static_cast<size_t>(n);
-          if (p.got < sizeof(TcpHello)) continue;
-          const TcpHello& h = p.hello;
+          if (p.got < want) continue;
+          TcpHello h;
+          std::memcpy(&h, p.buf, sizeof h);
+          if (!secret.empty() && !net::macMatches(secret, "transport", p.challenge, p.buf, sizeof h, p.buf + sizeof h)) {
+            fmt::print(stderr, "[rank {}] tcp transport: refused a connection from {}: authentication failed (wrong "
+                       "job secret)\n", rank_, p.sock.peerAddr().str());
+            verdict(p.sock, net::kRefused);
+            pending.erase(pending.begin() + static_cast<long>(k));
+            continue;
+          }
           drop = h.magic != kFrameMagic || h.version != kFrameVersion || h.kind != TcpHello::kKind ||
                  h.nonce != nonce_ || h.size != size_ || h.rank <= rank_ || h.rank >= size_ ||
                  peers_[h.rank].sock.valid();
+          verdict(p.sock, drop ? net::kRefused : net::kAccepted);
           if (!drop) {
             p.sock.setNonBlocking(false);
             peers_[h.rank].addr = p.sock.peerAddr().str();
@@ -139,7 +164,11 @@ class TcpTransport : public Transport {
           Pending p;
           p.sock = net::Socket(net::Fd(c));
           p.sock.setNoDelay();
-          pending.push_back(std::move(p));
+          p.challenge = net::freshChallenge();
+          const net::Greeting g = net::greeting(!secret.empty(), p.challenge);
+          // (a fresh socket's buffer takes 37 bytes at once; if not, the stranger is not worth waiting for)
+          if (::send(c, g.data(), g.size(), MSG_DONTWAIT | MSG_NOSIGNAL) == static_cast<ssize_t>(g.size()))
+            pending.push_back(std::move(p));
         }
       }
     }
