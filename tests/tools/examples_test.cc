@@ -4,6 +4,7 @@
 #include "harness.h"
 
 #include <cstdio>
+#include <fstream>
 #include <regex>
 #include <string>
 #include <utility>
@@ -81,6 +82,25 @@ TEST(Examples, AllreduceOnFourWorkers) {
   EXPECT_EQ(rc, 0) << out;
   for (int r = 0; r < 4; ++r)
     EXPECT_NE(out.find("rank " + std::to_string(r) + " of 4 (shm): sum = 6 (expected 6)"), std::string::npos) << out;
+}
+
+// dtrain-run --job-secret: the workers get a fresh secret in their environment, never on a command line
+// (each worker scans every process's), and the store and the tcp links authenticate with it.
+TEST(Examples, AllreduceWithAJobSecretThatNoCommandLineShows) {
+  dtrain::test::TempDir dir;
+  const std::string script = dir.path() + "/worker.sh";
+  std::ofstream(script) << "[ ${#DTRAIN_SECRET} = 64 ] || { echo no secret; exit 9; }\n"
+                           "for f in /proc/[0-9]*/cmdline; do\n"
+                           "  c=$(tr '\\0' ' ' < $f 2>/dev/null)\n"
+                           "  if [[ $c == *\"$DTRAIN_SECRET\"* ]]; then echo \"secret on the command line of $f\"; exit 8; fi\n"
+                           "done\n"
+                           "exec " DTRAIN_BIN_DIR "/example-allreduce\n";
+  auto [rc, out] = run("env DTRAIN_TRANSPORT=tcp " DTRAIN_BIN_DIR "/dtrain-run --standalone --job-secret --nproc-per-node 2 "
+                       "bash " + script);
+  EXPECT_EQ(rc, 0) << out;
+  for (int r = 0; r < 2; ++r)
+    EXPECT_NE(out.find("rank " + std::to_string(r) + " of 2 (tcp): sum = 1 (expected 1)"), std::string::npos) << out;
+  EXPECT_FALSE(std::regex_search(out, std::regex("[0-9a-f]{64}"))) << "a secret in the output: " << out;
 }
 
 }  // namespace
