@@ -102,7 +102,7 @@ struct FileStore::Impl {
 template <class Fn>
 auto FileStore::Impl::locked(Deadline deadline, const std::string& what, Fn&& fn) {
   std::lock_guard<std::mutex> guard(mu);
-  fd = net::Fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644));
+  fd = net::Fd(::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0600));  // (the job's alone: docs/SECURITY.md)
   if (!fd.valid()) {
     int err = errno;
     if (err == ENOENT || err == ENOTDIR) {
