@@ -7,7 +7,6 @@
 #include <poll.h>
 #include <signal.h>
 #include <sys/prctl.h>
-#include <sys/random.h>
 #include <sys/signalfd.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -309,35 +308,8 @@ void checkOptions(const Options& o) {
   }
 }
 
-namespace {
-// 32 random bytes from the kernel, as hex: a job secret (docs/SECURITY.md).
-std::string newSecret() {
-  unsigned char raw[32];
-  size_t got = 0;
-  while (got < sizeof raw) {
-    ssize_t n = ::getrandom(raw + got, sizeof raw - got, 0);
-    if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw std::runtime_error(fmt::format("--job-secret: getrandom: {}", std::strerror(errno)));
-    got += static_cast<size_t>(n);
-  }
-  std::string hex;
-  for (unsigned char c : raw) hex += fmt::format("{:02x}", c);
-  return hex;
-}
-}  // namespace
-
 Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_unique<SignalWatcher>()) {
   checkOptions(opts_);
-  // The job secret: the user's (workers inherit the variable), or with --job-secret one made here and
-  // handed to the workers in their environment (never on a command line).
-  opts_.secret = comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
-  if (opts_.job_secret) {
-    if (!opts_.secret.empty()) throw std::runtime_error("--job-secret: DTRAIN_SECRET or DTRAIN_SECRET_FILE is already set");
-    if (opts_.nnodes > 1)
-      throw std::runtime_error("--job-secret makes a secret on this node only: across nodes give every node the "
-                               "same DTRAIN_SECRET_FILE");
-    opts_.secret = newSecret();
-  }
   if (opts_.standalone) {
     opts_.master_addr = "127.0.0.1";
     store_ = std::make_unique<comm::TcpStoreServer>(opts_.master_addr, 0, opts_.secret);

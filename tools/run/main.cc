@@ -2,9 +2,16 @@
 //   dtrain-run --nproc-per-node 4 --standalone ./train --epochs 3
 // Parses the command line into run::Options; the work is in launcher.cc.
 #include <CLI/CLI.hpp>
+#include <sys/random.h>
+
+#include <cerrno>
 #include <cstdio>
+#include <cstring>
+#include <stdexcept>
+#include <string>
 
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/store.h"
 #include "launcher.h"
 
 namespace {
@@ -16,6 +23,27 @@ int usageError(const std::string& message) {
   return kUsageError;
 }
 
+}  // namespace
+
+namespace {
+// 32 random bytes from the kernel, as hex: a job secret (docs/SECURITY.md).
+std::string newSecret() {
+  unsigned char raw[32];
+  size_t got = 0;
+  while (got < sizeof raw) {
+    ssize_t n = ::getrandom(raw + got, sizeof raw - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw std::runtime_error(std::string("--job-secret: getrandom: ") + std::strerror(errno));
+    got += static_cast<size_t>(n);
+  }
+  static const char* const kHex = "0123456789abcdef";
+  std::string hex;
+  for (unsigned char c : raw) {
+    hex += kHex[c >> 4];
+    hex += kHex[c & 15];
+  }
+  return hex;
+}
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -100,6 +128,16 @@ int main(int argc, char** argv) {
   }
 
   try {
+    // The job secret: the user's (workers inherit the variable), or with --job-secret one made here and
+    // handed to the workers in their environment (never on a command line).
+    opts.secret = dtrain::comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
+    if (opts.job_secret) {
+      if (!opts.secret.empty()) return usageError("--job-secret: DTRAIN_SECRET or DTRAIN_SECRET_FILE is already set");
+      if (opts.nnodes > 1)
+        return usageError("--job-secret makes a secret on this node only: across nodes give every node the same "
+                          "DTRAIN_SECRET_FILE");
+      opts.secret = newSecret();
+    }
     return dtrain::run::Launcher(opts).run();
   } catch (const std::exception& e) {
     std::fprintf(stderr, "dtrain-run: error: %s\n", e.what());

@@ -404,11 +404,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
       hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
       kind = std::count(hosts.begin(), hosts.end(), hosts[0]) == size ? "shm" : "tcp";
     }
-    transport::TransportOptions to;
-    to.timeout = opts.timeout;
-    to.listen_host = opts.listen_host;
-    to.segment_bytes = opts.segment_bytes;
-    to.secret = opts.secret;
+    const transport::TransportOptions to{opts.timeout, opts.listen_host, opts.segment_bytes, opts.secret};
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
     Impl* raw = impl.get();
