@@ -3,9 +3,9 @@
 #include <fmt/format.h>
 #include <openssl/crypto.h>
 #include <openssl/hmac.h>
-#include <openssl/rand.h>
 
 #include <fcntl.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -23,9 +23,17 @@ namespace {
 constexpr char kGreetingMagic[4] = {'D', 'T', 'A', 'U'};
 }
 
+// The kernel's CSPRNG (getrandom(2)), not OpenSSL's RAND_bytes: RAND_bytes takes a lock, and a process
+// forked while a store server's thread held it (the tests' ranks are forked so) would deadlock in it.
 Challenge freshChallenge() {
   Challenge c;
-  if (RAND_bytes(c.data(), static_cast<int>(c.size())) != 1) throw IoError("authentication: no random bytes for a challenge");
+  size_t got = 0;
+  while (got < c.size()) {
+    const ssize_t n = ::getrandom(c.data() + got, c.size() - got, 0);
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw IoError(fmt::format("authentication: getrandom: {}", std::strerror(errno)));
+    got += static_cast<size_t>(n);
+  }
   return c;
 }
 

@@ -183,8 +183,8 @@ void TcpStoreServer::Impl::acceptAll() {
     c.sock = net::Socket(net::Fd(fd));
     c.sock.setNoDelay();
     c.peer = c.sock.peerAddr().str();
-    c.challenge = net::freshChallenge();
     c.authenticating = !secret.empty();
+    if (c.authenticating) c.challenge = net::freshChallenge();
     const net::Greeting g = net::greeting(c.authenticating, c.challenge);
     c.out.assign(g.begin(), g.end());
     conns.emplace(next_id++, std::move(c));

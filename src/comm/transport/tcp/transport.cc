@@ -164,7 +164,7 @@ class TcpTransport : public Transport {
           Pending p;
           p.sock = net::Socket(net::Fd(c));
           p.sock.setNoDelay();
-          p.challenge = net::freshChallenge();
+          if (!secret.empty()) p.challenge = net::freshChallenge();
           const net::Greeting g = net::greeting(!secret.empty(), p.challenge);
           // (a fresh socket's buffer takes 37 bytes at once; if not, the stranger is not worth waiting for)
           if (::send(c, g.data(), g.size(), MSG_DONTWAIT | MSG_NOSIGNAL) == static_cast<ssize_t>(g.size()))
