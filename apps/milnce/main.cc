@@ -87,6 +87,12 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   tr->add_flag("--resume", t.resume, "continue from the newest checkpoint in --out");
   tr->add_option("--stop-after", t.stop_after, "stop after this many epochs (as if interrupted; resume later)");
+  tr->add_option("--checkpoint-every", t.checkpoint_every, "also checkpoint every N optimizer steps within an epoch")
+      ->check(CLI::NonNegativeNumber);
+  tr->add_option("--stop-after-steps", t.stop_after_steps, "stop after this many optimizer steps (as if interrupted)")
+      ->check(CLI::NonNegativeNumber);
+  tr->add_flag("--log-samples", t.log_samples, "each rank appends the dataset indices of every micro-batch to "
+               "OUT/samples-rank<r>.txt (to audit coverage across restarts)");
   tr->add_option("--keep", t.keep, "checkpoints to keep");
   tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluations");
   tr->add_option("--eval-every", t.eval_every, "epochs between evaluations (0: only before and after training)")

@@ -8,6 +8,8 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <optional>
+#include <utility>
 
 #include <fmt/format.h>
 #include <nlohmann/json.hpp>
@@ -226,6 +228,8 @@ class Job {
     steps_per_epoch_ = micro_per_epoch / o.accum;
     total_ = steps_per_epoch_ * o.epochs;
     warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o.warmup * total_));
+    if (o.log_samples)
+      samples_log_.open(fmt::format("{}/samples-rank{}.txt", o.out, dist.rank()), std::ios::app);
     trainer_.enableLocalSgd(warmup_steps_);  // post-local SGD once the learning rate has warmed up
   }
 
@@ -241,9 +245,10 @@ class Job {
     }
     const int last_epoch = o_.stop_after > 0 ? std::min(o_.epochs, o_.stop_after) : o_.epochs;
     for (int epoch = epoch_; epoch < last_epoch; ++epoch) {
-      double loss = trainEpoch(epoch);
+      const auto loss = trainEpoch(epoch, std::exchange(start_samples_, 0));
+      if (!loss) return;  // stopped mid-epoch (stop_after_steps)
       epoch_ = epoch + 1;
-      checkpoint(loss);
+      checkpoint(*loss);
       const bool last = epoch_ == last_epoch;
       if (o_.eval && main_ && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0) {
         std::printf("%s\n", formatRetrieval(fmt::format("after epoch {}", epoch_), evaluateAndLog()).c_str());
@@ -269,10 +274,34 @@ class Job {
       st->restoreRng();
       epoch_ = static_cast<int>(st->epoch);
       step_ = st->step;
+      start_samples_ = st->samples;
       trainer_.resumeAt(step_);
-      if (main_) std::printf("resumed from epoch %d, step %lld\n", epoch_, static_cast<long long>(step_));
+      keepGlobalBatch(*st);
+      if (main_)
+        std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
+                    static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
     } else if (main_) {
       std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+    }
+  }
+
+  // A checkpoint from another world size: the same global batch (accum changed), so the same number of
+  // steps per epoch and learning-rate schedule (drop_last's rounding aside).
+  void keepGlobalBatch(const dtrain::CheckpointState& st) {
+    const auto it = st.scheduler.find("global_batch");
+    const int64_t global = it == st.scheduler.end() ? 0 : static_cast<int64_t>(it->second);
+    const int64_t mine = int64_t{o_.batch} * accum_ * dist_.size();
+    if (global > 0 && global != mine) {
+      const int64_t per = int64_t{o_.batch} * dist_.size();
+      if (global % per != 0)
+        throw dtrain::InvalidArgument(fmt::format(
+            "the checkpoint's global batch is {} clips; batch {} x {} ranks does not divide it: pick --batch so that "
+            "it does",
+            global, o_.batch, dist_.size()));
+      accum_ = static_cast<int>(global / per);
+      steps_per_epoch_ = sampler_.size() / o_.batch / accum_;
+      total_ = steps_per_epoch_ * o_.epochs;
+      warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o_.warmup * total_));
     }
   }
 
@@ -282,30 +311,37 @@ class Job {
     return r;
   }
 
-  // One epoch of optimizer steps, each logged; returns the mean loss.
-  double trainEpoch(int epoch) {
-    sampler_.setEpoch(epoch);
+  // One epoch of optimizer steps from global sample `start` on, each logged; returns the mean loss, or
+  // nothing when stop_after_steps stopped it.
+  std::optional<double> trainEpoch(int epoch, int64_t start) {
+    sampler_.setEpoch(epoch, start);
     const auto idx = sampler_.indices();
-    // The loader's randomness depends only on (seed, epoch, rank): a resumed run draws the same clips.
-    std::mt19937_64 rng(o_.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull + static_cast<uint64_t>(dist_.rank()));
+    const int64_t steps = static_cast<int64_t>(idx.size()) / o_.batch / accum_;
+    // The loader's randomness depends only on (seed, epoch, rank, start): a run resumed at an epoch's
+    // start draws the same clips.
+    std::mt19937_64 rng(o_.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull +
+                        static_cast<uint64_t>(dist_.rank()) + static_cast<uint64_t>(start) * 104729ull);
     dtrain::ProgressOptions po;
     po.mode = main_ ? o_.progress : dtrain::ProgressOptions::Mode::off;
     po.unit = "step";
     po.line_every = o_.progress_every > 0 ? o_.progress_every : steps_per_epoch_;
-    dtrain::Progress bar(fmt::format("train epoch {}/{}", epoch + 1, o_.epochs), steps_per_epoch_, po);
-    const double samples_per_step = static_cast<double>(o_.batch) * o_.accum * dist_.size();
+    dtrain::Progress bar(fmt::format("train epoch {}/{}", epoch + 1, o_.epochs), steps, po);
+    const int64_t global_batch = int64_t{o_.batch} * accum_ * dist_.size();
+    const double samples_per_step = static_cast<double>(global_batch);
     dtrain::Stopwatch epoch_time, step_time;
     double loss_sum = 0;
-    for (int64_t s = 0; s < steps_per_epoch_; ++s) {
+    for (int64_t s = 0; s < steps; ++s) {
       double loss = 0;
-      for (int a = 0; a < o_.accum; ++a) {
-        int64_t m = s * o_.accum + a;
+      for (int a = 0; a < accum_; ++a) {
+        int64_t m = s * accum_ + a;
         std::vector<int64_t> rows(idx.begin() + m * o_.batch, idx.begin() + (m + 1) * o_.batch);
+        if (samples_log_.is_open())
+          samples_log_ << fmt::format("epoch {} step {}: {}\n", epoch, step_ + 1, fmt::join(rows, " "));
         Batch batch = [&] {
           DTRAIN_SPAN("data.wait", "data");
           return makeBatch(data_, rows, o_.loader, rng);
         }();
-        loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == o_.accum) / o_.accum;
+        loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == accum_) / accum_;
       }
       const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
       trainer_.optimizerStep(step_, total_, warmup_steps_);
@@ -315,17 +351,27 @@ class Job {
       log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.ddp().lastStats());
       bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s", loss_sum / (s + 1), lr,
                                     samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9)));
+      const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
+      if (more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0)
+        checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch);
+      if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) {
+        if (samples_log_.is_open()) samples_log_.flush();
+        return std::nullopt;
+      }
     }
-    return loss_sum / steps_per_epoch_;
+    return loss_sum / std::max<int64_t>(steps, 1);
   }
 
-  void checkpoint(double loss) {
+  // epoch_ epochs done and `samples` samples of the next one read (by all ranks together).
+  void checkpoint(double loss, int64_t samples = 0) {
     dtrain::CheckpointState st;
     st.captureModel(*trainer_.model());
     st.captureOptimizer(trainer_.optimizer());
     st.captureRng();
     st.epoch = epoch_;
     st.step = step_;
+    st.samples = samples;
+    st.scheduler["global_batch"] = static_cast<double>(int64_t{o_.batch} * accum_ * dist_.size());
     st.scheduler["step"] = static_cast<double>(step_);
     st.scheduler["total"] = static_cast<double>(total_);
     st.metrics["loss"] = loss;
@@ -355,6 +401,9 @@ class Job {
   dtrain::Checkpointer ckpt_;
   dtrain::DistributedSampler sampler_;
   int64_t steps_per_epoch_ = 0, total_ = 0, warmup_steps_ = 0;
+  int accum_ = o_.accum;        // micro-batches per step (changed on resuming at another world size)
+  int64_t start_samples_ = 0;   // of the epoch resumed mid-way, read before
+  std::ofstream samples_log_;   // log_samples
   int epoch_ = 0;     // epochs done
   int64_t step_ = 0;  // optimizer steps done
   RunLog* log_ = nullptr;

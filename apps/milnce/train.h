@@ -30,8 +30,16 @@ struct TrainOptions {
   double weight_decay = 0;
   int local_sgd = 0;
   uint64_t seed = 0;
+  // Resuming (resume) continues from the newest checkpoint, mid-epoch too, at any world size: the
+  // sampler goes on from the samples the checkpoint's epoch had read, and the global batch (batch x
+  // accum x world size) is kept by changing accum (an error if it cannot be).
   bool resume = false;
   int stop_after = 0;        // stop once this many epochs are done (0: run all), as if interrupted
+  int checkpoint_every = 0;  // also checkpoint every this many optimizer steps within an epoch (0: epoch ends)
+  int stop_after_steps = 0;  // stop once this many optimizer steps are done (0: never), as if interrupted
+  // Each rank appends "epoch E step S: indices" per micro-batch to out/samples-rank<r>.txt: what was read,
+  // to audit coverage across restarts (steps after the newest checkpoint are read again on resuming).
+  bool log_samples = false;
   int keep = 10;             // checkpoints kept
   int eval_windows = 4;
   bool eval = true;          // evaluate before training and after every eval_every epochs (and the last)

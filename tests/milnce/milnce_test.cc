@@ -8,6 +8,8 @@
 #include <cstdlib>
 #include <fstream>
 #include <nlohmann/json.hpp>
+#include <map>
+#include <set>
 #include <sstream>
 
 #include "dtrain/checkpoint.h"
@@ -164,6 +166,80 @@ TEST(MilNceTraining, ResumeContinuesBitForBit) {
   auto sb = dtrain::Checkpointer(dir.path() + "/resumed/checkpoints").loadLatest();
   ASSERT_TRUE(sa && sb);
   for (const auto& [name, t] : sa->model) EXPECT_TRUE(torch::equal(t, sb->model.at(name))) << name;
+}
+
+// Interrupted mid-epoch on 2 ranks (a checkpoint every 2 steps, stopped after 4) and resumed alone: the
+// run keeps the global batch (accum 1 -> 2) and the schedule, and the samples of the committed steps
+// (each rank's log) cover the epoch's order exactly once, as DistributedSampler's drop_last allows.
+TEST(MilNceTraining, ResumesMidEpochAtAnotherWorldSize) {
+  dtrain::test::TempDir dir;
+  GenOptions g = smallData(dir.path() + "/data");
+  generateData(g);
+  TrainOptions o;
+  o.data = dir.path() + "/data";
+  o.out = dir.path() + "/run";
+  o.eval = false;
+  o.progress = dtrain::ProgressOptions::Mode::off;
+  o.batch = 8;
+  o.epochs = 1;
+  o.model.hidden = 64;
+  o.model.embed = 32;
+  o.checkpoint_every = 2;
+  o.stop_after_steps = 4;
+  o.log_samples = true;
+  dtrain::test::StoreServer server;
+  auto results = dtrain::test::runRanks(2, [&](int rank) {
+    dtrain::comm::GroupOptions go;
+    go.timeout = std::chrono::seconds(60);
+    auto pg = dtrain::comm::ProcessGroup::create(server.client(), rank, 2, go);
+    dtrain::Distributed two(pg, pg, dtrain::comm::WorldInfo{rank, 2, rank, 2, "explicit", 0, 1, "", {{0, 1}}});
+    train(two, o);
+  });
+  dtrain::test::expectAllOk(results);
+  auto st = dtrain::Checkpointer(o.out + "/checkpoints").loadLatest();
+  ASSERT_TRUE(st.has_value());
+  EXPECT_EQ(st->epoch, 0);
+  EXPECT_EQ(st->step, 4);
+  EXPECT_EQ(st->samples, 4 * 16);
+  EXPECT_EQ(st->scheduler.at("global_batch"), 16);
+
+  o.resume = true;
+  o.stop_after_steps = 0;
+  testing::internal::CaptureStdout();
+  train(worldOfOne(), o);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("resumed from epoch 0, step 4, sample 64 of the epoch (world 1, accum 2)"), std::string::npos)
+      << out;
+  // Every committed step's samples, from both logs (the 2-rank run stopped right after its checkpoint).
+  std::map<int64_t, int> seen;
+  std::set<int64_t> steps;
+  for (int r = 0; r < 2; ++r) {
+    std::ifstream f(o.out + "/samples-rank" + std::to_string(r) + ".txt");
+    for (std::string line; std::getline(f, line);) {
+      std::istringstream in(line);
+      std::string word;
+      int64_t epoch = -1, step = -1;
+      in >> word >> epoch >> word >> step >> word;
+      EXPECT_EQ(epoch, 0) << line;
+      steps.insert(step);
+      for (int64_t i; in >> i;) ++seen[i];
+    }
+  }
+  const int64_t n = g.videos;
+  const int64_t first = 4 * 16, rest = (n - first) / 8 / 2 * 16;  // 1 rank, batch 8 x accum 2
+  int64_t reads = 0;
+  for (const auto& [i, k] : seen) {
+    EXPECT_EQ(k, 1) << "sample " << i << " read " << k << " times";
+    EXPECT_LT(i, n);
+    reads += k;
+  }
+  EXPECT_EQ(reads, first + rest);
+  EXPECT_EQ(static_cast<int64_t>(steps.size()), 4 + rest / 16);  // steps 1..4 on 2 ranks, then alone
+  auto done = dtrain::Checkpointer(o.out + "/checkpoints").loadLatest();
+  ASSERT_TRUE(done.has_value());
+  EXPECT_EQ(done->epoch, 1);
+  EXPECT_EQ(done->samples, 0);
+  EXPECT_EQ(done->step, 4 + rest / 16);
 }
 
 // Narrations that mostly announce the next step of the procedure (misalign 0.8, lead 1): a single
