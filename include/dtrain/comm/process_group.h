@@ -45,7 +45,7 @@ struct GroupOptions {
   size_t segment_bytes = 0;
   // The job secret every tcp connection between ranks must prove it knows (challenge-response; see
   // jobSecretFrom in store.h and docs/SECURITY.md); empty: connections are not authenticated.
-  // DTRAIN_SECRET or DTRAIN_SECRET_FILE.
+  // DTRAIN_SECRET or DTRAIN_SECRET_FILE; initWorld() fills an empty one from them.
   std::string secret;
   // Every collective's fingerprint (op, dtype, count, reduce op, root, seq, v-op counts) is always
   // compared across ranks, and a mismatch fails every rank naming both calls (on shm before any output

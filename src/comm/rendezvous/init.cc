@@ -57,8 +57,12 @@ GroupOptions groupOptions(const Environment& env) {
   }
   const char* debug = env.get("DTRAIN_DEBUG");
   o.check_fingerprints = debug && std::strcmp(debug, "detail") == 0;
-  o.secret = jobSecretFrom(env.get("DTRAIN_SECRET"), env.get("DTRAIN_SECRET_FILE"));
+  o.secret = jobSecret(env);
   return o;
+}
+
+std::string jobSecret(const Environment& env) {
+  return jobSecretFrom(env.get("DTRAIN_SECRET"), env.get("DTRAIN_SECRET_FILE"));
 }
 
 void checkStoreVariables(const Environment& env) {
@@ -154,6 +158,7 @@ std::shared_ptr<ProcessGroup> initWorld(InitOptions o, WorldInfo* info) {
   checkStoreVariables(env);
   GroupOptions group = o.group ? *o.group : groupOptions(env);
   if (group.listen_host.empty()) group.listen_host = listenHost(env);
+  if (group.secret.empty()) group.secret = jobSecret(env);  // (a given GroupOptions too: the store has it)
   if (group.name.empty()) group.name = "world";
   const trace::timeline::Config timeline = trace::timeline::configFrom(env);
   WorldInfo w = detectWorld(env, o);

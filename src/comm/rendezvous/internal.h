@@ -23,6 +23,8 @@ void checkResolves(const Environment& env, const std::string& host, const std::s
 // The group options from DTRAIN_TIMEOUT, DTRAIN_TRANSPORT, DTRAIN_SEGMENT_BYTES and DTRAIN_DEBUG over
 // GroupOptions' defaults (listen_host is left empty); InvalidArgument naming a malformed value.
 GroupOptions groupOptions(const Environment& env);
+// The job secret of DTRAIN_SECRET or DTRAIN_SECRET_FILE (jobSecretFrom in store.h); "" when neither.
+std::string jobSecret(const Environment& env);
 // MASTER_PORT (1-65535) and MASTER_ADDR (it must resolve), when set: InvalidArgument naming the variable.
 void checkStoreVariables(const Environment& env);
 // Where the TCP transport listens when GroupOptions::listen_host is empty: DTRAIN_IFNAME's address,

@@ -100,7 +100,7 @@ JobStore openJobStore(const Environment& env, const InitOptions& o, const JobSto
   if (!method.empty() && method != "env://" && method.rfind("tcp://", 0) != 0) {
     throw InvalidArgument(fmt::format("init_method '{}': expected env://, tcp://host:port or file:///path", method));
   }
-  const std::string secret = jobSecretFrom(env.get("DTRAIN_SECRET"), env.get("DTRAIN_SECRET_FILE"));
+  const std::string secret = jobSecret(env);
   const StoreAddress addr =
       method.rfind("tcp://", 0) == 0 ? tcpMethodAddress(env, method, !o.init_method.empty()) : storeAddress(env, o);
   js.address = addr;

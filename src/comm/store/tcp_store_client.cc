@@ -34,12 +34,9 @@ struct TcpStore::Impl {
   void connect(net::Deadline deadline, Duration timeout, const std::string& what);
   Bytes exchange(const Bytes& frame, net::Deadline deadline);
   std::vector<std::string> missingKeys(const std::vector<std::string>& keys, Duration timeout);
-  // A connection to the server, authenticated (net/auth.h): its greeting read, and with a secret the
-  // challenge answered.
-  net::Socket open(net::Deadline deadline) const {
-    net::Socket s = net::Socket::connect(host, port, deadline);
+  // The server's greeting read, and with a secret its challenge answered (net/auth.h).
+  void authenticate(const net::Socket& s, net::Deadline deadline) const {
     net::authenticate(s, secret, "store", nullptr, 0, deadline, "the store server " + addr);
-    return s;
   }
 
   const std::string host;
@@ -51,16 +48,19 @@ struct TcpStore::Impl {
 };
 
 void TcpStore::Impl::connect(net::Deadline deadline, Duration timeout, const std::string& what) {
+  net::Socket s;
   try {
-    sock = open(deadline);
-  } catch (const RendezvousError& e) {
-    if (std::string(e.what()).rfind("authentication failed", 0) == 0) throw RendezvousError(fmt::format("TcpStore {}: {}", what, e.what()));
-    throw RendezvousError(fmt::format("TcpStore {}: cannot reach the store server {} within {}: {}", what,
-                                      addr, msText(timeout), e.what()));
+    s = net::Socket::connect(host, port, deadline);
   } catch (const Error& e) {
     throw RendezvousError(fmt::format("TcpStore {}: cannot reach the store server {} within {}: {}", what,
                                       addr, msText(timeout), e.what()));
   }
+  try {
+    authenticate(s, deadline);
+  } catch (const Error& e) {
+    throw RendezvousError(fmt::format("TcpStore {}: {}", what, e.what()));
+  }
+  sock = std::move(s);
 }
 
 // One request/answer on the current connection; throws what the socket throws, or ProtocolError.
@@ -121,7 +121,8 @@ std::vector<std::string> TcpStore::Impl::missingKeys(const std::vector<std::stri
   if (keys.size() <= 1) return keys;
   try {
     net::Deadline deadline = net::deadlineAfter(std::min<Duration>(timeout, std::chrono::seconds(1)));
-    sock = open(deadline);
+    sock = net::Socket::connect(host, port, deadline);
+    authenticate(sock, deadline);
     Bytes answer = exchange(Writer().keys(keys).finish(static_cast<uint16_t>(Cmd::kCheck)), deadline);
     if (answer.size() != keys.size()) throw ProtocolError("CHECK answer of the wrong size");
     std::vector<std::string> missing;

@@ -56,7 +56,7 @@ Job init(PSOptions opts) {
           "[rank {}] ps::init: a world of {} processes but no parameter servers (DTRAIN_NUM_SERVERS is not set): "
           "start them with dtrain-run --servers S",
           info.rank, info.size));
-    const std::string secret = comm::rendezvous::groupOptions(env).secret;
+    const std::string secret = comm::rendezvous::jobSecret(env);
     job.store_server_ = std::make_shared<comm::TcpStoreServer>("127.0.0.1", 0, secret);
     job.store_ = std::make_shared<comm::PrefixStore>(
         "ps", std::make_shared<comm::TcpStore>("127.0.0.1", job.store_server_->port(), opts.timeout, secret));
