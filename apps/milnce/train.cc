@@ -225,9 +225,7 @@ class Job {
           "{} training videos over {} ranks leave {} per rank: fewer than one step of batch {} x accum {}",
           data_.videos.size(), dist.size(), sampler_.size(), o.batch, o.accum));
     }
-    steps_per_epoch_ = micro_per_epoch / o.accum;
-    total_ = steps_per_epoch_ * o.epochs;
-    warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o.warmup * total_));
+    schedule();
     if (o.log_samples)
       samples_log_.open(fmt::format("{}/samples-rank{}.txt", o.out, dist.rank()), std::ios::app);
     trainer_.enableLocalSgd(warmup_steps_);  // post-local SGD once the learning rate has warmed up
@@ -299,10 +297,15 @@ class Job {
             "it does",
             global, o_.batch, dist_.size()));
       accum_ = static_cast<int>(global / per);
-      steps_per_epoch_ = sampler_.size() / o_.batch / accum_;
-      total_ = steps_per_epoch_ * o_.epochs;
-      warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o_.warmup * total_));
+      schedule();
     }
+  }
+
+  // Steps per epoch at this world size and accum_, and the learning-rate schedule over them.
+  void schedule() {
+    steps_per_epoch_ = sampler_.size() / o_.batch / accum_;
+    total_ = steps_per_epoch_ * o_.epochs;
+    warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o_.warmup * total_));
   }
 
   Retrieval evaluateAndLog() {

@@ -69,9 +69,13 @@ class DistributedSampler {
   std::vector<int64_t> indices() const;
   // How many indices each rank gets: ceil(m / R), or floor(m / R) with drop_last, where m is the
   // number of samples left (the dataset's size minus start()).
-  int64_t size() const { return num_samples_; }
+  int64_t size() const {
+    const int64_t left = dataset_size_ - start_, r = num_replicas_;
+    // drop_last: floor(m / R) per rank (PyTorch writes it ceil((m - R) / R) when m % R != 0: the same).
+    return drop_last_ ? left / r : (left + r - 1) / r;
+  }
   // size() * num_replicas: the length of the padded or truncated order all ranks share.
-  int64_t totalSize() const { return num_samples_ * num_replicas_; }
+  int64_t totalSize() const { return size() * num_replicas_; }
 
   int64_t datasetSize() const { return dataset_size_; }
   int numReplicas() const { return num_replicas_; }
@@ -90,7 +94,6 @@ class DistributedSampler {
   bool shuffle_;
   uint64_t seed_;
   bool drop_last_;
-  int64_t num_samples_;
   int64_t epoch_ = 0;
   int64_t start_ = 0;
   bool epoch_set_ = false;

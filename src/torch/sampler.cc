@@ -25,9 +25,6 @@ DistributedSampler::DistributedSampler(int64_t dataset_size, int num_replicas, i
   DTRAIN_CHECK_GE(num_replicas, 1, "DistributedSampler: num_replicas");
   DTRAIN_CHECK(rank >= 0 && rank < num_replicas, InvalidArgument,
                "DistributedSampler: rank {} is outside [0, num_replicas={})", rank, num_replicas);
-  const int64_t r = num_replicas;
-  // drop_last: floor(n / R) per rank (PyTorch writes it ceil((n - R) / R) when n % R != 0: the same).
-  num_samples_ = drop_last ? dataset_size / r : (dataset_size + r - 1) / r;
 }
 
 void DistributedSampler::setEpoch(int64_t epoch, int64_t start) {
@@ -37,8 +34,6 @@ void DistributedSampler::setEpoch(int64_t epoch, int64_t start) {
   epoch_ = epoch;
   start_ = start;
   epoch_set_ = true;
-  const int64_t left = dataset_size_ - start, r = num_replicas_;
-  num_samples_ = drop_last_ ? left / r : (left + r - 1) / r;
 }
 
 DistributedSampler::DistributedSampler(int64_t dataset_size, const Distributed& dist, bool shuffle,
@@ -64,7 +59,8 @@ std::vector<int64_t> DistributedSampler::indices() const {
 
 std::vector<int64_t> DistributedSampler::order() const {
   std::vector<int64_t> out;
-  if (num_samples_ == 0) return out;
+  const int64_t count = size();
+  if (count == 0) return out;
   const int64_t n = dataset_size_;
   // Every rank draws the whole permutation (not only its share): that is what keeps ranks consistent
   // without communicating, and what makes the order equal to Python's.
@@ -76,8 +72,8 @@ std::vector<int64_t> DistributedSampler::order() const {
   const int64_t* p = shuffle_ ? perm.data_ptr<int64_t>() : nullptr;
   // The padded order is order[j % n] for j < totalSize() (PyTorch appends order[:pad], repeating the
   // whole order as often as needed when n < pad); truncation is the same formula with totalSize() <= n.
-  out.reserve(static_cast<size_t>(num_samples_));
-  for (int64_t i = 0; i < num_samples_; ++i) {
+  out.reserve(static_cast<size_t>(count));
+  for (int64_t i = 0; i < count; ++i) {
     const int64_t j = (start_ + rank_ + i * num_replicas_) % n;
     out.push_back(p ? p[j] : j);
   }
