@@ -62,6 +62,9 @@ set(CPACK_DEBIAN_PACKAGE_SECTION libdevel)
 # What a consumer's build needs (dtrainConfig.cmake finds Torch and fmt, the headers include theirs), plus
 # what dpkg-shlibdeps finds the two tools linked against (libtorch1.13, libfmt9, libc6, ...).
 set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev, libfmt-dev, libssl-dev")
+if(DTRAIN_HAVE_MPI)
+  string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libopenmpi-dev")
+endif()
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 set(CPACK_GENERATOR DEB)
 include(CPack)

@@ -15,6 +15,9 @@ option(DTRAIN_BUILD_TOOLS "Build the launcher dtrain-run (needs CLI11)" ON)
 option(DTRAIN_INSTALL "Install rules, the CMake package (find_package(dtrain)) and cpack's .deb"
        ${PROJECT_IS_TOP_LEVEL})
 unset(_dtrain_default)
+# The MPI transport (DTRAIN_TRANSPORT=mpi): AUTO builds it when CMake finds MPI, ON requires MPI, OFF omits it.
+set(DTRAIN_WITH_MPI AUTO CACHE STRING "Build the MPI transport: AUTO (when MPI is found), ON or OFF")
+set_property(CACHE DTRAIN_WITH_MPI PROPERTY STRINGS AUTO ON OFF)
 
 if(DTRAIN_BUILD_TESTS)
   foreach(needed DTRAIN_BUILD_EXAMPLES DTRAIN_BUILD_BENCHMARKS DTRAIN_BUILD_APPS DTRAIN_BUILD_TOOLS)

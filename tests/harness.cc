@@ -42,8 +42,39 @@ class FailureCounter : public ::testing::EmptyTestEventListener {
 };
 }  // namespace
 
+bool mpiRunner() {
+  static const bool on = std::getenv("DTRAIN_TEST_MPI_DIR") && std::getenv("OMPI_COMM_WORLD_RANK");
+  return on;
+}
+
+int mpiRank() { return mpiRunner() ? std::atoi(std::getenv("OMPI_COMM_WORLD_RANK")) : -1; }
+
+namespace {
+// Under mpirun: this process is one rank; processes past `world` sit the test out.
+std::vector<ChildResult> runInThisProcess(int world, const std::function<void(int)>& fn) {
+  const int me = mpiRank(), n = std::atoi(std::getenv("OMPI_COMM_WORLD_SIZE"));
+  if (world > n) {
+    ADD_FAILURE() << "this test needs " << world << " ranks but mpirun started " << n << " processes";
+    return {};
+  }
+  if (me >= world) return {};
+  ChildResult c;
+  c.rank = me;
+  c.pid = getpid();
+  c.exit_code = 0;
+  try {
+    fn(me);
+  } catch (const std::exception& e) {
+    c.exit_code = 1;
+    c.output = std::string("rank ") + std::to_string(me) + " threw: " + e.what();
+  }
+  return {c};
+}
+}  // namespace
+
 std::vector<ChildResult> runRanks(int world, const std::function<void(int)>& fn,
                                   std::chrono::seconds deadline) {
+  if (mpiRunner()) return runInThisProcess(world, fn);
   TempDir dir;
   std::vector<ChildResult> res(world);
   std::cout.flush();
@@ -119,10 +150,19 @@ void expectAllOk(const std::vector<ChildResult>& results) {
   for (const auto& c : results) EXPECT_TRUE(c.ok()) << c.describe();
 }
 
-StoreServer::StoreServer() : server_(std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0)) {}
+StoreServer::StoreServer() {
+  if (!mpiRunner()) {
+    server_ = std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0);
+    return;
+  }
+  // Every process of the mpirun job makes the same StoreServers in the same order: the n-th is one file.
+  static int made = 0;
+  file_ = std::string(std::getenv("DTRAIN_TEST_MPI_DIR")) + "/store-" + std::to_string(made++);
+}
 StoreServer::~StoreServer() = default;
-uint16_t StoreServer::port() const { return server_->port(); }
+uint16_t StoreServer::port() const { return server_ ? server_->port() : 0; }
 std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeout) const {
+  if (!server_) return std::make_shared<comm::FileStore>(file_, timeout);
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
 }
 

@@ -25,6 +25,12 @@ struct ChildResult {
   std::string describe() const;
 };
 
+// The test runs under mpirun (DTRAIN_TEST_MPI_DIR set, a shared scratch directory): runRanks then runs
+// fn in this process as rank OMPI_COMM_WORLD_RANK, without forking (processes past `world` sit the
+// test out), and StoreServer is a FileStore in that directory. mpiRank(): this process's rank, or -1.
+bool mpiRunner();
+int mpiRank();
+
 // Runs fn(rank) in `world` forked children. A child exits 0 when fn returns, 1 when it throws (the
 // exception's what() goes to its output) and 2 when a gtest assertion failed inside it.
 std::vector<ChildResult> runRanks(int world, const std::function<void(int rank)>& fn,
@@ -33,7 +39,8 @@ std::vector<ChildResult> runRanks(int world, const std::function<void(int rank)>
 // Fails the current test (with every failing child's output) unless all children succeeded.
 void expectAllOk(const std::vector<ChildResult>& results);
 
-// A TcpStore server on 127.0.0.1 with an ephemeral port, started in the parent before forking.
+// A TcpStore server on 127.0.0.1 with an ephemeral port, started in the parent before forking (under
+// mpirun: a FileStore, see mpiRunner).
 class StoreServer {
  public:
   StoreServer();
@@ -44,6 +51,7 @@ class StoreServer {
 
  private:
   std::unique_ptr<comm::TcpStoreServer> server_;
+  std::string file_;
 };
 
 // Runs /usr/bin/python3 on `code` (written to a file: no shell quoting) and returns its output; empty,

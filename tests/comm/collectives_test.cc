@@ -1,6 +1,7 @@
 // Every collective x dtype x world size 1..5 x counts {0, 1, a prime, a multi-segment size}, on the
 // tcp and shm transports, each result checked against a value computed locally (exact for integers).
-// Ranks are real forked processes; the transport's segment size is tiny so large counts cross many
+// Ranks are real forked processes (under mpirun, for the mpi transport: the job's processes, see
+// mpi_test.cc); the transport's segment size is tiny so large counts cross many
 // ring wrap-arounds and staging refills.
 #include <gtest/gtest.h>
 
@@ -349,6 +350,9 @@ std::vector<Param> params() {
   std::vector<Param> ps;
   for (std::string t : {"tcp", "shm"})
     for (int w = 1; w <= 5; ++w) ps.push_back({t, w});
+  // Under mpirun (mpi_test relaunches this binary so): the same tests on the MPI transport, no fork.
+  if (mpiRunner())
+    for (int w = 1; w <= 5; ++w) ps.push_back({"mpi", w});
   return ps;
 }
 

@@ -34,13 +34,15 @@ namespace dtrain::comm {
 struct GroupOptions {
   // Deadline of every op, counted from when it is issued. DTRAIN_TIMEOUT (seconds), default 300.
   Duration timeout = std::chrono::seconds(300);
-  // "auto" (shared memory when every rank is on this host, else TCP), "tcp" or "shm". DTRAIN_TRANSPORT.
+  // "auto" (shared memory when every rank is on this host, else TCP), "tcp" or "shm"; "mpi" when built
+  // with MPI (every rank a process of one mpirun job; docs/CLUSTER.md). DTRAIN_TRANSPORT.
   std::string transport = "auto";
   // TCP: the address to listen on and advertise; empty: 127.0.0.1. initWorld() fills an empty one with
   // DTRAIN_IFNAME's address, else the address that routes to MASTER_ADDR (under srun without
   // MASTER_ADDR: to another node of the step).
   std::string listen_host;
-  // Ring capacity of the shm transport per peer pair and staging size of tcp; 0 picks a default.
+  // Ring capacity of the shm transport per peer pair, staging size of tcp, chunk size of mpi (the same on
+  // every rank); 0 picks a default.
   // Tests set it small to reach multi-segment paths. DTRAIN_SEGMENT_BYTES.
   size_t segment_bytes = 0;
   // The job secret every tcp connection between ranks must prove it knows (challenge-response; see

@@ -47,8 +47,8 @@ GroupOptions groupOptions(const Environment& env) {
     o.timeout = std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
   }
   if (const char* t = env.get("DTRAIN_TRANSPORT")) o.transport = t;
-  DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm", InvalidArgument,
-               "DTRAIN_TRANSPORT='{}' (expected auto, tcp or shm)", o.transport);
+  DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm" || o.transport == "mpi",
+               InvalidArgument, "DTRAIN_TRANSPORT='{}' (expected auto, tcp, shm or mpi)", o.transport);
   if (const char* s = env.get("DTRAIN_SEGMENT_BYTES")) {
     char* end = nullptr;
     long long v = std::strtoll(s, &end, 10);

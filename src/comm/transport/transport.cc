@@ -58,6 +58,9 @@ std::vector<std::string> transportNames() {
 // unreferenced objects, so the registry pulls them in by name here.
 void registerTcpTransport();
 void registerShmTransport();
+#ifdef DTRAIN_WITH_MPI
+void registerMpiTransport();
+#endif
 
 std::unique_ptr<Transport> createTransport(const std::string& name, Store& store, int rank, int size,
                                            const TransportOptions& opts) {
@@ -65,6 +68,9 @@ std::unique_ptr<Transport> createTransport(const std::string& name, Store& store
   std::call_once(once, [] {
     registerTcpTransport();
     registerShmTransport();
+#ifdef DTRAIN_WITH_MPI
+    registerMpiTransport();
+#endif
   });
   TransportFactory f;
   {
@@ -73,7 +79,10 @@ std::unique_ptr<Transport> createTransport(const std::string& name, Store& store
     if (it == registry().end()) {
       std::string known;
       for (auto& [k, v] : registry()) known += (known.empty() ? "" : ", ") + k;
-      throw InvalidArgument(fmt::format("unknown transport '{}' (known: {})", name, known));
+      throw InvalidArgument(fmt::format("unknown transport '{}' (known: {}{})", name, known,
+                                        name == "mpi" ? "; this dtrain was built without MPI: configure with "
+                                                        "-DDTRAIN_WITH_MPI=ON and libopenmpi-dev installed"
+                                                      : ""));
     }
     f = it->second;
   }

@@ -1,0 +1,151 @@
+// The MPI transport (DTRAIN_TRANSPORT=mpi), under mpirun: every rank a process of the job, none forked.
+// Each test here relaunches a test binary under mpirun (--oversubscribe: more ranks than cores) with
+// DTRAIN_TEST_MPI_DIR set, which makes the harness run ranks in place (harness.h, mpiRunner) and share
+// stores through files; the relaunched test bodies check each rank's result, and the parent checks
+// that every process passed.
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <regex>
+#include <thread>
+
+#include "comm_test_util.h"
+#include "dtrain/comm/error.h"
+
+namespace dtrain::test {
+namespace {
+
+using comm::GroupOptions;
+using comm::ProcessGroup;
+
+std::string selfExe() {
+  char buf[4096];
+  ssize_t n = readlink("/proc/self/exe", buf, sizeof buf - 1);
+  return n > 0 ? std::string(buf, static_cast<size_t>(n)) : std::string();
+}
+
+int count(const std::string& text, const std::string& what) {
+  int n = 0;
+  for (size_t at = text.find(what); at != std::string::npos; at = text.find(what, at + 1)) ++n;
+  return n;
+}
+
+// Runs `exe args` on `np` processes under mpirun; returns its exit status and output.
+std::pair<int, std::string> mpirun(int np, const std::string& exe, const std::string& args, int timeout_s,
+                                   const std::string& env = "") {
+  TempDir dir;
+  const std::string script = dir.path() + "/run.sh";
+  std::ofstream(script) << fmt::format(
+      "cd {0} && GTEST_COLOR=no DTRAIN_TEST_MPI_DIR={0} {1} exec mpirun --allow-run-as-root --oversubscribe --bind-to none "
+      "-x DTRAIN_TEST_MPI_DIR -x GTEST_COLOR -x OMP_NUM_THREADS=1 -np {2} {3} {4} 2>&1\n",
+      dir.path(), env, np, exe, args);
+  return runCommand("bash " + script, timeout_s);
+}
+
+// In the parent: relaunches this test alone under mpirun on np processes and expects every one to pass.
+void relaunch(int np) {
+  const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+  auto [rc, out] = mpirun(np, selfExe(), fmt::format("--gtest_filter={}.{}", info->test_suite_name(), info->name()),
+                          120);
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(count(out, "[  PASSED  ] 1 test."), np) << out;
+}
+
+GroupOptions mpiOptions(std::chrono::milliseconds timeout = std::chrono::seconds(60)) {
+  GroupOptions o;
+  o.transport = "mpi";
+  o.timeout = timeout;
+  o.segment_bytes = 4096;
+  return o;
+}
+
+// Every test of the collectives sweep (every collective x dtype x count x world 1..5) on the mpi transport.
+TEST(Mpi, EveryCollectiveTestPasses) {
+  const std::string exe = DTRAIN_BIN_DIR "/collectives_test";
+  auto [rc, out] = mpirun(5, exe, "--gtest_filter='Sweep/Collectives.*/mpi_*'", 280);
+  EXPECT_EQ(rc, 0) << out;
+  // Each process prints its own summary; world 5 ran, and nothing failed.
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(\[  PASSED  \] (\d+) tests)"))) << out;
+  EXPECT_GE(std::stoi(m[1]), 45) << out;
+  EXPECT_EQ(count(out, "[  PASSED  ] " + m[1].str() + " tests."), 5) << out;
+  EXPECT_EQ(count(out, "[  FAILED  ]"), 0) << out;
+  EXPECT_GT(count(out, "mpi_world5"), 0) << out;
+}
+
+// A rank that never calls the collective: the others get a TimeoutError after the group's timeout,
+// naming it, not a hang.
+TEST(Mpi, AStuckPeerIsATimeoutErrorNamingIt) {
+  if (!mpiRunner()) return relaunch(3);
+  StoreServer server;
+  auto results = runRanks(3, [&](int rank) {
+    auto pg = ProcessGroup::create(server.client(), rank, 3, mpiOptions(std::chrono::seconds(2)));
+    if (rank == 2) {
+      std::this_thread::sleep_for(std::chrono::seconds(5));
+      return;
+    }
+    std::vector<float> v(1000, 1.0f);
+    std::string err = errorOf([&] { pg->allreduce(v.data(), v.size(), DType::f32)->wait(); });
+    EXPECT_NE(err.find("timed out"), std::string::npos) << err;
+    EXPECT_NE(err.find("rank 2 (MPI rank 2 on "), std::string::npos) << err;
+  });
+  expectAllOk(results);
+}
+
+// Two ranks that call different collectives both fail with the mismatch, naming both calls.
+TEST(Mpi, MismatchedCallsFailOnEveryRank) {
+  if (!mpiRunner()) return relaunch(2);
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = ProcessGroup::create(server.client(), rank, 2, mpiOptions(std::chrono::seconds(20)));
+    std::vector<float> v(rank == 0 ? 10 : 12, 1.0f);
+    std::string err = errorOf([&] { pg->allreduce(v.data(), v.size(), DType::f32)->wait(); });
+    EXPECT_NE(err.find("collective mismatch"), std::string::npos) << err;
+    EXPECT_NE(err.find("allreduce(f32 x 10"), std::string::npos) << err;
+    EXPECT_NE(err.find("allreduce(f32 x 12"), std::string::npos) << err;
+    // The group is broken from here on, with the first failure as the reason.
+    std::string again = errorOf([&] { pg->allreduce(v.data(), v.size(), DType::f32)->wait(); });
+    EXPECT_NE(again.find("collective mismatch"), std::string::npos) << again;
+  });
+  expectAllOk(results);
+}
+
+// A rank that fails on its own (a bad argument on rank 1 only) is named by the others, who were waiting.
+TEST(Mpi, AFailedRankIsNamedByTheOthers) {
+  if (!mpiRunner()) return relaunch(3);
+  StoreServer server;
+  auto results = runRanks(3, [&](int rank) {
+    auto pg = ProcessGroup::create(server.client(), rank, 3, mpiOptions(std::chrono::seconds(30)));
+    int64_t x = 1;
+    if (rank == 1) {
+      EXPECT_NE(errorOf([&] { pg->abort("rank 1 gave up on purpose")->wait(); }).find("gave up"), std::string::npos);
+      return;
+    }
+    std::string err = errorOf([&] { pg->allreduce(&x, 1, DType::i64)->wait(); });
+    EXPECT_NE(err.find("rank 1 gave up on purpose"), std::string::npos) << err;
+  });
+  expectAllOk(results);
+}
+
+// Ranks forked without mpirun are each an MPI job of one: the group refuses with what to do instead.
+TEST(Mpi, RanksNotStartedByMpirunFailClearly) {
+  if (mpiRunner()) GTEST_FAIL() << "runs without mpirun";
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    std::string err = errorOf([&] { ProcessGroup::create(server.client(), rank, 2, mpiOptions()); });
+    EXPECT_NE(err.find("not distinct processes of one MPI job"), std::string::npos) << err;
+    EXPECT_NE(err.find("mpirun"), std::string::npos) << err;
+  });
+  expectAllOk(results);
+}
+
+// A program that uses initWorld: DTRAIN_TRANSPORT=mpi under mpirun, nothing else set.
+TEST(Mpi, TheAllreduceExampleRunsUnderMpirun) {
+  auto [rc, out] = mpirun(3, DTRAIN_BIN_DIR "/example-allreduce", "", 120, "DTRAIN_TRANSPORT=mpi");
+  EXPECT_EQ(rc, 0) << out;
+  EXPECT_EQ(count(out, "sum = 3 (expected 3)"), 3) << out;
+}
+
+}  // namespace
+}  // namespace dtrain::test
