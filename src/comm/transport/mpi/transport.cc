@@ -38,8 +38,6 @@
 namespace dtrain::comm::transport {
 namespace {
 
-constexpr int kFrameTag = 1;
-constexpr int kAbortTag = 2;
 constexpr size_t kDefaultChunk = 1u << 20;
 constexpr size_t kMaxChunk = 256u << 20;  // an MPI count is an int
 constexpr size_t kWindow = 4;             // chunk receives in flight per peer
@@ -102,12 +100,26 @@ class MpiTransport : public Transport {
       MPI_Get_processor_name(host, &len);
     }
     if (rank == 0) {
-      std::random_device rd;  // MPI_Comm_create_group's tag: concurrent creations should differ
-      store.set("mpi/tag", toBytes(std::to_string(rd() % 30000 + 100)));
+      // MPI_Comm_create_group's tag (concurrent creations should differ), and the tags of this group's
+      // frames: a group that failed may leave messages in flight, and a later communicator can reuse the
+      // freed one's context id; with other tags those messages never match the new group's receives.
+      void* ub = nullptr;
+      int flag = 0;
+      {
+        std::lock_guard<std::mutex> g(mpiMutex());
+        MPI_Comm_get_attr(MPI_COMM_WORLD, MPI_TAG_UB, &ub, &flag);
+      }
+      const uint32_t tag_ub = flag && ub ? static_cast<uint32_t>(*static_cast<int*>(ub)) : 32767u;
+      std::random_device rd;
+      store.set("mpi/tags", toBytes(fmt::format("{} {}", rd() % 30000 + 100, rd() % (tag_ub / 2 - 1) * 2)));
     }
     store.set(fmt::format("mpi/world/{}", rank), toBytes(fmt::format("{} {} {}", wr, ws, host)));
     findMembers(store, ws);
-    const int tag = std::stoi(toString(store.get("mpi/tag")));
+    int tag = 0;
+    if (std::sscanf(toString(store.get("mpi/tags")).c_str(), "%d %d", &tag, &frame_tag_) != 2) {
+      throw ProtocolError(fmt::format("[rank {}] mpi transport: bad tags from rank 0", rank));
+    }
+    abort_tag_ = frame_tag_ + 1;
     std::lock_guard<std::mutex> g(mpiMutex());
     MPI_Group world_group = MPI_GROUP_NULL, members = MPI_GROUP_NULL;
     MPI_Comm_group(MPI_COMM_WORLD, &world_group);
@@ -188,7 +200,7 @@ class MpiTransport : public Transport {
       abort_out_reqs_.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
       for (int i = 0; i < size_; ++i) {
         if (i == rank_) continue;
-        MPI_Isend(abort_out_.data(), static_cast<int>(abort_out_.size()), MPI_BYTE, i, kAbortTag, comm_,
+        MPI_Isend(abort_out_.data(), static_cast<int>(abort_out_.size()), MPI_BYTE, i, abort_tag_, comm_,
                   &abort_out_reqs_[static_cast<size_t>(i)]);
       }
       // Small messages go eagerly; give them a moment to leave before the caller moves on.
@@ -261,7 +273,7 @@ class MpiTransport : public Transport {
 
   void postAbortRecv() {
     if (abort_in_.empty()) abort_in_.assign(sizeof(Header) + kMaxAbortMessage, 0);
-    MPI_Irecv(abort_in_.data(), static_cast<int>(abort_in_.size()), MPI_BYTE, MPI_ANY_SOURCE, kAbortTag, comm_,
+    MPI_Irecv(abort_in_.data(), static_cast<int>(abort_in_.size()), MPI_BYTE, MPI_ANY_SOURCE, abort_tag_, comm_,
               &abort_in_req_);
   }
 
@@ -274,12 +286,12 @@ class MpiTransport : public Transport {
     s.h.fp = label.fp;
     s.reqs.reserve(1 + (op.bytes + chunk_ - 1) / chunk_);
     s.reqs.push_back(MPI_REQUEST_NULL);
-    check(MPI_Isend(&s.h, sizeof(Header), MPI_BYTE, op.peer, kFrameTag, comm_, &s.reqs.back()), op.peer, label,
+    check(MPI_Isend(&s.h, sizeof(Header), MPI_BYTE, op.peer, frame_tag_, comm_, &s.reqs.back()), op.peer, label,
           "MPI_Isend");
     for (size_t off = 0; off < op.bytes; off += chunk_) {
       s.reqs.push_back(MPI_REQUEST_NULL);
       int n = static_cast<int>(std::min(chunk_, op.bytes - off));
-      check(MPI_Isend(static_cast<char*>(op.data) + off, n, MPI_BYTE, op.peer, kFrameTag, comm_, &s.reqs.back()),
+      check(MPI_Isend(static_cast<char*>(op.data) + off, n, MPI_BYTE, op.peer, frame_tag_, comm_, &s.reqs.back()),
             op.peer, label, "MPI_Isend");
     }
   }
@@ -337,7 +349,7 @@ class MpiTransport : public Transport {
     MPI_Status st;
     bool moved = false;
     if (!r.header_posted) {
-      check(MPI_Irecv(&r.h, sizeof(Header), MPI_BYTE, i, kFrameTag, comm_, &r.hreq), i, label, "MPI_Irecv");
+      check(MPI_Irecv(&r.h, sizeof(Header), MPI_BYTE, i, frame_tag_, comm_, &r.hreq), i, label, "MPI_Irecv");
       r.header_posted = true;
     }
     if (!r.header_done) {
@@ -358,7 +370,7 @@ class MpiTransport : public Transport {
         c.off = r.posted;
         c.len = std::min(chunk_, op.bytes - r.posted);
         c.dst = op.reduce ? p.staging.data() + (p.next_slot++ % kWindow) * chunk_ : static_cast<char*>(op.data) + c.off;
-        check(MPI_Irecv(c.dst, static_cast<int>(c.len), MPI_BYTE, i, kFrameTag, comm_, &c.req), i, label,
+        check(MPI_Irecv(c.dst, static_cast<int>(c.len), MPI_BYTE, i, frame_tag_, comm_, &c.req), i, label,
               "MPI_Irecv");
         r.posted += c.len;
         r.inflight.push_back(c);
@@ -470,6 +482,7 @@ class MpiTransport : public Transport {
   std::vector<int> world_;          // each group rank's MPI_COMM_WORLD rank
   std::vector<std::string> names_;  // and its processor name
   MPI_Comm comm_ = MPI_COMM_NULL;
+  int frame_tag_ = 0, abort_tag_ = 1;  // this group's (see the constructor); frames use one tag, aborts the next
   size_t chunk_ = kDefaultChunk;
   bool broken_ = false;
   std::vector<char> abort_in_;
