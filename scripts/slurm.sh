@@ -258,6 +258,7 @@ EOF
     wait_for node_ready "${names[$i]}" ||
       die "node ${names[$i]} did not become idle within ${start_timeout}s: $(in_ctl sinfo -h -N -o '%N %t %E' 2>&1)"
   done
+  # shellcheck disable=SC2034  # (read by the EXIT trap)
   start_ok=1
   trap - EXIT
   echo "export SLURM_CONF=$SLURM_CONF"
