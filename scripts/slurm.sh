@@ -18,6 +18,8 @@
 #   bash scripts/slurm.sh start /tmp/s2 --nodes 2
 #   bash scripts/slurm.sh run /tmp/s2 -- srun -N 2 -n 4 build/bin/example-allreduce
 #   bash scripts/slurm.sh stop /tmp/s2                   # also takes the emulated cluster down
+# --owner PID (a test's pid): if PID dies without stopping, the next cluster.sh up (or cluster.sh gc)
+# takes the namespaces down, killing the slurmds and slurmctld in them (munged stays: stop DIR).
 #
 # The directory defaults to $DTRAIN_SLURM_DIR or /tmp/dtrain-slurm. Each node advertises CPUS (default
 # 8) CPUs whatever the machine has (SlurmdParameters=config_overrides), so `srun -n 3` and two 2-task
@@ -34,13 +36,14 @@ cmd=${1:-}
 dir=${DTRAIN_SLURM_DIR:-/tmp/dtrain-slurm}
 if (($#)) && [[ $1 != -* ]]; then dir=$1; shift; fi
 nodes=1
+owner=''
 cpus=${CPUS:-8}
 start_timeout=${START_TIMEOUT:-60}
 
 die() { echo "slurm.sh: $*" >&2; exit 1; }
 
 usage() {
-  echo "usage: $0 start [DIR] [--nodes N] | stop [DIR] | status [DIR] | run [DIR] -- CMD...
+  echo "usage: $0 start [DIR] [--nodes N [--owner PID]] | stop [DIR] | status [DIR] | run [DIR] -- CMD...
        (DIR defaults to \$DTRAIN_SLURM_DIR or /tmp/dtrain-slurm)" >&2
   exit 2
 }
@@ -171,7 +174,7 @@ start() {
     r=slurm$$
     echo "$r" >"$dir/rig"
     echo "$nodes" >"$dir/nodes"
-    bash "$here/cluster.sh" up --name "$r" --hosts "$nodes" --no-rate-check >&2 ||
+    bash "$here/cluster.sh" up --name "$r" --hosts "$nodes" --no-rate-check ${owner:+--owner "$owner"} >&2 ||
       die "could not bring up an emulated cluster of $nodes hosts (scripts/cluster.sh; see above)"
     for ((i = 0; i < nodes; i++)); do names+=("dtn$i"); addrs+=("$(bash "$here/cluster.sh" addr "$r" "$i")"); done
     for ((i = 0; i < nodes; i++)); do
@@ -293,6 +296,7 @@ case "$cmd" in
     while (($#)); do
       case $1 in
         --nodes) [[ $# -ge 2 ]] || usage; nodes=$2; shift 2 ;;
+        --owner) [[ $# -ge 2 ]] || usage; owner=$2; shift 2 ;;
         *) usage ;;
       esac
     done
