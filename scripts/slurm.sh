@@ -15,7 +15,7 @@
 # every host's namespace through /etc/netns/<namespace>/hosts (ip netns exec mounts it over
 # /etc/hosts), as a cluster's DNS would resolve them. Commands that talk to Slurm (srun, sbatch, sinfo)
 # must run in a host's namespace: `run` does that (host 0) and sets SLURM_CONF.
-#   bash scripts/slurm.sh start /tmp/s2 --nodes 2
+#   CPUS=2 bash scripts/slurm.sh start /tmp/s2 --nodes 2   # 2 CPUs a node: -N 2 -n 4 puts 2 tasks on each
 #   bash scripts/slurm.sh run /tmp/s2 -- srun -N 2 -n 4 build/bin/example-allreduce
 #   bash scripts/slurm.sh stop /tmp/s2                   # also takes the emulated cluster down
 # --owner PID (a test's pid): if PID dies without stopping, the next cluster.sh up (or cluster.sh gc)
