@@ -115,6 +115,9 @@ destroy() {  # destroy NAME: everything the rig made, whatever state it is in
     [[ -z $pids ]] || kill -KILL $pids 2>/dev/null || true
     ip netns del "$ns" 2>/dev/null || true
   done
+  # Files a user of the rig gave a host (ip netns exec mounts /etc/netns/NS/F over /etc/F: scripts/slurm.sh
+  # writes hosts files there so that node names resolve).
+  rm -rf /etc/netns/dtc-"$n"-br /etc/netns/dtc-"$n"-h[0-9]*
   rm -rf "$(rig_dir "$n")"
 }
 
@@ -204,7 +207,6 @@ validate() {
   fi
   if ! [[ $mtu =~ ^[0-9]+$ ]] || ((mtu < 576 || mtu > 65535)); then die "--mtu must be 576..65535 (got '$mtu')"; fi
   [[ $launcher == dtrain || $launcher == torchrun ]] || die "--launcher must be dtrain or torchrun (got '$launcher')"
-  [[ $launcher == torchrun || -x $bin_dir/dtrain-run ]] || die "no dtrain-run in $bin_dir (build it, or --bin-dir)"
   ((EUID == 0)) || die "needs root (ip netns, tc)"
 }
 
@@ -227,8 +229,13 @@ up() {
 }
 
 # ---- running -----------------------------------------------------------------------------------
+need_launcher() {  # (a rig only used through exec needs no launcher)
+  [[ $launcher == torchrun || -x $bin_dir/dtrain-run ]] || die "no dtrain-run in $bin_dir (build it, or --bin-dir)"
+}
+
 launch_cmd() {  # launch_cmd I PROGRAM...: fills the array cmd
   local i=$1; shift
+  need_launcher
   local nn=${nnodes:-$hosts} m; m=$(host_addr "$name" 0)
   cmd=(env OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1 GLOO_SOCKET_IFNAME=eth0 "${envs[@]}")
   if [[ $launcher == dtrain ]]; then
@@ -339,6 +346,7 @@ one_shot() {
     fi
   done
   parse_run_opts "$@"
+  need_launcher
   trap 'destroy "$name"' EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
