@@ -290,7 +290,8 @@ void addCollectiveCommands(CLI::App& app) {
     auto o = std::make_shared<Options>();
     auto minb = std::make_shared<std::string>("4");
     auto maxb = std::make_shared<std::string>("64M");
-    sub->add_option("--transport", o->transport, "auto, tcp or shm")->check(CLI::IsMember({"auto", "tcp", "shm"}));
+    sub->add_option("--transport", o->transport, "auto, tcp, shm, or mpi (under mpirun, when built with MPI)")
+        ->check(CLI::IsMember({"auto", "tcp", "shm", "mpi"}));
     sub->add_option("--min-bytes", *minb, "smallest size (e.g. 4, 64K)");
     sub->add_option("--max-bytes", *maxb, "largest size (e.g. 64M)");
     sub->add_option("--factor", o->factor, "size multiplier between rows")->check(CLI::Range(1.01, 1024.0));
