@@ -9,7 +9,7 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 jobs=${JOBS:-2}
 bash "$root/scripts/setup.sh"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release
+cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON  # the MPI transport and its tests too
 cmake --build "$build" -j"$jobs"
 # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
 ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}

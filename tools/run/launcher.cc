@@ -298,6 +298,7 @@ void checkOptions(const Options& o) {
           "--standalone runs a single node; it cannot be combined with --nnodes {} --node-rank {}", o.nnodes,
           o.node_rank);
   require(o.max_restarts >= 0, "--max-restarts must be >= 0, got {}", o.max_restarts);
+  if (o.elastic()) checkElasticOptions(o);
   require(o.num_servers >= 0, "--servers must be >= 0, got {}", o.num_servers);
   require(o.grace_period.count() >= 0, "--grace-period must be >= 0");
   require(o.hang_timeout.count() >= 0, "--hang-timeout must be >= 0");
@@ -310,7 +311,9 @@ void checkOptions(const Options& o) {
 
 Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_unique<SignalWatcher>()) {
   checkOptions(opts_);
-  if (opts_.standalone) {
+  if (opts_.elastic()) {
+    setUpElastic();
+  } else if (opts_.standalone) {
     opts_.master_addr = "127.0.0.1";
     store_ = std::make_unique<comm::TcpStoreServer>(opts_.master_addr, 0, opts_.secret);
   } else if (opts_.node_rank == 0) {
@@ -339,12 +342,8 @@ Launcher::Launcher(Options opts) : opts_(std::move(opts)), signals_(std::make_un
 
 Launcher::~Launcher() = default;
 
-struct Launcher::Outcome {
-  int exit_code = 0;
-  bool restartable = false;  // a worker failed (as opposed to success, or the launcher being stopped)
-};
-
 int Launcher::run() {
+  if (opts_.elastic()) return runElastic();
   for (int restart = 0;; ++restart) {
     Outcome o = runOnce(restart);
     if (!o.restartable) return o.exit_code;
@@ -436,12 +435,13 @@ std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::
 struct Ending {
   int stop_signal = 0;
   std::optional<int> failure_code;
+  std::string ended_by;  // what `poll` said
 };
 
 // Pumps the children's output and follows them until none runs: forwards signals, stops the others
 // when one fails, stops servers left running after the workers finished, escalates to SIGKILL.
 Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatcher& signals,
-                         milliseconds grace_period, HangWatch* hang) {
+                         milliseconds grace_period, HangWatch* hang, const std::function<std::string()>& poll) {
   auto anyRunning = [&](auto pred) {
     return std::any_of(kids.begin(), kids.end(), [&](const auto& k) { return k->running() && pred(*k); });
   };
@@ -458,6 +458,7 @@ Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatche
   std::optional<Clock::time_point> drain_deadline;
   std::optional<int> failure_code;
   int stop_signal = 0;
+  std::string ended_by;
   auto stopping = [&] { return term_deadline.has_value(); };
   auto beginStop = [&](int sig) {
     signalRunning(sig);
@@ -504,6 +505,10 @@ Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatche
       }
     }
 
+    if (poll && !stopping()) {
+      ended_by = poll();
+      if (!ended_by.empty()) beginStop(SIGTERM);
+    }
     if (hang && !stopping() && hang->poll(Clock::now())) {
       failure_code = HangWatch::kExitCode;
       say("stopping the workers of the hung job");
@@ -547,12 +552,12 @@ Ending superviseChildren(std::vector<std::unique_ptr<Child>>& kids, SignalWatche
     // SIGTERM and outlived their leader) goes too.
     for (auto& k : kids) k->signalGroup(SIGKILL);
   }
-  return {stop_signal, failure_code};
+  return {stop_signal, failure_code, ended_by};
 }
 
 }  // namespace
 
-Launcher::Outcome Launcher::runOnce(int restart) {
+Launcher::Outcome Launcher::runOnce(int restart, const std::function<std::string()>& poll) {
   std::optional<HangWatch> hang;
   if (opts_.hang_timeout.count() > 0) {
     std::vector<int> ranks;
@@ -568,11 +573,12 @@ Launcher::Outcome Launcher::runOnce(int restart) {
   // Workers come first, in rank order.
   for (int local = 0; hang && local < opts_.nproc_per_node; ++local)
     hang->watch(opts_.node_rank * opts_.nproc_per_node + local, kids[static_cast<size_t>(local)]->pid());
-  const Ending e = superviseChildren(kids, *signals_, opts_.grace_period, hang ? &*hang : nullptr);
+  const Ending e = superviseChildren(kids, *signals_, opts_.grace_period, hang ? &*hang : nullptr, poll);
   if (hang && hang->declared()) hang->printDiagnosis();
-  if (e.stop_signal != 0) return {128 + e.stop_signal, false};
-  if (e.failure_code) return {*e.failure_code, true};
-  return {0, false};
+  if (e.stop_signal != 0) return {128 + e.stop_signal, false, ""};
+  if (!e.ended_by.empty()) return {0, true, e.ended_by};
+  if (e.failure_code) return {*e.failure_code, true, ""};
+  return {0, false, ""};
 }
 
 }  // namespace dtrain::run

@@ -13,11 +13,13 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
 
 namespace dtrain::comm {
+class Store;
 class TcpStoreServer;
 }
 
@@ -47,10 +49,23 @@ struct Options {
   // when no worker of this node completes an op for this long; 0: never (hang.h).
   std::chrono::milliseconds hang_timeout{0};
   std::vector<std::string> command;              // PROGRAM ARGS...
+
+  // Elastic membership (--nnodes MIN:MAX with --rdzv-backend/--rdzv-endpoint; elastic.h): rounds of
+  // between min_nodes and max_nodes nodes agreed through the rendezvous store; nnodes, node_rank and
+  // master_addr then come from each round.
+  int min_nodes = 0;             // 0: not elastic
+  int max_nodes = 0;
+  std::string rdzv_backend;      // "c10d" (dtrain-run's own store, hosted on the endpoint's host) or "etcd"
+  std::string rdzv_endpoint;     // host:port (c10d) or etcd's client URLs, comma-separated
+  std::string rdzv_id = "dtrain";  // the job's id: its keys in the store
+  std::chrono::milliseconds heartbeat_timeout{5000};
+  std::chrono::milliseconds last_call{2000};
+  bool elastic() const { return min_nodes > 0; }
 };
 
 // Checks the combinations a parser cannot see alone; throws dtrain::InvalidArgument naming the problem.
 void checkOptions(const Options& opts);
+void checkElasticOptions(const Options& opts);  // the elastic ones (elastic_launch.cc)
 
 class SignalWatcher;
 
@@ -68,8 +83,17 @@ class Launcher {
   int run();
 
  private:
-  struct Outcome;
-  Outcome runOnce(int restart);
+  struct Outcome {
+    int exit_code = 0;
+    bool restartable = false;  // a worker failed (as opposed to success, or the launcher being stopped)
+    std::string ended_by;      // elastic: why the round ended (the workers were stopped for it)
+  };
+  // One attempt: starts the workers and supervises them; `poll` (elastic rounds), called every tick,
+  // stops them when it returns a reason.
+  Outcome runOnce(int restart, const std::function<std::string()>& poll = {});
+  // Elastic mode (elastic.cc): the rendezvous store, and the loop over rounds.
+  void setUpElastic();
+  int runElastic();
 
   Options opts_;
   // Declared before the store so that the store's thread starts with the launcher's signals blocked.
@@ -78,6 +102,7 @@ class Launcher {
   uint16_t master_port_ = 0;  // what workers are told: the store's real port when it picked one
   std::string run_log_dir_;   // this run's log directory, when anything is redirected or teed
   std::string flight_dir_;    // --hang-timeout: where the workers' dumps go (attempt_<restart>/ below)
+  std::shared_ptr<comm::Store> rdzv_store_;  // elastic: the rendezvous store (a client)
 };
 
 }  // namespace dtrain::run

@@ -61,7 +61,28 @@ int main(int argc, char** argv) {
   // Underscore spellings too, so torchrun command lines work unchanged.
   app.add_option("--nproc-per-node,--nproc_per_node", opts.nproc_per_node, "Processes on this node")
       ->required();
-  auto* nnodes = app.add_option("--nnodes", opts.nnodes, "Number of nodes")->capture_default_str();
+  std::string nnodes_text = "1";
+  auto* nnodes = app.add_option("--nnodes", nnodes_text,
+                                "Number of nodes, or MIN:MAX for elastic membership (with --rdzv-endpoint;\n"
+                                "docs/CLUSTER.md): rounds of MIN to MAX nodes, re-formed when a node is lost\n"
+                                "or joins")
+                     ->capture_default_str();
+  app.add_option("--rdzv-backend,--rdzv_backend", opts.rdzv_backend,
+                 "Elastic rendezvous store: c10d (dtrain-run's own, hosted on the endpoint's host) or etcd")
+      ->capture_default_str();
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", opts.rdzv_endpoint,
+                 "Elastic: HOST:PORT of the rendezvous store (c10d), or etcd's client URLs");
+  app.add_option("--rdzv-id,--rdzv_id", opts.rdzv_id, "Elastic: the job's id in the rendezvous store")
+      ->capture_default_str();
+  double heartbeat_seconds = 5.0, last_call_seconds = 2.0;
+  app.add_option("--heartbeat-timeout", heartbeat_seconds,
+                 "Elastic: a node whose agent sends no heartbeat for this many seconds is lost")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--last-call", last_call_seconds,
+                 "Elastic: once MIN nodes joined a round, wait this many seconds for more (up to MAX)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 3600.0));
   auto* node_rank =
       app.add_option("--node-rank,--node_rank", opts.node_rank, "This node's rank")->capture_default_str();
   auto* addr =
@@ -118,6 +139,30 @@ int main(int argc, char** argv) {
     return usageError("unknown option " + opts.command.front());
   }
   opts.prefix_output = !no_prefix;
+  opts.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_seconds * 1000.0 + 0.5));
+  opts.last_call = std::chrono::milliseconds(static_cast<int64_t>(last_call_seconds * 1000.0 + 0.5));
+  {
+    // --nnodes N, or MIN:MAX (elastic)
+    const auto colon = nnodes_text.find(':');
+    try {
+      size_t used = 0;
+      if (colon == std::string::npos) {
+        opts.nnodes = std::stoi(nnodes_text, &used);
+        if (used != nnodes_text.size()) throw std::invalid_argument("trailing text");
+      } else {
+        opts.min_nodes = std::stoi(nnodes_text.substr(0, colon), &used);
+        if (used != colon) throw std::invalid_argument("trailing text");
+        const std::string max = nnodes_text.substr(colon + 1);
+        opts.max_nodes = std::stoi(max, &used);
+        if (used != max.size()) throw std::invalid_argument("trailing text");
+        if (opts.rdzv_backend.empty()) opts.rdzv_backend = "c10d";
+      }
+    } catch (const std::exception&) {
+      return usageError("--nnodes '" + nnodes_text + "': expected a number of nodes, or MIN:MAX");
+    }
+    if (colon == std::string::npos && !opts.rdzv_endpoint.empty())
+      return usageError("--rdzv-endpoint is for elastic jobs: give --nnodes MIN:MAX");
+  }
   opts.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000.0 + 0.5));
   opts.hang_timeout = std::chrono::milliseconds(static_cast<int64_t>(hang_seconds * 1000.0 + 0.5));
 
@@ -133,7 +178,7 @@ int main(int argc, char** argv) {
     opts.secret = dtrain::comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
     if (opts.job_secret) {
       if (!opts.secret.empty()) return usageError("--job-secret: DTRAIN_SECRET or DTRAIN_SECRET_FILE is already set");
-      if (opts.nnodes > 1)
+      if (opts.nnodes > 1 || opts.elastic())
         return usageError("--job-secret makes a secret on this node only: across nodes give every node the same "
                           "DTRAIN_SECRET_FILE");
       opts.secret = newSecret();
