@@ -92,7 +92,7 @@ int main(int argc, char** argv) {
   tr->add_option("--stop-after-steps", t.stop_after_steps, "stop after this many optimizer steps (as if interrupted)")
       ->check(CLI::NonNegativeNumber);
   tr->add_flag("--log-samples", t.log_samples, "each rank appends the dataset indices of every micro-batch to "
-               "OUT/samples-rank<r>.txt (to audit coverage across restarts)");
+               "OUT/samples-rank<r>.txt (to audit coverage across restarts; each process starts with a '# start' line)");
   tr->add_option("--keep", t.keep, "checkpoints to keep");
   tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluations");
   tr->add_option("--eval-every", t.eval_every, "epochs between evaluations (0: only before and after training)")

@@ -226,13 +226,17 @@ class Job {
           data_.videos.size(), dist.size(), sampler_.size(), o.batch, o.accum));
     }
     schedule();
-    if (o.log_samples)
-      samples_log_.open(fmt::format("{}/samples-rank{}.txt", o.out, dist.rank()), std::ios::app);
+    if (o.log_samples) samples_log_.open(fmt::format("{}/samples-rank{}.txt", o.out, dist.rank()), std::ios::app);
     trainer_.enableLocalSgd(warmup_steps_);  // post-local SGD once the learning rate has warmed up
   }
 
   void run() {
     resume();
+    // Each process that appends starts with a marker saying where it began: a restarted job's lines
+    // follow those of the run it replaced, whose steps past this one were lost.
+    if (samples_log_.is_open())
+      samples_log_ << fmt::format("# start: world {} rank {} from step {}\n", dist_.size(), dist_.rank(), step_)
+                   << std::flush;
     RunLog log(dist_, o_);
     log_ = &log;
     if (o_.eval && main_) {
@@ -349,6 +353,8 @@ class Job {
       const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
       trainer_.optimizerStep(step_, total_, warmup_steps_);
       ++step_;
+      // Each step's lines reach the file before the next step: a rank killed later loses none of them.
+      if (samples_log_.is_open()) samples_log_.flush();
       loss_sum += loss;
       const double step_s = step_time.lap();
       log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.ddp().lastStats());
@@ -357,10 +363,7 @@ class Job {
       const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
       if (more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0)
         checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch);
-      if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) {
-        if (samples_log_.is_open()) samples_log_.flush();
-        return std::nullopt;
-      }
+      if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) return std::nullopt;
     }
     return loss_sum / std::max<int64_t>(steps, 1);
   }

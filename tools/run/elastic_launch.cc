@@ -86,7 +86,7 @@ int Launcher::runElastic() {
   ElasticRendezvous rdzv(rdzv_store_, eo);
   say("elastic: node {} at {} joins job '{}' ({}:{} nodes, rendezvous {} {})", eo.node_id, eo.address, opts_.rdzv_id,
       eo.min_nodes, eo.max_nodes, opts_.rdzv_backend, opts_.rdzv_endpoint);
-  for (int attempt = 0;; ++attempt) {
+  for (;;) {
     Round rd;
     try {
       rd = rdzv.join();
@@ -107,7 +107,9 @@ int Launcher::runElastic() {
     master_port_ = static_cast<uint16_t>(mport);
     say("round {}: {} node(s), world size {}; this node is node {}", rd.number, rd.nnodes,
         rd.nnodes * opts_.nproc_per_node, rd.node_rank);
-    Outcome o = runOnce(attempt, [&] { return rdzv.poll(); });
+    // The round number is every node's restart count: the workers' store keys depend on it, and a node
+    // that joined later has restarted fewer times than the others.
+    Outcome o = runOnce(static_cast<int>(rd.number), [&] { return rdzv.poll(); });
     if (!o.ended_by.empty()) {
       say("round {} ends: {}; workers stopped", rd.number, o.ended_by);
       if (o.ended_by.rfind("the job failed", 0) == 0) return 1;

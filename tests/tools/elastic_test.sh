@@ -1,0 +1,137 @@
+#!/usr/bin/env bash
+# Elastic membership on the emulated cluster (scripts/cluster.sh): MIL-NCE training with
+# `dtrain-run --nnodes 2:4` on 3 hosts x 1 process, the rendezvous store hosted by host 0's agent
+# (--rdzv-backend c10d), checkpoints every 5 steps, each rank logging the samples it reads.
+#   kill: host 2 (every process of it, agent included) is killed mid-run; the survivors form a new
+#         round within 30 s, resume from the newest checkpoint at world size 2 (global batch kept) and
+#         finish;
+#   cut:  host 1's link is cut instead (no connection reset arrives); the same, within 30 s (the
+#         heartbeat timeout, not the collective timeout);
+#   join: a fourth host added mid-run joins at the next round, and training finishes on 4.
+# After each: every epoch's committed steps read each sample once, at most 5 steps were lost, and the
+# held-out accuracy (mean of R@1/5/10) is within 1 point of an uninterrupted 3-process run
+# (tests/tools/elastic_check.py).
+#
+#   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|join ...]   (default: all three)
+#
+# Needs root (network namespaces). Everything is bounded and the rig is always taken down (EXIT trap).
+set -euo pipefail
+
+src=$(cd "${1:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
+bin=$(cd "${2:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
+shift 2
+scenarios=("$@")
+((${#scenarios[@]})) || scenarios=(kill cut join)
+
+fail() { echo "FAIL: $*" >&2; exit 1; }
+[[ $(id -u) -eq 0 ]] || fail "needs root (network namespaces): run as root, as CI does"
+for b in dtrain-run milnce; do [[ -x $bin/$b ]] || fail "no $bin/$b (build it first)"; done
+
+work=$(mktemp -d /tmp/dtrain-elastic.XXXXXX)
+rig=el$$
+cluster() { bash "$src/scripts/cluster.sh" "$@"; }
+cleanup() {
+  local rc=$?
+  trap - EXIT INT TERM HUP
+  cluster down "$rig" >/dev/null 2>&1 || true
+  if ((rc != 0)); then
+    for f in "$work"/*/h*.log; do [[ -f $f ]] && { echo "---- $f"; tail -n 40 "$f"; }; done
+  fi
+  rm -rf "$work"
+  exit "$rc"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+trap 'exit 129' HUP
+cd "$work"
+
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+timeout 60 "$bin/milnce" gen-data --out data --videos 600 --eval-videos 60 --seed 5 >gen.log 2>&1 ||
+  { cat gen.log; fail "milnce gen-data failed"; }
+# Global batch 24 = 2 x 3 ranks x accum 4 = 2 x 2 x 6 = 2 x 4 x 3: the same at every size the job takes.
+train=(train --data "$work/data" --epochs 30 --batch 2 --accum 4 --checkpoint-every 5 --no-progress --log-samples)
+timeout 200 "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" --out "$work/ref" >ref.log 2>&1 ||
+  { tail -20 ref.log; fail "the uninterrupted reference run failed"; }
+echo "elastic_test: reference (uninterrupted, 3 ranks): $(grep 'after training' ref.log)"
+
+cluster up --name "$rig" --hosts 3 --gbit 10 --no-rate-check --owner $$ >/dev/null
+port=$((29000 + $$ % 1000))
+
+# agent SCENARIO HOST: host HOST's dtrain-run in the background, output to SCENARIO/hHOST.log.
+agent() {
+  local s=$1 h=$2
+  cluster exec "$rig" "$h" -- timeout 240 "$bin/dtrain-run" --nnodes 2:4 --rdzv-endpoint "10.212.0.1:$port" \
+    --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout 3 --last-call 1 \
+    "$bin/milnce" "${train[@]}" --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
+  pids[$h]=$!
+}
+# Waits (bounded) until the run has written N checkpoints.
+wait_checkpoints() {
+  local s=$1 n=$2 deadline=$((SECONDS + 120))
+  until (($(find "$work/$s/run/checkpoints" -name 'ckpt-*' 2>/dev/null | wc -l) >= n)); do
+    ((SECONDS < deadline)) || fail "$s: fewer than $n checkpoints after 120 s"
+    sleep 0.2
+  done
+}
+# Waits (bounded) for a line matching PATTERN in any of the scenario's agent logs; prints the seconds taken.
+wait_line() {
+  local s=$1 pattern=$2 limit=$3 t0=$SECONDS
+  until grep -qE "$pattern" "$work/$s"/h*.log 2>/dev/null; do
+    ((SECONDS - t0 < limit)) || fail "$s: no '$pattern' within $limit s"
+    sleep 0.1
+  done
+  echo $((SECONDS - t0))
+}
+# Waits for the given hosts' agents; each must exit with 0.
+expect_success() {
+  local s=$1 h rc
+  shift
+  for h in "$@"; do
+    rc=0
+    wait "${pids[$h]}" || rc=$?
+    ((rc == 0)) || fail "$s: host $h's dtrain-run exited with $rc"
+  done
+}
+
+for s in "${scenarios[@]}"; do
+  mkdir -p "$work/$s"
+  declare -a pids=()
+  hosts=(0 1 2)
+  agent "$s" 0
+  sleep 0.3
+  agent "$s" 1
+  agent "$s" 2
+  wait_line "$s" "round 0: 3 node" 60 >/dev/null
+  wait_checkpoints "$s" 4
+  t0=$(date +%s.%N)
+  case $s in
+    kill)
+      cluster kill-host "$rig" 2
+      survivors=(0 1) ;;
+    cut)
+      cluster cut "$rig" 1
+      survivors=(0 2) ;;
+    join)
+      h=$(cluster add-host "$rig")
+      agent "$s" "$h"
+      survivors=(0 1 2 "$h") ;;
+    *) fail "unknown scenario $s (kill, cut or join)" ;;
+  esac
+  want="round 1: ${#survivors[@]} node"
+  took=$(wait_line "$s" "$want" 30) || exit 1
+  echo "elastic_test: $s: '$want' $(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN{printf "%.1f", b-a}') s after the event (limit 30)"
+  expect_success "$s" "${survivors[@]}"
+  if [[ $s == cut ]]; then  # the cut-off host's agent lost the store: it must stop, not hang
+    rc=0
+    wait "${pids[1]}" || rc=$?
+    ((rc != 0)) || fail "cut: host 1's agent exited with 0 although its link was cut"
+    cluster restore "$rig" 1
+  fi
+  grep -h "after training\|resumed from" "$work/$s"/h*.log | sed "s/^/  $s: /"
+  /usr/bin/python3 "$src/tests/tools/elastic_check.py" "$work/$s/run" "$work/ref" 600 5 |
+    sed "s/^/  $s: /"
+  [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "$s: elastic_check failed"
+  echo "elastic_test: $s: ok"
+done
+echo "elastic_test: all passed (${scenarios[*]})"
