@@ -60,8 +60,8 @@ struct EtcdLeaseGrant {
 class EtcdStore : public Store {
  public:
   // endpoints: "http://host:port" separated by commas ("host:port" alone means http://). Every key is
-  // stored as prefix + key (e.g. prefix "/dtrain/job42/"; not empty). Nothing is sent until the first
-  // operation.
+  // stored as prefix + key (e.g. prefix "/dtrain/job42/"). InvalidArgument for an empty prefix or an
+  // endpoint that is not http:// or https://. Nothing is sent until the first operation.
   EtcdStore(const std::string& endpoints, std::string prefix, Duration timeout);
   ~EtcdStore() override;
   void set(const std::string& key, const Bytes& value) override;

@@ -91,10 +91,15 @@ std::vector<std::string> splitEndpoints(const std::string& list) {
   while (start <= list.size()) {
     size_t comma = std::min(list.find(',', start), list.size());
     std::string e = list.substr(start, comma - start);
+    start = comma + 1;
     e.erase(0, e.find_first_not_of(" \t"));
     e.erase(e.find_last_not_of(" \t/") + 1);
-    if (!e.empty()) out.push_back(e.find("://") == std::string::npos ? "http://" + e : e);
-    start = comma + 1;
+    if (e.empty()) continue;
+    if (e.find("://") == std::string::npos) e = "http://" + e;
+    if (e.rfind("http://", 0) != 0 && e.rfind("https://", 0) != 0) {
+      throw InvalidArgument(fmt::format("etcd endpoint '{}' (of '{}'): expected http://host:port", e, list));
+    }
+    out.push_back(e);
   }
   if (out.empty()) throw InvalidArgument(fmt::format("etcd endpoints '{}': expected http://host:port[,...]", list));
   return out;
@@ -180,7 +185,10 @@ Json Http::answer(const Attempt& a, const std::string& what) {
     if (src.contains("message") && src["message"].is_string()) message = src["message"].get<std::string>();
   }
   std::string msg = fmt::format("{}: etcd {} answered (HTTP {}, code {}): {}", what, url, a.status, code, message);
-  if (code == kCodeInvalidArgument) throw InvalidArgument(msg);
+  if (code == kCodeResourceExhausted) {
+    msg += " (the request is too large for this etcd: see its --max-request-bytes)";
+  }
+  if (code == kCodeInvalidArgument || code == kCodeResourceExhausted) throw InvalidArgument(msg);
   throw AnswerError(msg, code);
 }
 

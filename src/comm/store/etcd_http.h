@@ -42,6 +42,7 @@ class AnswerError : public RendezvousError {
 };
 inline constexpr int kCodeInvalidArgument = 3;
 inline constexpr int kCodeNotFound = 5;
+inline constexpr int kCodeResourceExhausted = 8;  // e.g. a request over the gRPC limit
 inline constexpr int kCodeUnavailable = 14;
 
 class Http {
@@ -54,7 +55,7 @@ class Http {
   // POSTs body to path ("/v3/kv/range") and returns the answer. Moves on to the next endpoint when
   // one cannot be reached, round after round until `deadline`; then RendezvousError naming each
   // endpoint's failure. `what` starts every message ("EtcdStore get('k') (prefix '/p/')").
-  // etcd's error answers: InvalidArgument for its code 3, AnswerError otherwise.
+  // etcd's error answers: InvalidArgument for its codes 3 and 8 (too large), AnswerError otherwise.
   Json post(const std::string& path, const Json& body, net::Deadline deadline, const std::string& what,
             Retry retry);
   const std::string& endpoints() const { return spec_; }
