@@ -1,4 +1,4 @@
-// A one-member etcd for a test (see etcd_server.h).
+// An etcd for a test (see etcd_server.h).
 #include "etcd_server.h"
 
 #include <fcntl.h>
@@ -13,7 +13,6 @@
 #include <sstream>
 #include <stdexcept>
 #include <thread>
-#include <vector>
 
 #include "dtrain/comm/etcd.h"
 
@@ -36,6 +35,8 @@ int boundSocket(uint16_t* port) {
   return fd;
 }
 
+std::string url(uint16_t port) { return "http://127.0.0.1:" + std::to_string(port); }
+
 }  // namespace
 
 uint16_t unusedPort() {
@@ -44,28 +45,64 @@ uint16_t unusedPort() {
   return port;
 }
 
-EtcdServer::EtcdServer(std::chrono::seconds start_limit) {
+EtcdServer::EtcdServer(int members, std::chrono::seconds start_limit) : members_(members) {
   if (::access(kEtcdBinary, X_OK) != 0) {
     throw std::runtime_error(std::string(kEtcdBinary) +
                              " not found: the etcd tests need Debian's etcd-server (scripts/setup.sh installs it)");
   }
-  // Both ports held at once so they differ; released just before etcd binds them.
-  int c = boundSocket(&client_port_), p = boundSocket(&peer_port_);
-  ::close(c);
-  ::close(p);
-  std::string client = "http://127.0.0.1:" + std::to_string(client_port_);
-  std::string peer = "http://127.0.0.1:" + std::to_string(peer_port_);
-  std::vector<std::string> args = {kEtcdBinary, "--name", "t", "--data-dir", dir_.path() + "/data",
+  // Every port held at once so they differ; released just before etcd binds them.
+  std::vector<int> held;
+  std::string initial_cluster;
+  for (int i = 0; i < members; ++i) {
+    held.push_back(boundSocket(&members_[i].client_port));
+    held.push_back(boundSocket(&members_[i].peer_port));
+    initial_cluster += (i ? "," : "") + ("m" + std::to_string(i)) + "=" + url(members_[i].peer_port);
+  }
+  for (int fd : held) ::close(fd);
+  for (int i = 0; i < members; ++i) spawn(i, initial_cluster);
+  // Up once every member serves a request through the gateway (after electing a leader).
+  auto end = std::chrono::steady_clock::now() + start_limit;
+  for (int i = 0; i < members; ++i) {
+    comm::EtcdStore probe(endpoint(i), "/dtrain-test-probe/", std::chrono::milliseconds(500));
+    for (std::string last;;) {
+      int status = 0;
+      if (::waitpid(members_[i].pid, &status, WNOHANG) == members_[i].pid) {
+        members_[i].pid = -1;
+        throw std::runtime_error("etcd exited at start (status " + std::to_string(status) + "); its log:\n" +
+                                 logTail(i));
+      }
+      try {
+        probe.numKeys();
+        break;
+      } catch (const std::exception& e) {
+        last = e.what();
+      }
+      if (std::chrono::steady_clock::now() > end) {
+        std::string log = logTail(i);
+        for (int j = 0; j < members; ++j) kill(j);
+        throw std::runtime_error("etcd did not serve " + endpoint(i) + " within " +
+                                 std::to_string(start_limit.count()) + "s (" + last + "); its log:\n" + log);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
+  }
+}
+
+void EtcdServer::spawn(int i, const std::string& initial_cluster) {
+  const std::string name = "m" + std::to_string(i);
+  const std::string client = url(members_[i].client_port), peer = url(members_[i].peer_port);
+  std::vector<std::string> args = {kEtcdBinary, "--name", name, "--data-dir", dir_.path() + "/" + name,
                                    "--listen-client-urls", client, "--advertise-client-urls", client,
                                    "--listen-peer-urls", peer, "--initial-advertise-peer-urls", peer,
-                                   "--initial-cluster", "t=" + peer, "--logger", "zap", "--log-level", "warn",
+                                   "--initial-cluster", initial_cluster, "--initial-cluster-token", dir_.path(),
+                                   "--logger", "zap", "--log-level", "warn",
                                    // The store conformance suite round-trips 8 MiB values (etcd: 1.5 MiB).
                                    "--max-request-bytes", std::to_string(32 << 20)};
-  std::string log = dir_.path() + "/etcd.log";
+  std::string log = dir_.path() + "/" + name + ".log";
   pid_t parent = ::getpid();
-  pid_ = ::fork();
-  if (pid_ < 0) throw std::runtime_error("fork failed");
-  if (pid_ == 0) {
+  pid_t pid = ::fork();
+  if (pid < 0) throw std::runtime_error("fork failed");
+  if (pid == 0) {
     ::prctl(PR_SET_PDEATHSIG, SIGKILL);
     if (::getppid() != parent) _exit(127);
     int fd = ::open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
@@ -77,45 +114,31 @@ EtcdServer::EtcdServer(std::chrono::seconds start_limit) {
     ::execv(kEtcdBinary, argv.data());
     _exit(127);
   }
-  // Up once it serves a request through the gateway (a member elects itself leader first).
-  comm::EtcdStore probe(endpoint(), "/dtrain-test-probe/", std::chrono::milliseconds(500));
-  auto end = std::chrono::steady_clock::now() + start_limit;
-  std::string last;
-  for (;;) {
-    int status = 0;
-    if (::waitpid(pid_, &status, WNOHANG) == pid_) {
-      pid_ = -1;
-      throw std::runtime_error("etcd exited at start (status " + std::to_string(status) + "); its log:\n" +
-                               logTail());
-    }
-    try {
-      probe.numKeys();
-      return;
-    } catch (const std::exception& e) {
-      last = e.what();
-    }
-    if (std::chrono::steady_clock::now() > end) {
-      kill();
-      throw std::runtime_error("etcd did not serve " + endpoint() + " within " +
-                               std::to_string(start_limit.count()) + "s (" + last + "); its log:\n" + logTail());
-    }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
-  }
+  members_[i].pid = pid;
 }
 
-EtcdServer::~EtcdServer() { kill(); }
-
-std::string EtcdServer::endpoint() const { return "http://127.0.0.1:" + std::to_string(client_port_); }
-
-void EtcdServer::kill() {
-  if (pid_ <= 0) return;
-  ::kill(pid_, SIGKILL);
-  ::waitpid(pid_, nullptr, 0);
-  pid_ = -1;
+EtcdServer::~EtcdServer() {
+  for (size_t i = 0; i < members_.size(); ++i) kill(static_cast<int>(i));
 }
 
-std::string EtcdServer::logTail() const {
-  std::ifstream f(dir_.path() + "/etcd.log");
+std::string EtcdServer::endpoint(int member) const { return url(members_[member].client_port); }
+
+std::string EtcdServer::endpoints() const {
+  std::string out;
+  for (size_t i = 0; i < members_.size(); ++i) out += (i ? "," : "") + endpoint(static_cast<int>(i));
+  return out;
+}
+
+void EtcdServer::kill(int member) {
+  pid_t& pid = members_[member].pid;
+  if (pid <= 0) return;
+  ::kill(pid, SIGKILL);
+  ::waitpid(pid, nullptr, 0);
+  pid = -1;
+}
+
+std::string EtcdServer::logTail(int member) const {
+  std::ifstream f(dir_.path() + "/m" + std::to_string(member) + ".log");
   std::stringstream ss;
   ss << f.rdbuf();
   std::string s = ss.str();

@@ -161,6 +161,41 @@ TEST_F(EtcdTest, AnEndpointThatCannotBeReachedIsSkippedForTheNext) {
   EXPECT_EQ(toString(t->get("k")), "v");
 }
 
+// The point of several endpoints: a 3-member cluster loses the member its clients talk to (maybe the
+// leader), and the store, a blocked get and a heartbeat carry on through the others.
+TEST(EtcdClusterTest, AStoreAndItsLeasesSurviveTheLossOfTheMemberInUse) {
+  test::EtcdServer cluster(3);
+  auto store = makeEtcdStore(cluster.endpoints(), "/dtrain/job1/", 20s);
+  store->set("before", toBytes("1"));
+  EXPECT_EQ(store->add("n", 1), 1);
+  EtcdLease lease(store, 5s);
+  store->setWithLease("nodes/me", toBytes("x"), lease.id());
+  std::string got;
+  std::thread waiter([&] {
+    auto mine = store->cloneEtcd();
+    try {
+      got = toString(mine->get("after"));
+    } catch (const std::exception& e) {
+      got = std::string("error: ") + e.what();
+    }
+  });
+  std::this_thread::sleep_for(300ms);
+  cluster.kill(0);
+  auto t0 = Clock::now();
+  store->set("after", toBytes("2"));
+  EXPECT_EQ(store->add("n", 1), 2);
+  EXPECT_EQ(toString(store->get("before")), "1");
+  // A put in flight on a member when the leader dies waits out etcd's request timeout (7 s) before it
+  // is answered "request timed out" and sent again.
+  EXPECT_LT(secondsSince(t0), 15.0);
+  waiter.join();
+  EXPECT_EQ(got, "2");
+  std::this_thread::sleep_for(lease.ttl() + 2s);  // past a TTL: renewed through the survivors
+  EXPECT_TRUE(lease.alive());
+  EXPECT_TRUE(store->check({"nodes/me"}));
+  EXPECT_EQ(store->list("nodes/").size(), 1u);
+}
+
 TEST_F(EtcdTest, NoEndpointAnsweringIsARendezvousErrorNamingEachOfThemAndTheTimeout) {
   const std::string a = "http://127.0.0.1:" + std::to_string(test::unusedPort());
   const std::string b = "http://127.0.0.1:" + std::to_string(test::unusedPort());

@@ -41,6 +41,9 @@ namespace dtrain::comm {
 // answer one request (a get or wait polls with many short requests until its own deadline).
 inline constexpr Duration kEtcdConnectTimeout = std::chrono::seconds(2);
 inline constexpr Duration kEtcdRequestTimeout = std::chrono::seconds(10);
+// One attempt to renew a lease (cheap, idempotent): one member stuck waiting out a leader election
+// must not eat the lease's TTL, the next is asked instead.
+inline constexpr Duration kEtcdRenewTimeout = std::chrono::seconds(1);
 
 // One key of a listing: its name relative to the store's prefix, its value, and etcd's bookkeeping.
 struct EtcdKeyValue {
@@ -112,6 +115,8 @@ std::shared_ptr<EtcdStore> makeEtcdStore(const std::string& endpoints, const std
 // destruction. When renewals fail for a whole TTL, or etcd says the lease expired, the lease is lost:
 // alive() turns false and check() throws RendezvousError with the reason. It is never re-granted
 // behind the caller's back (its keys are gone; the caller decides what that means).
+// Choose a TTL well above etcd's leader election time (its --election-timeout, 1 s by default, plus
+// the election): a TTL of a few seconds can be reported lost when the etcd leader fails.
 class EtcdLease {
  public:
   EtcdLease(const std::shared_ptr<EtcdStore>& store, std::chrono::seconds ttl);

@@ -120,7 +120,8 @@ Http::Http(const std::string& endpoints) : spec_(endpoints), urls_(splitEndpoint
 
 Http::~Http() { curl_easy_cleanup(static_cast<CURL*>(curl_)); }
 
-Http::Attempt Http::once(const std::string& url, const std::string& payload, net::Deadline deadline) {
+Http::Attempt Http::once(const std::string& url, const std::string& payload, net::Deadline deadline,
+                         Duration attempt_limit) {
   CURL* c = static_cast<CURL*>(curl_);
   curl_easy_reset(c);
   Attempt a;
@@ -135,7 +136,7 @@ Http::Attempt Http::once(const std::string& url, const std::string& payload, net
   curl_easy_setopt(c, CURLOPT_PROXY, "");  // never a proxy from the environment
   curl_easy_setopt(c, CURLOPT_NOSIGNAL, 1L);
   curl_easy_setopt(c, CURLOPT_CONNECTTIMEOUT_MS, std::min<long>(left, kEtcdConnectTimeout.count()));
-  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left, kEtcdRequestTimeout.count()));
+  curl_easy_setopt(c, CURLOPT_TIMEOUT_MS, std::min<long>(left, attempt_limit.count()));
   curl_easy_setopt(c, CURLOPT_WRITEFUNCTION, appendAnswer);
   curl_easy_setopt(c, CURLOPT_WRITEDATA, &a.body);
   curl_easy_setopt(c, CURLOPT_ERRORBUFFER, err);
@@ -193,7 +194,7 @@ Json Http::answer(const Attempt& a, const std::string& what) {
 }
 
 Json Http::post(const std::string& path, const Json& body, net::Deadline deadline, const std::string& what,
-                Retry retry) {
+                Retry retry, Duration attempt_limit) {
   std::lock_guard<std::mutex> lock(mu_);
   const std::string payload = body.dump();
   const auto start = Clock::now();
@@ -212,13 +213,15 @@ Json Http::post(const std::string& path, const Json& body, net::Deadline deadlin
       pause = std::min(pause * 2, std::chrono::milliseconds(1000));
     }
     const std::string& url = urls_[current_];
-    Attempt a = once(url + path, payload, deadline);
+    Attempt a = once(url + path, payload, deadline, attempt_limit);
     if (a.outcome == Attempt::kAnswered) {
       try {
         return answer(a, what);
       } catch (const AnswerError& e) {
-        // A member without a leader or shutting down: another may serve the request.
-        if (e.code() != kCodeUnavailable || retry != Retry::kAlways) throw;
+        // A member without a leader or shutting down: another may serve the request. "no leader"
+        // means it was never proposed, so even a request that must not be applied twice may go on.
+        bool unapplied = std::string(e.what()).find("etcdserver: no leader") != std::string::npos;
+        if (e.code() != kCodeUnavailable || (retry != Retry::kAlways && !unapplied)) throw;
         failures[current_] = e.what();
       }
     } else if (a.outcome == Attempt::kLost && retry == Retry::kOnlyUnsent) {

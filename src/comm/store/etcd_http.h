@@ -56,13 +56,14 @@ class Http {
   // one cannot be reached, round after round until `deadline`; then RendezvousError naming each
   // endpoint's failure. `what` starts every message ("EtcdStore get('k') (prefix '/p/')").
   // etcd's error answers: InvalidArgument for its codes 3 and 8 (too large), AnswerError otherwise.
+  // One attempt on one endpoint lasts at most attempt_limit.
   Json post(const std::string& path, const Json& body, net::Deadline deadline, const std::string& what,
-            Retry retry);
+            Retry retry, Duration attempt_limit = kEtcdRequestTimeout);
   const std::string& endpoints() const { return spec_; }
 
  private:
   struct Attempt;
-  Attempt once(const std::string& url, const std::string& payload, net::Deadline deadline);
+  Attempt once(const std::string& url, const std::string& payload, net::Deadline deadline, Duration attempt_limit);
   Json answer(const Attempt& a, const std::string& what);
 
   const std::string spec_;

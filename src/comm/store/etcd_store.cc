@@ -73,8 +73,9 @@ struct EtcdStore::Impl {
     return fmt::format("EtcdStore {} (prefix '{}', etcd {})", what, prefix, http.endpoints());
   }
   std::string full(const std::string& key) const { return etcd::base64(prefix + key); }
-  Json post(const char* path, const Json& body, net::Deadline deadline, const std::string& what, Retry retry) {
-    return http.post(path, body, deadline, where(what), retry);
+  Json post(const char* path, const Json& body, net::Deadline deadline, const std::string& what, Retry retry,
+            Duration attempt_limit = kEtcdRequestTimeout) {
+    return http.post(path, body, deadline, where(what), retry, attempt_limit);
   }
   std::optional<EtcdKeyValue> range(const std::string& key, net::Deadline deadline, const std::string& what);
   EtcdKeyValue decode(const Json& kv, const std::string& what) const;
@@ -289,8 +290,9 @@ EtcdLeaseGrant EtcdStore::grantLease(std::chrono::seconds ttl) {
 
 std::chrono::seconds EtcdStore::keepAlive(int64_t lease) {
   std::string what = fmt::format("keepAlive(lease {:x})", lease);
+  // Short attempts: a member waiting out a leader election is left for the next one.
   Json ans = impl_->post("/v3/lease/keepalive", {{"ID", std::to_string(lease)}}, net::deadlineAfter(timeout()),
-                         what, Retry::kAlways);
+                         what, Retry::kAlways, kEtcdRenewTimeout);
   // A streaming call: the answer is {"result": {...}}; an expired lease comes back without a TTL.
   int64_t ttl = etcd::integer(ans.value("result", Json::object()), "TTL");
   if (ttl <= 0) throw RendezvousError(impl_->where(what) + ": the lease has expired (its keys are gone)");
