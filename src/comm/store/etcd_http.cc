@@ -222,7 +222,8 @@ Json Http::post(const std::string& path, const Json& body, net::Deadline deadlin
         // means it was never proposed, so even a request that must not be applied twice may go on.
         bool unapplied = std::string(e.what()).find("etcdserver: no leader") != std::string::npos;
         if (e.code() != kCodeUnavailable || (retry != Retry::kAlways && !unapplied)) throw;
-        failures[current_] = e.what();
+        std::string m = e.what();  // "<what>: etcd <url> answered ...": keep what follows <what>
+        failures[current_] = m.compare(0, what.size(), what) == 0 ? m.substr(std::min(m.size(), what.size() + 2)) : m;
       }
     } else if (a.outcome == Attempt::kLost && retry == Retry::kOnlyUnsent) {
       throw IoError(fmt::format("{}: etcd {} received the request but failed to answer ({}); it may or may not "
