@@ -3,7 +3,7 @@
 # Idempotent: packages already present are skipped. Needs root or sudo.
 set -euo pipefail
 pkgs=(
-  build-essential cmake ninja-build pkg-config git libssl-dev
+  build-essential cmake ninja-build pkg-config git libssl-dev libcurl4-openssl-dev
   libgtest-dev libgmock-dev libbenchmark-dev libcli11-dev libfmt-dev nlohmann-json3-dev
   libtorch-dev libopenblas0-pthread
   openmpi-bin libopenmpi-dev python3-torch
@@ -11,6 +11,7 @@ pkgs=(
   clang-tidy-14
   chromium
   munge slurmctld slurmd slurm-client
+  etcd-server
 )
 missing=()
 for p in "${pkgs[@]}"; do

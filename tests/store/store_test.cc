@@ -1,6 +1,7 @@
-// Tests of the key-value stores. One typed suite runs every Store behaviour against both TcpStore
-// and FileStore (in this process and across forked processes); then what is particular to each:
-// the TCP server against hostile clients, the file's log format, and PrefixStore.
+// Tests of the key-value stores. One typed suite runs every Store behaviour against TcpStore, FileStore
+// and EtcdStore (on a one-member etcd of its own: tests/etcd_server.h), in this process and across forked
+// processes; then what is particular to each: the TCP server against hostile clients, the file's log
+// format, and PrefixStore (etcd's leases and failover: etcd_test.cc).
 #include <gtest/gtest.h>
 #include <poll.h>
 #include <sys/socket.h>
@@ -19,7 +20,9 @@
 
 #include "comm/net/socket.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/etcd.h"
 #include "dtrain/comm/store.h"
+#include "etcd_server.h"
 #include "harness.h"
 
 namespace dtrain::comm {
@@ -72,6 +75,15 @@ struct FileKind {
   std::string address() const { return path; }
 };
 
+struct EtcdKind {
+  static constexpr const char* kName = "Etcd";
+  test::EtcdServer server;
+  std::shared_ptr<Store> make(Duration timeout) const {
+    return makeEtcdStore(server.endpoint(), "/dtrain/test-job/", timeout);
+  }
+  std::string address() const { return server.endpoint(); }
+};
+
 template <class Kind>
 class StoreTest : public ::testing::Test {
  protected:
@@ -85,7 +97,7 @@ struct KindNames {
     return T::kName;
   }
 };
-using Kinds = ::testing::Types<TcpKind, FileKind>;
+using Kinds = ::testing::Types<TcpKind, FileKind, EtcdKind>;
 TYPED_TEST_SUITE(StoreTest, Kinds, KindNames);
 
 TYPED_TEST(StoreTest, SetThenGetReturnsTheValue) {

@@ -2,6 +2,7 @@
 // No libtorch anywhere in this layer; buffers are pointers + DType + element count.
 #pragma once
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/etcd.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/rendezvous.h"
 #include "dtrain/comm/store.h"

@@ -8,6 +8,7 @@
 //   auto v = store.get("addr/1");           // blocks until set, or TimeoutError
 //   int64_t n = store.add("arrived", 1);    // atomic counter
 // \endcode
+// A store on etcd, with the leases elastic membership needs, is in dtrain/comm/etcd.h.
 #pragma once
 #include <chrono>
 #include <cstdint>
