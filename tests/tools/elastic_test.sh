@@ -7,12 +7,14 @@
 #         finish;
 #   cut:  host 1's link is cut instead (no connection reset arrives); the same, within 30 s (the
 #         heartbeat timeout, not the collective timeout);
-#   join: a fourth host added mid-run joins at the next round, and training finishes on 4.
+#   join: a fourth host added mid-run joins at the next round, and training finishes on 4;
+#   etcd: the rendezvous store is etcd (--rdzv-backend etcd), run on a host of its own, and host 0 (the
+#         first node, which also hosts the round's worker store) is killed: the survivors go on.
 # After each: every epoch's committed steps read each sample once, at most 5 steps were lost, and the
 # held-out accuracy (mean of R@1/5/10) is within 1 point of an uninterrupted 3-process run
 # (tests/tools/elastic_check.py).
 #
-#   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|join ...]   (default: all three)
+#   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|etcd|join ...]   (default: all four)
 #
 # Needs root (network namespaces). Everything is bounded and the rig is always taken down (EXIT trap).
 set -euo pipefail
@@ -21,11 +23,12 @@ src=$(cd "${1:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
 bin=$(cd "${2:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
 shift 2
 scenarios=("$@")
-((${#scenarios[@]})) || scenarios=(kill cut join)
+((${#scenarios[@]})) || scenarios=(kill cut etcd join)
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || fail "needs root (network namespaces): run as root, as CI does"
 for b in dtrain-run milnce; do [[ -x $bin/$b ]] || fail "no $bin/$b (build it first)"; done
+[[ -x /usr/bin/etcd ]] || fail "no /usr/bin/etcd (Debian's etcd-server; scripts/setup.sh installs it)"
 
 work=$(mktemp -d /tmp/dtrain-elastic.XXXXXX)
 rig=el$$
@@ -55,13 +58,25 @@ timeout 200 "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${t
   { tail -20 ref.log; fail "the uninterrupted reference run failed"; }
 echo "elastic_test: reference (uninterrupted, 3 ranks): $(grep 'after training' ref.log)"
 
-cluster up --name "$rig" --hosts 3 --gbit 10 --no-rate-check --owner $$ >/dev/null
+# Hosts 0-2 train; host 3 runs etcd (outside the hosts that are killed); join adds host 4.
+cluster up --name "$rig" --hosts 4 --gbit 10 --no-rate-check --owner $$ >/dev/null
 port=$((29000 + $$ % 1000))
+etcd_url=http://10.212.0.4:2379
+cluster exec "$rig" 3 -- timeout 600 /usr/bin/etcd --name e0 --data-dir "$work/etcd" \
+  --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
+  --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
+  --initial-cluster e0=http://127.0.0.1:2380 >"$work/etcd.log" 2>&1 &
+deadline=$((SECONDS + 30))
+until cluster exec "$rig" 0 -- bash -c "exec 3<>/dev/tcp/10.212.0.4/2379" 2>/dev/null; do
+  ((SECONDS < deadline)) || { cat "$work/etcd.log"; fail "etcd did not listen on $etcd_url within 30 s"; }
+  sleep 0.2
+done
 
 # agent SCENARIO HOST: host HOST's dtrain-run in the background, output to SCENARIO/hHOST.log.
 agent() {
-  local s=$1 h=$2
-  cluster exec "$rig" "$h" -- timeout 240 "$bin/dtrain-run" --nnodes 2:4 --rdzv-endpoint "10.212.0.1:$port" \
+  local s=$1 h=$2 rdzv=(--rdzv-endpoint "10.212.0.1:$port")
+  [[ $s == etcd ]] && rdzv=(--rdzv-backend etcd --rdzv-endpoint "$etcd_url")
+  cluster exec "$rig" "$h" -- timeout 240 "$bin/dtrain-run" --nnodes 2:4 "${rdzv[@]}" \
     --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout 3 --last-call 1 \
     "$bin/milnce" "${train[@]}" --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
   pids[$h]=$!
@@ -112,6 +127,9 @@ for s in "${scenarios[@]}"; do
     cut)
       cluster cut "$rig" 1
       survivors=(0 2) ;;
+    etcd)
+      cluster kill-host "$rig" 0
+      survivors=(1 2) ;;
     join)
       h=$(cluster add-host "$rig")
       agent "$s" "$h"

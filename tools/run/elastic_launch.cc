@@ -6,6 +6,7 @@
 #include <fmt/format.h>
 
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/etcd.h"
 #include "dtrain/comm/store.h"
 #include "elastic.h"
 #include "launcher.h"
@@ -26,6 +27,14 @@ std::pair<std::string, int> hostPort(const std::string& endpoint, const char* wh
   }
   if (port <= 0 || port > 65535) throw InvalidArgument(fmt::format("{} '{}': expected HOST:PORT", what, endpoint));
   return {endpoint.substr(0, colon), port};
+}
+
+// The host of the (first) rendezvous endpoint: this node advertises the address that routes to it.
+std::string rdzvHost(const Options& o) {
+  std::string e = o.rdzv_endpoint.substr(0, o.rdzv_endpoint.find(','));
+  if (const auto scheme = e.find("://"); scheme != std::string::npos) e = e.substr(scheme + 3);
+  e = e.substr(0, e.find('/'));
+  return e.substr(0, e.rfind(':'));
 }
 
 std::string nodeId() {
@@ -50,11 +59,14 @@ void checkElasticOptions(const Options& o) {
   if (o.rdzv_backend == "c10d") hostPort(o.rdzv_endpoint, "--rdzv-endpoint");
 }
 
-// The rendezvous store: with c10d, the agent on the endpoint's host serves it (the first there to bind
-// its port); every agent is a client.
+// The rendezvous store: etcd (its members outlive any node), or with c10d dtrain-run's own, served by
+// the agent on the endpoint's host (the first there to bind its port); every agent is a client.
 void Launcher::setUpElastic() {
-  if (opts_.rdzv_backend != "c10d") {
-    throw InvalidArgument(fmt::format("--rdzv-backend {} is not available in this build", opts_.rdzv_backend));
+  if (opts_.rdzv_backend == "etcd") {
+    // Requests fail after the heartbeat timeout: an agent cut off from etcd stops its workers.
+    rdzv_store_ = comm::makeEtcdStore(opts_.rdzv_endpoint, "/dtrain/elastic/" + opts_.rdzv_id + "/",
+                                      std::max(opts_.heartbeat_timeout, std::chrono::milliseconds(10000)));
+    return;
   }
   const auto [host, port] = hostPort(opts_.rdzv_endpoint, "--rdzv-endpoint");
   if (routeTo(host) == host || host == "127.0.0.1" || host == "localhost") {
@@ -81,8 +93,7 @@ int Launcher::runElastic() {
   eo.heartbeat_timeout = opts_.heartbeat_timeout;
   eo.heartbeat = std::max(std::chrono::milliseconds(100), opts_.heartbeat_timeout / 10);
   eo.last_call = opts_.last_call;
-  const std::string rdzv_host = hostPort(opts_.rdzv_endpoint, "--rdzv-endpoint").first;
-  eo.address = routeTo(rdzv_host);
+  eo.address = routeTo(rdzvHost(opts_));
   ElasticRendezvous rdzv(rdzv_store_, eo);
   say("elastic: node {} at {} joins job '{}' ({}:{} nodes, rendezvous {} {})", eo.node_id, eo.address, opts_.rdzv_id,
       eo.min_nodes, eo.max_nodes, opts_.rdzv_backend, opts_.rdzv_endpoint);
