@@ -195,17 +195,9 @@ TEST_P(Mismatch, EveryRankFailsNamingBothCalls) {
   expectAllOk(results);
 }
 
-std::vector<Param> params() {
-  std::vector<Param> ps;
-  for (std::string t : {"tcp", "shm"})
-    for (int w = 2; w <= 4; ++w) ps.push_back({t, w});
-  // Under mpirun (mpi_test relaunches this binary so): the MPI transport, without forking.
-  if (mpiRunner())
-    for (int w = 2; w <= 4; ++w) ps.push_back({"mpi", w});
-  return ps;
-}
-
-INSTANTIATE_TEST_SUITE_P(Transports, Mismatch, ::testing::ValuesIn(params()),
+INSTANTIATE_TEST_SUITE_P(Transports, Mismatch,
+                         ::testing::Values(Param{"tcp", 2}, Param{"tcp", 3}, Param{"tcp", 4}, Param{"shm", 2},
+                                           Param{"shm", 3}, Param{"shm", 4}),
                          [](const auto& p) { return p.param.transport + "_world" + std::to_string(p.param.world); });
 
 // The case of the issue: with ranks taking different numbers of steps, one rank's small allreduce met

@@ -145,8 +145,31 @@ class MpiTransport : public Transport {
       MPI_Cancel(&abort_in_req_);
       MPI_Request_free(&abort_in_req_);
     }
-    for (auto& r : abort_out_reqs_)
-      if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+    // Abort frames and the sends of a failed run still leaving: give them a moment, then keep their
+    // buffers for the life of the process (MPI may still read them after the requests are freed).
+    std::vector<MPI_Request*> pending;
+    for (auto& r : abort_out_reqs_) pending.push_back(&r);
+    for (auto& u : unsent_)
+      for (auto& r : u.reqs) pending.push_back(&r);
+    const auto until = Clock::now() + std::chrono::seconds(2);
+    bool all = false;
+    while (!all && Clock::now() < until) {
+      all = true;
+      for (MPI_Request* r : pending) {
+        int done = 1;
+        if (*r != MPI_REQUEST_NULL) MPI_Test(r, &done, MPI_STATUS_IGNORE);
+        all = all && done;
+      }
+      if (!all) std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    if (!all) {
+      for (MPI_Request* r : pending)
+        if (*r != MPI_REQUEST_NULL) MPI_Request_free(r);
+      static std::vector<std::vector<char>> kept_aborts;
+      static std::deque<SendState> kept_sends;
+      kept_aborts.push_back(std::move(abort_out_));
+      for (auto& u : unsent_) kept_sends.push_back(std::move(u));
+    }
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
   }
 
@@ -395,9 +418,10 @@ class MpiTransport : public Transport {
     }
   }
 
-  // An abort frame from any peer: raised now when this run needs that peer, otherwise kept and raised
-  // when the run times out or at the next run (the peer may have finished its part of this one).
-  void checkAbort(const Label& label) {
+  // An abort frame from any peer: raised now when this run needs that peer (receives from it, with
+  // `receiving_only`), otherwise kept and raised when the run times out or at the next run (the peer
+  // may have finished its part of this one).
+  void checkAbort(const Label& label, bool receiving_only = false) {
     if (abort_in_req_ == MPI_REQUEST_NULL) return;
     int flag = 0;
     MPI_Status st;
@@ -419,7 +443,7 @@ class MpiTransport : public Transport {
     Deferred d{peer, kind, std::move(msg)};
     postAbortRecv();  // the next one: a peer this run needs may fail after this one
     const auto& p = peers_[static_cast<size_t>(peer)];
-    if (!p.sends.empty() || !p.recvs.empty()) {
+    if ((!receiving_only && !p.sends.empty()) || !p.recvs.empty()) {
       deferred_ = std::move(d);
       raiseDeferred(label);
     }
@@ -439,9 +463,20 @@ class MpiTransport : public Transport {
   }
 
   [[noreturn]] void throwTimeout(const Label& label) {
-    if (deferred_) raiseDeferred(label);
-    throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                   label.timeout.count() / 1000.0, waitingFor()));
+    std::string msg = fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
+                                  label.timeout.count() / 1000.0, waitingFor());
+    // Ranks waiting on each other time out together. Tell the others at once, then wait a moment for
+    // the peers this rank receives from: the one that waited for the stuck rank names it.
+    abort(TimeoutError(msg));
+    const auto until = Clock::now() + std::chrono::milliseconds(500);
+    while (Clock::now() < until) {
+      {
+        std::lock_guard<std::mutex> g(mpiMutex());
+        checkAbort(label, /*receiving_only=*/true);
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    }
+    throw TimeoutError(msg);
   }
 
   [[noreturn]] void raiseDeferred(const Label& label) {
@@ -461,8 +496,9 @@ class MpiTransport : public Transport {
       MPI_Request_free(&r);
     };
     for (auto& p : peers_) {
-      for (auto& s : p.sends)
-        for (auto& r : s.reqs) drop(r, false);
+      // Sends cannot be cancelled: they stay posted (their headers with them) and the destructor gives
+      // them a moment to leave, as it does the abort frames.
+      for (auto& s : p.sends) unsent_.push_back(std::move(s));
       for (auto& r : p.recvs) {
         drop(r.hreq, true);
         for (auto& c : r.inflight) drop(c.req, true);
@@ -485,6 +521,7 @@ class MpiTransport : public Transport {
   int frame_tag_ = 0, abort_tag_ = 1;  // this group's (see the constructor); frames use one tag, aborts the next
   size_t chunk_ = kDefaultChunk;
   bool broken_ = false;
+  std::deque<SendState> unsent_;  // sends of a failed run (see cancelAll)
   std::vector<char> abort_in_;
   MPI_Request abort_in_req_ = MPI_REQUEST_NULL;
   std::vector<char> abort_out_;
