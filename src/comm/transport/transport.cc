@@ -119,6 +119,12 @@ void throwOfKind(ErrorKind k, const std::string& msg) {
   }
 }
 
+void throwPeerFailed(int self, const Label& label, int peer, ErrorKind kind, const std::string& msg,
+                     const std::string& waiting) {
+  throwOfKind(kind, fmt::format("[rank {}] {}: peer rank {} failed: {}{}", self, label.what, peer, msg,
+                                waiting.empty() ? "" : " (this rank was waiting for " + waiting + ")"));
+}
+
 uint64_t hashCounts(const std::vector<size_t>& counts) {
   uint64_t h = 1469598103934665603ull;  // FNV-1a over the counts' 8-byte little-endian values
   for (size_t c : counts) {

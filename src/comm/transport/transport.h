@@ -20,6 +20,8 @@
 #include <string>
 #include <vector>
 
+#include <fmt/format.h>
+
 #include "dtrain/comm/store.h"
 #include "dtrain/comm/types.h"
 
@@ -220,6 +222,24 @@ std::string hostId();
 enum class ErrorKind : uint32_t { io = 1, timeout = 2, protocol = 3, other = 4 };
 ErrorKind errorKindOf(const std::exception& e);
 [[noreturn]] void throwOfKind(ErrorKind k, const std::string& msg);
+// "rank 3 (10.0.0.2:41233) (recv), ...": the peers with ops still pending in the current run, for a
+// backend that keeps per-peer `sends` and `recvs` queues.
+template <class Peers>
+std::string waitingFor(const Transport& t, const Peers& peers) {
+  std::string waiting;
+  for (int i = 0; i < t.size(); ++i) {
+    const auto& p = peers[static_cast<size_t>(i)];
+    if (p.sends.empty() && p.recvs.empty()) continue;
+    waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", t.peerName(i),
+                           !p.recvs.empty() ? (!p.sends.empty() ? "send+recv" : "recv") : "send");
+  }
+  return waiting;
+}
+// The error for a peer's abort frame: "[rank r] <what>: peer rank p failed: <its message> (this rank was
+// waiting for ...)", of the kind the peer's error was.
+[[noreturn]] void throwPeerFailed(int self, const Label& label, int peer, ErrorKind kind, const std::string& msg,
+                                  const std::string& waiting);
+
 // Checks a received header against what this rank expected; throws ProtocolError naming the peer.
 // A collective whose fingerprint or sequence number differs is a mismatch naming both calls.
 // Abort frames are not handled here (callers check opcode == abort first).

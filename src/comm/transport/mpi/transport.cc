@@ -450,21 +450,9 @@ class MpiTransport : public Transport {
     if (!deferred_) deferred_ = std::move(d);
   }
 
-  // "rank 3 (MPI rank 3 on node1) (recv), ...": the peers the current run still needs.
-  std::string waitingFor() const {
-    std::string waiting;
-    for (int i = 0; i < size_; ++i) {
-      const auto& p = peers_[i];
-      if (p.sends.empty() && p.recvs.empty()) continue;
-      waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(i),
-                             !p.recvs.empty() ? (!p.sends.empty() ? "send+recv" : "recv") : "send");
-    }
-    return waiting;
-  }
-
   [[noreturn]] void throwTimeout(const Label& label) {
     std::string msg = fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                  label.timeout.count() / 1000.0, waitingFor());
+                                  label.timeout.count() / 1000.0, waitingFor(*this, peers_));
     // Ranks waiting on each other time out together. Tell the others at once, then wait a moment for
     // the peers this rank receives from: the one that waited for the stuck rank names it.
     abort(TimeoutError(msg));
@@ -482,9 +470,7 @@ class MpiTransport : public Transport {
   [[noreturn]] void raiseDeferred(const Label& label) {
     Deferred d = *deferred_;
     deferred_.reset();
-    std::string waiting = waitingFor();
-    throwOfKind(d.kind, fmt::format("[rank {}] {}: peer rank {} failed: {}{}", rank_, label.what, d.peer, d.msg,
-                                    waiting.empty() ? "" : " (this rank was waiting for " + waiting + ")"));
+    throwPeerFailed(rank_, label, d.peer, d.kind, d.msg, waitingFor(*this, peers_));
   }
 
   // After a failure: withdraws every pending receive and forgets every send (MPI cannot cancel a send;

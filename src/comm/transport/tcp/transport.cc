@@ -321,23 +321,10 @@ class TcpTransport : public Transport {
     throw IoError(fmt::format("[rank {}] {}: connection to {} lost: {}", rank_, label.what, peerName(i), why));
   }
 
-  // "rank 3 (10.0.0.2:41233) (recv), ...": the peers the current run still needs.
-  std::string waitingFor() const {
-    std::string waiting;
-    for (int i = 0; i < size_; ++i) {
-      if (i == rank_) continue;
-      const auto& p = peers_[i];
-      if (p.sends.empty() && p.recvs.empty()) continue;
-      waiting += fmt::format("{}{} ({})", waiting.empty() ? "" : ", ", peerName(i),
-                             !p.recvs.empty() ? (!p.sends.empty() ? "send+recv" : "recv") : "send");
-    }
-    return waiting;
-  }
-
   [[noreturn]] void throwTimeout(const Label& label) {
     if (deferred_) raiseDeferred(label);  // the root cause, rather than its consequence
     throw TimeoutError(fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
-                                   label.timeout.count() / 1000.0, waitingFor()));
+                                   label.timeout.count() / 1000.0, waitingFor(*this, peers_)));
   }
 
   bool pumpSend(int i, const Label& label) {
@@ -440,8 +427,7 @@ class TcpTransport : public Transport {
   }
 
   [[noreturn]] void raiseFrom(int i, ErrorKind kind, const std::string& msg, const Label& label) {
-    throwOfKind(kind, fmt::format("[rank {}] {}: peer rank {} failed: {} (this rank was waiting for {})", rank_,
-                                  label.what, i, msg, waitingFor()));
+    throwPeerFailed(rank_, label, i, kind, msg, waitingFor(*this, peers_));
   }
 
   [[noreturn]] void raiseAbort(int i, const Header& h, Deadline deadline, const Label& label) {
