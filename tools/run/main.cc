@@ -8,6 +8,7 @@
 #include <cstdio>
 #include <cstring>
 #include <stdexcept>
+#include <optional>
 #include <string>
 
 #include "dtrain/comm/error.h"
@@ -46,13 +47,67 @@ std::string newSecret() {
 }
 }  // namespace
 
+// The elastic options' values in seconds, converted by applyNnodes.
+struct ElasticSeconds {
+  double heartbeat = 5.0;
+  double last_call = 2.0;
+};
+
+void addElasticOptions(CLI::App& app, dtrain::run::Options& opts, ElasticSeconds& seconds) {
+  app.add_option("--rdzv-backend,--rdzv_backend", opts.rdzv_backend,
+                 "Elastic rendezvous store: c10d (dtrain-run's own, hosted on the endpoint's host) or etcd")
+      ->capture_default_str();
+  app.add_option("--rdzv-endpoint,--rdzv_endpoint", opts.rdzv_endpoint,
+                 "Elastic: HOST:PORT of the rendezvous store (c10d), or etcd's client URLs");
+  app.add_option("--rdzv-id,--rdzv_id", opts.rdzv_id, "Elastic: the job's id in the rendezvous store")
+      ->capture_default_str();
+  app.add_option("--heartbeat-timeout", seconds.heartbeat,
+                 "Elastic: a node whose agent sends no heartbeat for this many seconds is lost")
+      ->capture_default_str()
+      ->check(CLI::Range(0.1, 3600.0));
+  app.add_option("--last-call", seconds.last_call,
+                 "Elastic: once MIN nodes joined a round, wait this many seconds for more (up to MAX)")
+      ->capture_default_str()
+      ->check(CLI::Range(0.0, 3600.0));
+}
+
+// --nnodes N, or MIN:MAX (elastic), and the elastic options that go with it; an error message, or none.
+std::optional<std::string> applyNnodes(const std::string& text, const ElasticSeconds& seconds,
+                                       dtrain::run::Options& opts) {
+  opts.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(seconds.heartbeat * 1000.0 + 0.5));
+  opts.last_call = std::chrono::milliseconds(static_cast<int64_t>(seconds.last_call * 1000.0 + 0.5));
+  {
+    // --nnodes N, or MIN:MAX (elastic)
+    const auto colon = text.find(':');
+    try {
+      size_t used = 0;
+      if (colon == std::string::npos) {
+        opts.nnodes = std::stoi(text, &used);
+        if (used != text.size()) throw std::invalid_argument("trailing text");
+      } else {
+        opts.min_nodes = std::stoi(text.substr(0, colon), &used);
+        if (used != colon) throw std::invalid_argument("trailing text");
+        const std::string max = text.substr(colon + 1);
+        opts.max_nodes = std::stoi(max, &used);
+        if (used != max.size()) throw std::invalid_argument("trailing text");
+        if (opts.rdzv_backend.empty()) opts.rdzv_backend = "c10d";
+      }
+    } catch (const std::exception&) {
+      return std::string("--nnodes '" + text + "': expected a number of nodes, or MIN:MAX");
+    }
+    if (colon == std::string::npos && !opts.rdzv_endpoint.empty())
+      return std::string("--rdzv-endpoint is for elastic jobs: give --nnodes MIN:MAX");
+  }
+  return std::nullopt;
+}
+
 int main(int argc, char** argv) {
   dtrain::run::Options opts;
   double grace_seconds = 5.0;
 
   CLI::App app{
       "dtrain-run --nproc-per-node N [--nnodes M --node-rank R --master-addr HOST --master-port PORT\n"
-      "           | --standalone] [OPTIONS] PROGRAM [ARGS...]\n\n"
+      "           | --nnodes MIN:MAX --rdzv-endpoint ENDPOINT | --standalone] [OPTIONS] PROGRAM [ARGS...]\n\n"
       "Runs PROGRAM in --nproc-per-node processes on this node with torchrun's environment (RANK,\n"
       "LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT, ...). Node 0 hosts the rendezvous store.\n"
       "When a process fails, the others are stopped and the group is restarted (--max-restarts)\n"
@@ -67,22 +122,8 @@ int main(int argc, char** argv) {
                                 "docs/CLUSTER.md): rounds of MIN to MAX nodes, re-formed when a node is lost\n"
                                 "or joins")
                      ->capture_default_str();
-  app.add_option("--rdzv-backend,--rdzv_backend", opts.rdzv_backend,
-                 "Elastic rendezvous store: c10d (dtrain-run's own, hosted on the endpoint's host) or etcd")
-      ->capture_default_str();
-  app.add_option("--rdzv-endpoint,--rdzv_endpoint", opts.rdzv_endpoint,
-                 "Elastic: HOST:PORT of the rendezvous store (c10d), or etcd's client URLs");
-  app.add_option("--rdzv-id,--rdzv_id", opts.rdzv_id, "Elastic: the job's id in the rendezvous store")
-      ->capture_default_str();
-  double heartbeat_seconds = 5.0, last_call_seconds = 2.0;
-  app.add_option("--heartbeat-timeout", heartbeat_seconds,
-                 "Elastic: a node whose agent sends no heartbeat for this many seconds is lost")
-      ->capture_default_str()
-      ->check(CLI::Range(0.1, 3600.0));
-  app.add_option("--last-call", last_call_seconds,
-                 "Elastic: once MIN nodes joined a round, wait this many seconds for more (up to MAX)")
-      ->capture_default_str()
-      ->check(CLI::Range(0.0, 3600.0));
+  ElasticSeconds elastic;
+  addElasticOptions(app, opts, elastic);
   auto* node_rank =
       app.add_option("--node-rank,--node_rank", opts.node_rank, "This node's rank")->capture_default_str();
   auto* addr =
@@ -139,30 +180,7 @@ int main(int argc, char** argv) {
     return usageError("unknown option " + opts.command.front());
   }
   opts.prefix_output = !no_prefix;
-  opts.heartbeat_timeout = std::chrono::milliseconds(static_cast<int64_t>(heartbeat_seconds * 1000.0 + 0.5));
-  opts.last_call = std::chrono::milliseconds(static_cast<int64_t>(last_call_seconds * 1000.0 + 0.5));
-  {
-    // --nnodes N, or MIN:MAX (elastic)
-    const auto colon = nnodes_text.find(':');
-    try {
-      size_t used = 0;
-      if (colon == std::string::npos) {
-        opts.nnodes = std::stoi(nnodes_text, &used);
-        if (used != nnodes_text.size()) throw std::invalid_argument("trailing text");
-      } else {
-        opts.min_nodes = std::stoi(nnodes_text.substr(0, colon), &used);
-        if (used != colon) throw std::invalid_argument("trailing text");
-        const std::string max = nnodes_text.substr(colon + 1);
-        opts.max_nodes = std::stoi(max, &used);
-        if (used != max.size()) throw std::invalid_argument("trailing text");
-        if (opts.rdzv_backend.empty()) opts.rdzv_backend = "c10d";
-      }
-    } catch (const std::exception&) {
-      return usageError("--nnodes '" + nnodes_text + "': expected a number of nodes, or MIN:MAX");
-    }
-    if (colon == std::string::npos && !opts.rdzv_endpoint.empty())
-      return usageError("--rdzv-endpoint is for elastic jobs: give --nnodes MIN:MAX");
-  }
+  if (auto error = applyNnodes(nnodes_text, elastic, opts)) return usageError(*error);
   opts.grace_period = std::chrono::milliseconds(static_cast<int64_t>(grace_seconds * 1000.0 + 0.5));
   opts.hang_timeout = std::chrono::milliseconds(static_cast<int64_t>(hang_seconds * 1000.0 + 0.5));
 
