@@ -30,8 +30,6 @@ ElasticRendezvous::ElasticRendezvous(std::shared_ptr<comm::Store> store, Elastic
     throw InvalidArgument(fmt::format("--nnodes {}:{}: expected 1 <= MIN <= MAX", opts_.min_nodes, opts_.max_nodes));
 }
 
-std::string ElasticRendezvous::key(const std::string& k) const { return k; }
-
 int64_t ElasticRendezvous::current() {
   if (store_->check({"failed"})) {
     throw Error(fmt::format("elastic rendezvous: the job failed: {}", comm::toString(store_->get("failed"))));

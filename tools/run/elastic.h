@@ -84,7 +84,6 @@ class ElasticRendezvous {
   const ElasticOptions& options() const { return opts_; }
 
  private:
-  std::string key(const std::string& k) const;
   int64_t current();
   bool waitForClose(int64_t k, int64_t me, int64_t& size);
   bool waitForNextRound(int64_t k);  // false: the round finished the job

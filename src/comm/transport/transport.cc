@@ -119,6 +119,26 @@ void throwOfKind(ErrorKind k, const std::string& msg) {
   }
 }
 
+Header frameHeader(const Label& label, uint32_t tag, uint64_t length) {
+  Header h;
+  h.opcode = static_cast<uint16_t>(label.op);
+  h.seq = label.seq;
+  h.tag = tag;
+  h.length = length;
+  h.fp = label.fp;
+  return h;
+}
+
+Header abortHeader(const std::exception& why, std::string& msg) {
+  msg = why.what();
+  if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
+  Header h;
+  h.opcode = static_cast<uint16_t>(OpCode::abort);
+  h.tag = static_cast<uint32_t>(errorKindOf(why));
+  h.length = msg.size();
+  return h;
+}
+
 void throwPeerFailed(int self, const Label& label, int peer, ErrorKind kind, const std::string& msg,
                      const std::string& waiting) {
   throwOfKind(kind, fmt::format("[rank {}] {}: peer rank {} failed: {}{}", self, label.what, peer, msg,

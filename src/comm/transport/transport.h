@@ -15,6 +15,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <memory>
 #include <string>
@@ -222,6 +223,17 @@ std::string hostId();
 enum class ErrorKind : uint32_t { io = 1, timeout = 2, protocol = 3, other = 4 };
 ErrorKind errorKindOf(const std::exception& e);
 [[noreturn]] void throwOfKind(ErrorKind k, const std::string& msg);
+// The header of a frame this rank sends in the run `label` describes (op, sequence, its call).
+Header frameHeader(const Label& label, uint32_t tag, uint64_t length);
+// The header of an abort frame carrying `why`; `msg` gets its message, cut to kMaxAbortMessage.
+Header abortHeader(const std::exception& why, std::string& msg);
+// A peer's failure as its abort frame told it, kept until this rank needs that peer (throwPeerFailed).
+struct PeerFailure {
+  int peer;
+  ErrorKind kind;
+  std::string msg;
+};
+
 // "rank 3 (10.0.0.2:41233) (recv), ...": the peers with ops still pending in the current run, for a
 // backend that keeps per-peer `sends` and `recvs` queues.
 template <class Peers>

@@ -151,18 +151,7 @@ class MpiTransport : public Transport {
     for (auto& r : abort_out_reqs_) pending.push_back(&r);
     for (auto& u : unsent_)
       for (auto& r : u.reqs) pending.push_back(&r);
-    const auto until = Clock::now() + std::chrono::seconds(2);
-    bool all = false;
-    while (!all && Clock::now() < until) {
-      all = true;
-      for (MPI_Request* r : pending) {
-        int done = 1;
-        if (*r != MPI_REQUEST_NULL) MPI_Test(r, &done, MPI_STATUS_IGNORE);
-        all = all && done;
-      }
-      if (!all) std::this_thread::sleep_for(std::chrono::microseconds(200));
-    }
-    if (!all) {
+    if (!completeWithin(pending, std::chrono::seconds(2))) {
       for (MPI_Request* r : pending)
         if (*r != MPI_REQUEST_NULL) MPI_Request_free(r);
       static std::vector<std::vector<char>> kept_aborts;
@@ -209,12 +198,8 @@ class MpiTransport : public Transport {
 
   void abort(const std::exception& why) noexcept override {
     try {
-      std::string msg = why.what();
-      if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
-      Header h;
-      h.opcode = static_cast<uint16_t>(OpCode::abort);
-      h.tag = static_cast<uint32_t>(errorKindOf(why));
-      h.length = msg.size();
+      std::string msg;
+      const Header h = abortHeader(why, msg);
       std::lock_guard<std::mutex> g(mpiMutex());
       if (comm_ == MPI_COMM_NULL || !abort_out_.empty()) return;  // told them already
       abort_out_.resize(sizeof h + msg.size());
@@ -227,12 +212,9 @@ class MpiTransport : public Transport {
                   &abort_out_reqs_[static_cast<size_t>(i)]);
       }
       // Small messages go eagerly; give them a moment to leave before the caller moves on.
-      const auto until = Clock::now() + std::chrono::milliseconds(500);
-      int all = 0;
-      while (!all && Clock::now() < until) {
-        MPI_Testall(size_, abort_out_reqs_.data(), &all, MPI_STATUSES_IGNORE);
-        if (!all) std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
+      std::vector<MPI_Request*> reqs;
+      for (auto& r : abort_out_reqs_) reqs.push_back(&r);
+      completeWithin(reqs, std::chrono::milliseconds(500));
     } catch (...) {
     }
   }
@@ -288,6 +270,22 @@ class MpiTransport : public Transport {
     }
   }
 
+  // Tests the requests until all completed (true) or `patience` passed (false). mpiMutex() held.
+  static bool completeWithin(const std::vector<MPI_Request*>& reqs, Clock::duration patience) {
+    const auto until = Clock::now() + patience;
+    for (;;) {
+      bool all = true;
+      for (MPI_Request* r : reqs) {
+        int done = 1;
+        if (*r != MPI_REQUEST_NULL) MPI_Test(r, &done, MPI_STATUS_IGNORE);
+        all = all && done;
+      }
+      if (all) return true;
+      if (Clock::now() >= until) return false;
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
   void check(int rc, int peer, const Label& label, const char* call) {
     if (rc == MPI_SUCCESS) return;
     throw IoError(fmt::format("[rank {}] {}: {} with {} failed: {}", rank_, label.what, call, peerName(peer),
@@ -302,11 +300,7 @@ class MpiTransport : public Transport {
 
   void postSend(Op& op, const Label& label) {
     auto& s = peers_[op.peer].sends.emplace_back();
-    s.h.opcode = static_cast<uint16_t>(label.op);
-    s.h.seq = label.seq;
-    s.h.tag = op.tag;
-    s.h.length = op.bytes;
-    s.h.fp = label.fp;
+    s.h = frameHeader(label, op.tag, op.bytes);
     s.reqs.reserve(1 + (op.bytes + chunk_ - 1) / chunk_);
     s.reqs.push_back(MPI_REQUEST_NULL);
     check(MPI_Isend(&s.h, sizeof(Header), MPI_BYTE, op.peer, frame_tag_, comm_, &s.reqs.back()), op.peer, label,
@@ -440,7 +434,7 @@ class MpiTransport : public Transport {
       }
     }
     const int peer = st.MPI_SOURCE;
-    Deferred d{peer, kind, std::move(msg)};
+    PeerFailure d{peer, kind, std::move(msg)};
     postAbortRecv();  // the next one: a peer this run needs may fail after this one
     const auto& p = peers_[static_cast<size_t>(peer)];
     if ((!receiving_only && !p.sends.empty()) || !p.recvs.empty()) {
@@ -468,7 +462,7 @@ class MpiTransport : public Transport {
   }
 
   [[noreturn]] void raiseDeferred(const Label& label) {
-    Deferred d = *deferred_;
+    PeerFailure d = *deferred_;
     deferred_.reset();
     throwPeerFailed(rank_, label, d.peer, d.kind, d.msg, waitingFor(*this, peers_));
   }
@@ -494,12 +488,7 @@ class MpiTransport : public Transport {
     }
   }
 
-  struct Deferred {
-    int peer;
-    ErrorKind kind;
-    std::string msg;
-  };
-  std::optional<Deferred> deferred_;
+  std::optional<PeerFailure> deferred_;
   std::vector<Peer> peers_;
   std::vector<int> world_;          // each group rank's MPI_COMM_WORLD rank
   std::vector<std::string> names_;  // and its processor name

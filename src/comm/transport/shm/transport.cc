@@ -267,13 +267,7 @@ class ShmTransport : public Transport, public Staging {
     bool header_ok = false;
     void start(Op* o, const Label& label, bool send) {
       op = o;
-      if (send) {
-        h.opcode = static_cast<uint16_t>(label.op);
-        h.seq = label.seq;
-        h.tag = o->tag;
-        h.length = o->bytes;
-        h.fp = label.fp;
-      }
+      if (send) h = frameHeader(label, o->tag, o->bytes);
       total = sizeof(Header) + roundUp(o->bytes, 8);
     }
     bool finished() const { return op && done == total; }

@@ -194,11 +194,7 @@ class TcpTransport : public Transport {
       if (op.kind == Op::kSend) {
         SendState s;
         s.op = &op;
-        s.h.opcode = static_cast<uint16_t>(label.op);
-        s.h.seq = label.seq;
-        s.h.tag = op.tag;
-        s.h.length = op.bytes;
-        s.h.fp = label.fp;
+        s.h = frameHeader(label, op.tag, op.bytes);
         p.sends.push_back(s);
       } else {
         RecvState r;
@@ -269,12 +265,8 @@ class TcpTransport : public Transport {
   }
 
   void abort(const std::exception& why) noexcept override {
-    std::string msg = why.what();
-    if (msg.size() > kMaxAbortMessage) msg.resize(kMaxAbortMessage);
-    Header h;
-    h.opcode = static_cast<uint16_t>(OpCode::abort);
-    h.tag = static_cast<uint32_t>(errorKindOf(why));
-    h.length = msg.size();
+    std::string msg;
+    Header h = abortHeader(why, msg);
     for (int i = 0; i < size_; ++i) {
       if (i == rank_ || !peers_[i].sock.valid() || peers_[i].send_partial) continue;
       iovec iov[2] = {{&h, sizeof h}, {msg.data(), msg.size()}};
@@ -435,7 +427,7 @@ class TcpTransport : public Transport {
   }
 
   [[noreturn]] void raiseDeferred(const Label& label) {
-    Deferred d = *deferred_;
+    PeerFailure d = *deferred_;
     deferred_.reset();
     raiseFrom(d.peer, d.kind, d.msg, label);
   }
@@ -500,16 +492,11 @@ class TcpTransport : public Transport {
       return;
     peers_[i].sock.recvAll(&h, sizeof h, deadline);
     std::string msg = readAbort(i, h, deadline, label);
-    if (!deferred_) deferred_ = Deferred{i, static_cast<ErrorKind>(h.tag), std::move(msg)};
+    if (!deferred_) deferred_ = PeerFailure{i, static_cast<ErrorKind>(h.tag), std::move(msg)};
     peers_[i].send_partial = true;  // it sends nothing more; neither do we
   }
 
-  struct Deferred {
-    int peer;
-    ErrorKind kind;
-    std::string msg;
-  };
-  std::optional<Deferred> deferred_;
+  std::optional<PeerFailure> deferred_;
   std::vector<Peer> peers_;
   size_t staging_bytes_;
   uint64_t nonce_ = 0;
