@@ -53,7 +53,7 @@ Round ElasticRendezvous::join() {
       continue;
     }
     const int64_t me = store_->add(r + "count", 1) - 1;
-    store_->set(fmt::format("{}node/{}", r, me), comm::toBytes(opts_.node_id + " " + opts_.address));
+    store_->set(fmt::format("{}node/{}", r, me), comm::toBytes(opts_.node_id + " " + opts_.address + " " + opts_.snapshot_store));
     int64_t size = 0;
     if (!waitForClose(k, me, size)) continue;  // another round began meanwhile
     if (me >= size) {
@@ -61,9 +61,12 @@ Round ElasticRendezvous::join() {
       if (!waitForNextRound(k)) throw JobFinished{};
       continue;
     }
-    round_ = Round{k, static_cast<int>(me), static_cast<int>(size), {}};
+    round_ = Round{k, static_cast<int>(me), static_cast<int>(size), {}, {}};
     for (int64_t i = 0; i < size; ++i) {
-      round_.nodes.push_back(comm::toString(store_->get(fmt::format("{}node/{}", r, i))));
+      const std::string rec = comm::toString(store_->get(fmt::format("{}node/{}", r, i)));
+      const auto last = rec.rfind(' ');
+      round_.nodes.push_back(rec.substr(0, last));
+      round_.snapshot_stores.push_back(rec.substr(last + 1));
     }
     seen_.clear();
     const auto now = Clock::now();

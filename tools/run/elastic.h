@@ -7,7 +7,7 @@
 // Keys (under the job's prefix of the rendezvous store; integers are decimal text, as add() keeps them):
 //   round             the current round number k (add); the next is agreed with compareSet(k -> k+1)
 //   r<k>/count        agents that asked to join round k (add); the i-th to ask is participant i
-//   r<k>/node/<i>     participant i's id and address ("id addr")
+//   r<k>/node/<i>     participant i's id, address and snapshot store ("id addr host:port")
 //   r<k>/closed       the round's size N once it closed (compareSet from missing: one value wins).
 //                     Participants i >= N came late and wait for round k+1 (which they cause when N < MAX)
 //   r<k>/hb/<i>       participant i's heartbeat counter (add); a counter that stops moving for the
@@ -38,6 +38,7 @@ struct ElasticOptions {
   int max_nodes = 1;
   std::string node_id;   // unique in the job (default: hostname and pid)
   std::string address;   // where this node's agent can be reached (its round store, if participant 0)
+  std::string snapshot_store;  // host:port of this agent's store of in-memory snapshots
   std::chrono::milliseconds heartbeat{500};
   std::chrono::milliseconds heartbeat_timeout{5000};
   std::chrono::milliseconds last_call{2000};        // after MIN nodes joined, wait this long for more
@@ -49,6 +50,7 @@ struct Round {
   int node_rank = 0;  // this node's place in the round
   int nnodes = 0;
   std::vector<std::string> nodes;  // "id addr" of each node, by node rank
+  std::vector<std::string> snapshot_stores;  // each node's snapshot store (host:port), by node rank
 };
 
 class ElasticRendezvous {

@@ -94,6 +94,8 @@ int Launcher::runElastic() {
   eo.heartbeat = std::max(std::chrono::milliseconds(100), opts_.heartbeat_timeout / 10);
   eo.last_call = opts_.last_call;
   eo.address = routeTo(rdzvHost(opts_));
+  snapshot_store_ = std::make_unique<comm::TcpStoreServer>(eo.address, 0, opts_.secret);
+  eo.snapshot_store = fmt::format("{}:{}", eo.address, snapshot_store_->port());
   ElasticRendezvous rdzv(rdzv_store_, eo);
   say("elastic: node {} at {} joins job '{}' ({}:{} nodes, rendezvous {} {})", eo.node_id, eo.address, opts_.rdzv_id,
       eo.min_nodes, eo.max_nodes, opts_.rdzv_backend, opts_.rdzv_endpoint);
@@ -115,6 +117,7 @@ int Launcher::runElastic() {
     opts_.nnodes = rd.nnodes;
     opts_.node_rank = rd.node_rank;
     opts_.master_addr = mhost;
+    opts_.snapshot_stores = fmt::format("{}", fmt::join(rd.snapshot_stores, ","));
     master_port_ = static_cast<uint16_t>(mport);
     say("round {}: {} node(s), world size {}; this node is node {}", rd.number, rd.nnodes,
         rd.nnodes * opts_.nproc_per_node, rd.node_rank);

@@ -344,6 +344,10 @@ Launcher::~Launcher() = default;
 
 int Launcher::run() {
   if (opts_.elastic()) return runElastic();
+  if (opts_.nnodes == 1) {  // restarted workers can resume from the snapshots this agent keeps
+    snapshot_store_ = std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0, opts_.secret);
+    opts_.snapshot_stores = fmt::format("127.0.0.1:{}", snapshot_store_->port());
+  }
   for (int restart = 0;; ++restart) {
     Outcome o = runOnce(restart);
     if (!o.restartable) return o.exit_code;
@@ -379,6 +383,7 @@ std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::
   // dtrain's library makes stdout line-buffered when this is 1 (src/comm/rendezvous/init.cc).
   if (!std::getenv("DTRAIN_LINE_BUFFERED")) common["DTRAIN_LINE_BUFFERED"] = "1";
   if (o.job_secret) common["DTRAIN_SECRET"] = o.secret;  // (made by --job-secret)
+  if (!o.snapshot_stores.empty()) common["DTRAIN_SNAPSHOT_STORES"] = o.snapshot_stores;
 
   const StreamSpec redirects = parseStreamSpec("--redirects", o.redirects);
   const StreamSpec tee = parseStreamSpec("--tee", o.tee);

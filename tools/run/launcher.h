@@ -61,6 +61,10 @@ struct Options {
   std::chrono::milliseconds heartbeat_timeout{5000};
   std::chrono::milliseconds last_call{2000};
   bool elastic() const { return min_nodes > 0; }
+
+  // The agents' stores of in-memory snapshots (dtrain/snapshot.h), "host:port,..." by node, given to
+  // the workers as DTRAIN_SNAPSHOT_STORES: elastic rounds' nodes, or this agent's alone on one node.
+  std::string snapshot_stores;
 };
 
 // Checks the combinations a parser cannot see alone; throws dtrain::InvalidArgument naming the problem.
@@ -99,6 +103,8 @@ class Launcher {
   // Declared before the store so that the store's thread starts with the launcher's signals blocked.
   std::unique_ptr<SignalWatcher> signals_;
   std::unique_ptr<comm::TcpStoreServer> store_;
+  // This agent's store of its workers' in-memory snapshots: it outlives their restarts and rounds.
+  std::unique_ptr<comm::TcpStoreServer> snapshot_store_;
   uint16_t master_port_ = 0;  // what workers are told: the store's real port when it picked one
   std::string run_log_dir_;   // this run's log directory, when anything is redirected or teed
   std::string flight_dir_;    // --hang-timeout: where the workers' dumps go (attempt_<restart>/ below)

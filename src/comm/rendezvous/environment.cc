@@ -29,6 +29,8 @@ constexpr const char* kVariables[] = {
     "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME",
     // the job secret connections prove (src/comm/net/auth.cc)
     "DTRAIN_SECRET", "DTRAIN_SECRET_FILE",
+    // the dtrain-run agents' stores of in-memory snapshots (dtrain/snapshot.h)
+    "DTRAIN_SNAPSHOT_STORES",
     // the allreduce algorithm (collectives/select.cc); DTRAIN_HOST_ID is a test hook (prepended to this
     // host's id, so ranks on one machine can pretend to be on different hosts: transport::hostId())
     "DTRAIN_ALGO", "DTRAIN_HOST_ID",
