@@ -31,8 +31,9 @@
 // A snapshot is identified by the round that took it (DTRAIN_RESTART_COUNT) and its step; it is
 // complete when the parts of all its world size's ranks can be read from the stores reachable now. The
 // newest complete one wins (greatest step, then round). Each writer keeps its two newest snapshots per
-// store and deletes older ones, so a failure in the middle of a send leaves the previous one whole.
-// Memory per agent: two snapshots of each rank that writes to it (replicated: two states per node).
+// store and deletes older ones, so a failure in the middle of a send leaves the previous one whole;
+// loadLatest() deletes every snapshot but the one it chose (the others cannot become complete). Memory
+// per agent: that one, plus two snapshots of each rank that writes to it (replicated: two states per node).
 //
 // Where the stores are: DTRAIN_SNAPSHOT_STORES, "host:port,host:port,..." by node (dtrain-run sets it
 // for its workers; each agent serves one store, authenticated with the job secret when there is one);
@@ -95,7 +96,7 @@ class PeerSnapshots {
   void flush();
 
   // Collective over the world: the newest complete snapshot of the stores reachable now (every rank gets
-  // the same one: rank 0 chooses), or nullopt when there is none. Parts of another world size are
+  // the same one: rank 0 chooses, and deletes the others), or nullopt when there is none. Parts of another world size are
   // returned as they are. Error naming the store when one that holds a chosen part cannot be read.
   std::optional<Snapshot> loadLatest();
 

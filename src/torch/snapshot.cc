@@ -168,10 +168,24 @@ struct PeerSnapshots::Impl {
     return out;
   }
 
-  // Rank 0's choice: {found, round, step, world, store of part 0, ..., store of part world-1}.
+  // Rank 0's choice: {found, round, step, world, store of part 0, ..., store of part world-1}. Every
+  // other snapshot in the stores is deleted: none can become complete or newer (their writers are gone),
+  // so the stores hold the chosen one and what this round's writers add.
   std::vector<int64_t> choose() {
+    const auto entries = list();
+    auto out = pick(entries);
+    for (const auto& e : entries) {
+      if (out[0] == 1 && e.round == out[1] && e.step == out[2] && e.world == out[3]) continue;
+      comm::Store& s = store(e.store);
+      s.deleteKey(dataKey(e.round, e.part, e.step));
+      s.deleteKey(fmt::format("snap/e/{}", e.seq));
+    }
+    return out;
+  }
+
+  std::vector<int64_t> pick(const std::vector<Entry>& entries) const {
     std::map<std::tuple<int64_t, int64_t, int>, std::map<int, int>> found;  // (step, round, world) -> part -> store
-    for (const auto& e : list()) {
+    for (const auto& e : entries) {
       auto& parts = found[{e.step, e.round, e.world}];
       // Prefer this rank's own node's store, then the lowest index.
       auto it = parts.find(e.part);

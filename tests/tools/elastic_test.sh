@@ -1,20 +1,25 @@
 #!/usr/bin/env bash
 # Elastic membership on the emulated cluster (scripts/cluster.sh): MIL-NCE training with
 # `dtrain-run --nnodes 2:4` on 3 hosts x 1 process, the rendezvous store hosted by host 0's agent
-# (--rdzv-backend c10d), checkpoints every 5 steps, each rank logging the samples it reads.
+# (--rdzv-backend c10d), disk checkpoints and peer-memory snapshots (dtrain/snapshot.h) every 5 steps,
+# each rank logging the samples it reads.
 #   kill: host 2 (every process of it, agent included) is killed mid-run; the survivors form a new
 #         round within 30 s, resume from the newest checkpoint at world size 2 (global batch kept) and
 #         finish;
 #   cut:  host 1's link is cut instead (no connection reset arrives); the same, within 30 s (the
 #         heartbeat timeout, not the collective timeout);
 #   join: a fourth host added mid-run joins at the next round, and training finishes on 4;
-#   etcd: the rendezvous store is etcd (--rdzv-backend etcd), run on a host of its own, and host 0 (the
-#         first node, which also hosts the round's worker store) is killed: the survivors go on.
+#   etcd: ZeRO stage 2 (milnce --zero 2: sharded gradients and optimizer state), the rendezvous store
+#         is etcd (--rdzv-backend etcd), run on a host of its own, and host 0 (the first node, which also
+#         hosts the round's worker store) is killed: the survivors go on from the peer-memory snapshot
+#         (host 0's shard survives in host 1's agent), resharded to 2 ranks;
+#   memory: no disk checkpoints at all (--no-checkpoints): host 2 is killed and the survivors resume
+#         from the peer-memory snapshot.
 # After each: every epoch's committed steps read each sample once, at most 5 steps were lost, and the
-# held-out accuracy (mean of R@1/5/10) is within 1 point of an uninterrupted 3-process run
-# (tests/tools/elastic_check.py).
+# held-out accuracy (mean of R@1/5/10) is within 1 point of an uninterrupted 3-process run with the
+# same settings (tests/tools/elastic_check.py).
 #
-#   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|etcd|join ...]   (default: all four)
+#   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|etcd|memory|join ...]   (default: all)
 #
 # Needs root (network namespaces). Everything is bounded and the rig is always taken down (EXIT trap).
 set -euo pipefail
@@ -23,7 +28,7 @@ src=$(cd "${1:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
 bin=$(cd "${2:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
 shift 2
 scenarios=("$@")
-((${#scenarios[@]})) || scenarios=(kill cut etcd join)
+((${#scenarios[@]})) || scenarios=(kill cut etcd memory join)
 
 fail() { echo "FAIL: $*" >&2; exit 1; }
 [[ $(id -u) -eq 0 ]] || fail "needs root (network namespaces): run as root, as CI does"
@@ -53,10 +58,20 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 timeout 60 "$bin/milnce" gen-data --out data --videos 600 --eval-videos 60 --seed 5 >gen.log 2>&1 ||
   { cat gen.log; fail "milnce gen-data failed"; }
 # Global batch 24 = 2 x 3 ranks x accum 4 = 2 x 2 x 6 = 2 x 4 x 3: the same at every size the job takes.
-train=(train --data "$work/data" --epochs 30 --batch 2 --accum 4 --checkpoint-every 5 --no-progress --log-samples)
-timeout 200 "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" --out "$work/ref" >ref.log 2>&1 ||
-  { tail -20 ref.log; fail "the uninterrupted reference run failed"; }
-echo "elastic_test: reference (uninterrupted, 3 ranks): $(grep 'after training' ref.log)"
+train=(train --data "$work/data" --epochs 30 --batch 2 --accum 4 --no-progress --log-samples --snapshot-every 5)
+# What each scenario adds: disk checkpoints or none; ZeRO stage 2 or DDP.
+declare -A extra=([kill]="--checkpoint-every 5" [cut]="--checkpoint-every 5" [join]="--checkpoint-every 5"
+                  [etcd]="--checkpoint-every 5 --zero 2" [memory]="--no-checkpoints")
+# The uninterrupted references: DDP, and ZeRO stage 2 when the etcd scenario runs.
+reference() {
+  local name=$1
+  shift
+  timeout 200 "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" "$@" --out "$work/$name" \
+    >"$name.log" 2>&1 || { tail -20 "$name.log"; fail "the uninterrupted reference run $name failed"; }
+  echo "elastic_test: reference $name (uninterrupted, 3 ranks): $(grep 'after training' "$name.log")"
+}
+reference ref
+[[ " ${scenarios[*]} " == *" etcd "* ]] && reference ref-zero2 --zero 2
 
 # Hosts 0-2 train; host 3 runs etcd (outside the hosts that are killed); join adds host 4.
 cluster up --name "$rig" --hosts 4 --gbit 10 --no-rate-check --owner $$ >/dev/null
@@ -78,14 +93,14 @@ agent() {
   [[ $s == etcd ]] && rdzv=(--rdzv-backend etcd --rdzv-endpoint "$etcd_url")
   cluster exec "$rig" "$h" -- timeout 240 "$bin/dtrain-run" --nnodes 2:4 "${rdzv[@]}" \
     --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout 3 --last-call 1 \
-    "$bin/milnce" "${train[@]}" --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
+    "$bin/milnce" "${train[@]}" ${extra[$s]} --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
   pids[$h]=$!
 }
-# Waits (bounded) until the run has written N checkpoints.
-wait_checkpoints() {
+# Waits (bounded) until rank 0 has begun optimizer step N (its samples log says so).
+wait_step() {
   local s=$1 n=$2 deadline=$((SECONDS + 120))
-  until (($(find "$work/$s/run/checkpoints" -name 'ckpt-*' 2>/dev/null | wc -l) >= n)); do
-    ((SECONDS < deadline)) || fail "$s: fewer than $n checkpoints after 120 s"
+  until grep -q "^epoch [0-9]* step $n:" "$work/$s/run/samples-rank0.txt" 2>/dev/null; do
+    ((SECONDS < deadline)) || fail "$s: rank 0 did not reach step $n within 120 s"
     sleep 0.2
   done
 }
@@ -118,7 +133,7 @@ for s in "${scenarios[@]}"; do
   agent "$s" 1
   agent "$s" 2
   wait_line "$s" "round 0: 3 node" 60 >/dev/null
-  wait_checkpoints "$s" 4
+  wait_step "$s" 23
   t0=$(date +%s.%N)
   case $s in
     kill)
@@ -130,11 +145,14 @@ for s in "${scenarios[@]}"; do
     etcd)
       cluster kill-host "$rig" 0
       survivors=(1 2) ;;
+    memory)
+      cluster kill-host "$rig" 2
+      survivors=(0 1) ;;
     join)
       h=$(cluster add-host "$rig")
       agent "$s" "$h"
       survivors=(0 1 2 "$h") ;;
-    *) fail "unknown scenario $s (kill, cut or join)" ;;
+    *) fail "unknown scenario $s (kill, cut, etcd, memory or join)" ;;
   esac
   want="round 1: ${#survivors[@]} node"
   took=$(wait_line "$s" "$want" 30) || exit 1
@@ -146,8 +164,16 @@ for s in "${scenarios[@]}"; do
     ((rc != 0)) || fail "cut: host 1's agent exited with 0 although its link was cut"
     cluster restore "$rig" 1
   fi
-  grep -h "after training\|resumed from" "$work/$s"/h*.log | sed "s/^/  $s: /"
-  /usr/bin/python3 "$src/tests/tools/elastic_check.py" "$work/$s/run" "$work/ref" 600 5 |
+  grep -h "after training\|resumed from\|peer snapshots:" "$work/$s"/h*.log | sed "s/^/  $s: /"
+  if [[ $s == etcd || $s == memory ]]; then  # the new round restored from the agents' memory
+    grep -q "resumed from peer memory" "$work/$s"/h*.log || fail "$s: no 'resumed from peer memory' in the logs"
+  fi
+  if [[ $s == memory && -e $work/$s/run/checkpoints ]]; then
+    fail "memory: $work/$s/run/checkpoints exists although the run wrote no disk checkpoints"
+  fi
+  reference=ref
+  [[ $s == etcd ]] && reference=ref-zero2
+  /usr/bin/python3 "$src/tests/tools/elastic_check.py" "$work/$s/run" "$work/$reference" 600 5 |
     sed "s/^/  $s: /"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "$s: elastic_check failed"
   echo "elastic_test: $s: ok"

@@ -168,11 +168,26 @@ TEST(PeerSnapshots, ALaterRoundsSnapshotWinsAndOldOnesAreDeleted) {
     EXPECT_EQ(snap->world_size, 1);
     expectState(snap->parts[0], 0, 6);
   });
-  // Each writer kept its two newest per store: steps 1-4 of round 0 are gone.
+  // Round 0's writers kept their two newest per store (steps 5 and 6); round 1's load deleted all but the
+  // snapshot it chose (step 6 of round 0), round 2's all but round 1's.
   comm::TcpStore store("127.0.0.1", agents.servers[0]->port(), std::chrono::seconds(5));
-  EXPECT_FALSE(store.check({"snap/d/0/0/4"}));
-  EXPECT_TRUE(store.check({"snap/d/0/0/5"}));
-  EXPECT_TRUE(store.check({"snap/d/0/1/6"}));  // rank 1's copy, on its next node
+  for (const char* gone : {"snap/d/0/0/4", "snap/d/0/0/5", "snap/d/0/0/6", "snap/d/0/1/6"})
+    EXPECT_FALSE(store.check({gone})) << gone;
+  EXPECT_TRUE(store.check({"snap/d/1/0/6"}));
+}
+
+TEST(PeerSnapshots, WritersKeepTheirTwoNewest) {
+  Agents agents(2);
+  runRound(2, 0, agents.list({0, 1}), false, [](int rank, const Distributed&, PeerSnapshots& s) {
+    for (int64_t step = 1; step <= 5; ++step) s.save(stateOf(rank, step));
+  });
+  comm::TcpStore store("127.0.0.1", agents.servers[1]->port(), std::chrono::seconds(5));
+  for (int part = 0; part < 2; ++part) {  // node 1 holds rank 1's parts and, as rank 0's next node, rank 0's
+    for (int step = 1; step <= 5; ++step) {
+      const std::string key = fmt::format("snap/d/0/{}/{}", part, step);
+      EXPECT_EQ(store.check({key}), step >= 4) << key;
+    }
+  }
 }
 
 TEST(PeerSnapshots, OffWithoutStoresAndClearErrors) {
