@@ -143,9 +143,13 @@ void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
 }
 
 void ZeroRedundancyOptimizer::restoreSharded(const std::string& checkpoint_dir) {
+  restoreSharded(readRankFiles(checkpoint_dir), checkpoint_dir);
+}
+
+void ZeroRedundancyOptimizer::restoreSharded(const std::vector<CheckpointState>& files, const std::string& checkpoint_dir) {
   Impl& m = *impl_;
   const Kind k = kindOf(*m.local);
-  const auto files = readRankFiles(checkpoint_dir);
+  DTRAIN_CHECK(!files.empty(), InvalidArgument, "{}: no rank's state to restore ZeRO's from", checkpoint_dir);
   std::map<int64_t, TensorDict> entries;
   for (const auto& f : files)
     for (const auto& [name, t] : f.sharded) {
