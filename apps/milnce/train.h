@@ -1,11 +1,15 @@
 // Training and evaluation of the MIL-NCE model, distributed with dtrain.
 #pragma once
+#include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/local_sgd.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
@@ -29,6 +33,10 @@ struct TrainOptions {
   std::string optimizer = "adam";
   double weight_decay = 0;
   int local_sgd = 0;
+  // ZeRO (docs/ZERO.md): 0 replicates everything (DDP); 2 and 3 shard the gradients and Adam's state
+  // (and at 3 the parameters outside each encoder's forward) with FullyShardedDataParallel, one instance
+  // per encoder, and checkpoint per rank. 2/3 need --comm-hook none, no --local-sgd and --optimizer adam.
+  int zero = 0;
   uint64_t seed = 0;
   // Resuming (resume) continues from the newest checkpoint, mid-epoch too, at any world size: the
   // sampler goes on from the samples the checkpoint's epoch had read, and the global batch (batch x
@@ -70,10 +78,13 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
 
 // One optimizer step's worth of work, shared by the CLI and the tests: embeddings of the local
 // batch, all-gathered across ranks (the gradient flows back to each rank's slice), the MIL-NCE loss
-// on the global batch, backward through DDP.
+// on the global batch, backward through DDP (o.zero 0) or through two FullyShardedDataParallel
+// instances, one per encoder (o.zero 2 or 3: the optimizer steps their shards; the frozen word vectors
+// stay replicated). InvalidArgument for options FSDP cannot take (a comm hook, local SGD, lamb/lars).
 class Trainer {
  public:
   Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o);
+  ~Trainer();
   // Forward + backward of one micro-batch; `sync` false accumulates without communicating.
   double lossAndBackward(const Batch& local, bool sync = true);
   void optimizerStep(int64_t step, int64_t total, int64_t warmup_steps);
@@ -81,15 +92,32 @@ class Trainer {
   void enableLocalSgd(int64_t start);
   // After a resume at optimizer step `step`: the averager's count follows.
   void resumeAt(int64_t step);
+  bool sharded() const { return video_fsdp_ != nullptr; }
+  // The model. Sharded: its trainable parameters hold no values outside forward (see evalModel()).
   MilNceNet& model() { return model_; }
   torch::optim::Optimizer& optimizer() { return *opt_; }
-  dtrain::DistributedDataParallel& ddp() { return *ddp_; }
+  // The last backward's communication (DDP's; zeros when sharded: FSDP keeps no timings).
+  dtrain::DistributedDataParallel::Stats commStats() const;
+
+  // Collective when sharded: every trainable parameter's current value by its name in MilNceNet.
+  std::map<std::string, at::Tensor> fullState();
+  // Collective when sharded: a model holding the current values, for evaluate() (the model itself for
+  // DDP; a copy, filled from fullState(), when sharded).
+  MilNceNet& evalModel();
+  // The training state a checkpoint holds: the model and optimizer (DDP), or this rank's shards and
+  // their optimizer state (sharded: s.sharded, "video.*" and "text.*").
+  void captureTraining(dtrain::CheckpointState& s) const;
+  // From every saved rank's state in old-rank order (DDP: parts[0], the one file), saved at any world
+  // size; `what` names the source in errors. Not collective.
+  void restoreTraining(const std::vector<dtrain::CheckpointState>& parts, const std::string& what);
 
  private:
   const dtrain::Distributed& dist_;
   TrainOptions o_;
   MilNceNet model_{nullptr};
+  MilNceNet eval_model_{nullptr};  // sharded: evalModel()'s copy
   std::unique_ptr<dtrain::DistributedDataParallel> ddp_;
+  std::unique_ptr<dtrain::FullyShardedDataParallel> video_fsdp_, text_fsdp_;
   std::unique_ptr<torch::optim::Optimizer> opt_;
   std::unique_ptr<dtrain::PeriodicModelAverager> averager_;
 };
