@@ -85,8 +85,9 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   tr->add_option("--local-sgd", t.local_sgd, "after the warm-up, average parameters every N steps (gradients within each machine)")
       ->check(CLI::NonNegativeNumber);
-  tr->add_option("--zero", t.zero, "ZeRO stage: 0 DDP (replicated), 2 FSDP with sharded gradients and Adam state, 3 "
-                 "parameters sharded too (per-rank checkpoints; needs --comm-hook none, no --local-sgd, --optimizer adam)")
+  tr->add_option("--zero", t.zero, "ZeRO stage: 0 DDP (replicated), 1 DDP with sharded optimizer state, 2 FSDP with "
+                 "sharded gradients and Adam state, 3 parameters sharded too (1-3: per-rank checkpoints, no --local-sgd; "
+                 "2, 3: --comm-hook none, --optimizer adam)")
       ->check(CLI::Range(0, 3));
   tr->add_flag("--resume", t.resume, "continue from the newest checkpoint in --out");
   tr->add_option("--stop-after", t.stop_after, "stop after this many epochs (as if interrupted; resume later)");

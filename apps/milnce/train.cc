@@ -127,7 +127,7 @@ class Job {
  public:
   Job(const dtrain::Distributed& dist, const TrainOptions& o)
       : dist_(dist), o_(o), data_(loadData(o)), main_(dist.isMain()), trainer_(dist, data_, o),
-        ckpt_(trainer_.sharded() ? dtrain::Checkpointer(o.out + "/checkpoints", dist.world(), o.keep)
+        ckpt_(trainer_.perRankState() ? dtrain::Checkpointer(o.out + "/checkpoints", dist.world(), o.keep)
                                  : dtrain::Checkpointer(o.out + "/checkpoints", dist, o.keep)),
         sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true) {
     const int64_t micro_per_epoch = sampler_.size() / o.batch;
@@ -180,16 +180,35 @@ class Job {
   }
 
   // Resuming, from the newest checkpoint: its one file (DDP), or every rank's file of its directory,
-  // saved at any world size (sharded).
+  // saved at any world size (--zero 1-3).
   void resume() {
     if (!o_.resume) return;
-    if (!trainer_.sharded()) {
-      if (auto st = ckpt_.loadLatest()) restoreFrom({*st}, ckpt_.dir());
+    if (!trainer_.perRankState()) {
+      if (auto st = ckpt_.loadLatest()) {
+        restoreFrom({*st}, ckpt_.dir());
+        return;
+      }
     } else if (const auto saved = ckpt_.list(); !saved.empty()) {
       restoreFrom(readRankParts(saved.back().path), saved.back().path);
+      return;
     }
-    if (!resumed_ && main_) std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+    refuseOtherLayout();
+    if (main_) std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
   }
+
+  // Checkpoints of the other layout (saved with another --zero) are refused, not started afresh over.
+  void refuseOtherLayout() const {
+    if (!std::filesystem::is_directory(ckpt_.dir())) return;
+    for (const auto& e : std::filesystem::directory_iterator(ckpt_.dir())) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("ckpt-", 0) == 0 && e.is_directory() != trainer_.perRankState())
+        throw dtrain::InvalidArgument(fmt::format(
+            "--resume: {} holds {} checkpoints ({}), saved with --zero {}; this run has --zero {}: resume with the "
+            "--zero it was saved with", ckpt_.dir(), e.is_directory() ? "per-rank" : "single-file", name,
+            e.is_directory() ? "1, 2 or 3" : "0", o_.zero));
+    }
+  }
+
 
  public:
   // What a checkpoint holds: the training state (DDP: model and optimizer; sharded: this rank's shards
@@ -221,7 +240,6 @@ class Job {
     start_samples_ = st.samples;
     trainer_.resumeAt(step_);
     keepGlobalBatch(st);
-    resumed_ = true;
     if (main_)
       std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
                   static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
@@ -361,7 +379,6 @@ class Job {
   int64_t step_ = 0;  // optimizer steps done
   RunLog* log_ = nullptr;
   std::optional<Retrieval> before_;
-  bool resumed_ = false;
 };
 
 }  // namespace

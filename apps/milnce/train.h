@@ -11,6 +11,7 @@
 #include "dtrain/distributed.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/local_sgd.h"
+#include "dtrain/zero.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
@@ -33,9 +34,10 @@ struct TrainOptions {
   std::string optimizer = "adam";
   double weight_decay = 0;
   int local_sgd = 0;
-  // ZeRO (docs/ZERO.md): 0 replicates everything (DDP); 2 and 3 shard the gradients and Adam's state
-  // (and at 3 the parameters outside each encoder's forward) with FullyShardedDataParallel, one instance
-  // per encoder, and checkpoint per rank. 2/3 need --comm-hook none, no --local-sgd and --optimizer adam.
+  // ZeRO (docs/ZERO.md): 0 replicates everything (DDP); 1 shards the optimizer state
+  // (ZeroRedundancyOptimizer over DDP); 2 and 3 shard the gradients and Adam's state too (and at 3 the
+  // parameters outside each encoder's forward) with FullyShardedDataParallel, one instance per encoder.
+  // 1-3 checkpoint per rank and need no --local-sgd; 2/3 need --comm-hook none and --optimizer adam.
   int zero = 0;
   uint64_t seed = 0;
   // Resuming (resume) continues from the newest checkpoint, mid-epoch too, at any world size: the
@@ -78,7 +80,8 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
 
 // One optimizer step's worth of work, shared by the CLI and the tests: embeddings of the local
 // batch, all-gathered across ranks (the gradient flows back to each rank's slice), the MIL-NCE loss
-// on the global batch, backward through DDP (o.zero 0) or through two FullyShardedDataParallel
+// on the global batch, backward through DDP (o.zero 0; 1: the optimizer a ZeroRedundancyOptimizer) or
+// through two FullyShardedDataParallel
 // instances, one per encoder (o.zero 2 or 3: the optimizer steps their shards; the frozen word vectors
 // stay replicated). InvalidArgument for options FSDP cannot take (a comm hook, local SGD, lamb/lars).
 class Trainer {
@@ -92,10 +95,14 @@ class Trainer {
   void enableLocalSgd(int64_t start);
   // After a resume at optimizer step `step`: the averager's count follows.
   void resumeAt(int64_t step);
+  // FSDP (--zero 2, 3): the parameters are sharded.
   bool sharded() const { return video_fsdp_ != nullptr; }
+  // --zero 1-3: ranks hold different state, checkpointed per rank.
+  bool perRankState() const { return o_.zero > 0; }
   // The model. Sharded: its trainable parameters hold no values outside forward (see evalModel()).
   MilNceNet& model() { return model_; }
-  torch::optim::Optimizer& optimizer() { return *opt_; }
+  // The optimizer (--zero 1: this rank's part, which steps the parameters it owns).
+  torch::optim::Optimizer& optimizer();
   // The last backward's communication (DDP's; zeros when sharded: FSDP keeps no timings).
   dtrain::DistributedDataParallel::Stats commStats() const;
 
@@ -104,8 +111,9 @@ class Trainer {
   // Collective when sharded: a model holding the current values, for evaluate() (the model itself for
   // DDP; a copy, filled from fullState(), when sharded).
   MilNceNet& evalModel();
-  // The training state a checkpoint holds: the model and optimizer (DDP), or this rank's shards and
-  // their optimizer state (sharded: s.sharded, "video.*" and "text.*").
+  // The training state a checkpoint holds: the model and optimizer (DDP); the model and this rank's
+  // optimizer state (--zero 1: s.sharded "zero.*"); this rank's shards and their optimizer state
+  // (FSDP: s.sharded "video.*" and "text.*").
   void captureTraining(dtrain::CheckpointState& s) const;
   // From every saved rank's state in old-rank order (DDP: parts[0], the one file), saved at any world
   // size; `what` names the source in errors. Not collective.
@@ -118,7 +126,8 @@ class Trainer {
   MilNceNet eval_model_{nullptr};  // sharded: evalModel()'s copy
   std::unique_ptr<dtrain::DistributedDataParallel> ddp_;
   std::unique_ptr<dtrain::FullyShardedDataParallel> video_fsdp_, text_fsdp_;
-  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;        // --zero 0, 2, 3
+  std::unique_ptr<dtrain::ZeroRedundancyOptimizer> zero_;  // --zero 1
   std::unique_ptr<dtrain::PeriodicModelAverager> averager_;
 };
 

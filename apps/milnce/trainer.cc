@@ -10,56 +10,62 @@
 #include "dtrain/hook_spec.h"
 #include "dtrain/optim.h"
 #include "dtrain/trace.h"
+#include "dtrain/zero.h"
 #include "milnce/train.h"
 
 namespace milnce {
 
 namespace {
 
-// Adam (the reference recipe), or LAMB / LARS with weight decay off biases and norm weights
-// (dtrain/optim.h's decayGroups); only trainable parameters (the word vectors are frozen).
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(torch::nn::Module& model, const TrainOptions& o) {
-  std::vector<at::Tensor> trainable;
-  for (auto& p : model.parameters())
-    if (p.requires_grad()) trainable.push_back(p);
+// The trainable parameters (the word vectors are frozen) in groups: one for Adam (the reference
+// recipe); for LAMB / LARS weight decay off biases and norm weights (dtrain/optim.h's decayGroups).
+std::vector<torch::optim::OptimizerParamGroup> trainableGroups(torch::nn::Module& model, const TrainOptions& o) {
+  std::vector<torch::optim::OptimizerParamGroup> groups;
   if (o.optimizer == "adam") {
-    return std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
+    std::vector<at::Tensor> trainable;
+    for (auto& p : model.parameters())
+      if (p.requires_grad()) trainable.push_back(p);
+    groups.emplace_back(trainable, std::make_unique<torch::optim::AdamOptions>(
+                                       torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay)));
+    return groups;
   }
-  auto keepTrainable = [](const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-    std::vector<torch::optim::OptimizerParamGroup> kept;
-    for (const auto& g : groups) {
-      std::vector<at::Tensor> ps;
-      for (const auto& p : g.params())
-        if (p.requires_grad()) ps.push_back(p);
-      if (!ps.empty()) kept.emplace_back(ps, g.options().clone());
-    }
-    return kept;
+  std::vector<torch::optim::OptimizerParamGroup> all;
+  if (o.optimizer == "lamb") all = dtrain::optim::decayGroups(model, dtrain::optim::LambOptions(o.lr).weight_decay(o.weight_decay));
+  else if (o.optimizer == "lars") all = dtrain::optim::decayGroups(model, dtrain::optim::LarsOptions(o.lr).weight_decay(o.weight_decay));
+  else throw dtrain::InvalidArgument(fmt::format("--optimizer '{}': expected adam, lamb or lars", o.optimizer));
+  for (const auto& g : all) {
+    std::vector<at::Tensor> ps;
+    for (const auto& p : g.params())
+      if (p.requires_grad()) ps.push_back(p);
+    if (!ps.empty()) groups.emplace_back(ps, g.options().clone());
+  }
+  return groups;
+}
+
+// Builds o.optimizer over groups (what ZeroRedundancyOptimizer calls for its rank's part too).
+dtrain::ZeroRedundancyOptimizer::MakeOptimizer optimizerMaker(const TrainOptions& o) {
+  return [o](std::vector<torch::optim::OptimizerParamGroup> groups) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (o.optimizer == "lamb")
+      return std::make_unique<dtrain::optim::Lamb>(std::move(groups), dtrain::optim::LambOptions(o.lr).weight_decay(o.weight_decay));
+    if (o.optimizer == "lars")
+      return std::make_unique<dtrain::optim::Lars>(std::move(groups), dtrain::optim::LarsOptions(o.lr).weight_decay(o.weight_decay));
+    return std::make_unique<torch::optim::Adam>(std::move(groups), torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
   };
-  if (o.optimizer == "lamb") {
-    auto opts = dtrain::optim::LambOptions(o.lr).weight_decay(o.weight_decay);
-    return std::make_unique<dtrain::optim::Lamb>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
-  }
-  if (o.optimizer == "lars") {
-    auto opts = dtrain::optim::LarsOptions(o.lr).weight_decay(o.weight_decay);
-    return std::make_unique<dtrain::optim::Lars>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
-  }
-  throw dtrain::InvalidArgument(fmt::format("--optimizer '{}': expected adam, lamb or lars", o.optimizer));
 }
 
 // --zero N with the options it cannot be combined with.
 void checkZeroOptions(const TrainOptions& o) {
   if (o.zero == 0) return;
-  if (o.zero == 1)
-    throw dtrain::InvalidArgument("--zero 1 (ZeroRedundancyOptimizer) is not supported by milnce: use --zero 2 "
-                                  "(sharded gradients and optimizer state) or 3 (parameters too)");
-  if (o.zero != 2 && o.zero != 3)
-    throw dtrain::InvalidArgument(fmt::format("--zero {}: expected 0 (DDP), 2 or 3 (FSDP)", o.zero));
+  if (o.zero < 0 || o.zero > 3)
+    throw dtrain::InvalidArgument(fmt::format("--zero {}: expected 0 (DDP), 1 (DDP with sharded optimizer state), 2 "
+                                              "or 3 (FSDP)", o.zero));
+  if (o.local_sgd > 0)
+    throw dtrain::InvalidArgument(fmt::format("--zero {} and --local-sgd {}: local SGD needs every rank's whole "
+                                              "parameters and optimizer (use --zero 0)", o.zero, o.local_sgd));
+  if (o.zero == 1) return;  // DDP as it is (hooks and every optimizer too), the optimizer state sharded
   if (o.comm_hook != "none")
     throw dtrain::InvalidArgument(fmt::format("--zero {} and --comm-hook {}: FSDP reduce-scatters the gradients "
                                               "itself and takes no DDP comm hook (use --comm-hook none)", o.zero, o.comm_hook));
-  if (o.local_sgd > 0)
-    throw dtrain::InvalidArgument(fmt::format("--zero {} and --local-sgd {}: local SGD needs every rank's whole "
-                                              "parameters (use --zero 0)", o.zero, o.local_sgd));
   if (o.optimizer != "adam")
     throw dtrain::InvalidArgument(fmt::format("--zero {} and --optimizer {}: the shards cut through parameters, so "
                                               "FSDP needs an elementwise optimizer (use --optimizer adam)", o.zero, o.optimizer));
@@ -87,7 +93,7 @@ Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const Tra
   mo.feature_dim = data.feature_dim;
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   model_ = MilNceNet(data.word_vectors, mo);
-  if (o.zero > 0) {
+  if (o.zero >= 2) {
     eval_model_ = MilNceNet(data.word_vectors, mo);
     video_fsdp_ = shardEncoder(model_->video_enc, "video", o, dist);
     text_fsdp_ = shardEncoder(model_->text_enc, "text", o, dist);
@@ -102,7 +108,11 @@ Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const Tra
     throw dtrain::InvalidArgument(fmt::format("--local-sgd {} and --comm-hook {}: choose one (local SGD averages "
                                               "gradients within each machine only)", o.local_sgd, o.comm_hook));
   }
-  opt_ = makeOptimizer(*model_, o);
+  if (o.zero == 1) {
+    zero_ = std::make_unique<dtrain::ZeroRedundancyOptimizer>(trainableGroups(*model_, o), optimizerMaker(o), dist.world());
+    return;
+  }
+  opt_ = optimizerMaker(o)(trainableGroups(*model_, o));
 }
 
 Trainer::~Trainer() = default;
@@ -148,12 +158,20 @@ double Trainer::lossAndBackward(const Batch& local, bool sync) {
 
 void Trainer::optimizerStep(int64_t step, int64_t total, int64_t warmup_steps) {
   double lr = learningRate(o_.lr, step, total, warmup_steps);
-  for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
   DTRAIN_SPAN("optimizer.step", "optim");
+  if (zero_) {
+    for (auto& g : zero_->paramGroups()) g.options().set_lr(lr);
+    zero_->step();  // collective: each rank steps what it owns, then the owners' values reach everyone
+    zero_->zeroGrad();
+    return;
+  }
+  for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
   opt_->step();
   if (averager_) averager_->averageParameters(model_->parameters());
   opt_->zero_grad();
 }
+
+torch::optim::Optimizer& Trainer::optimizer() { return zero_ ? zero_->local() : *opt_; }
 
 dtrain::DistributedDataParallel::Stats Trainer::commStats() const {
   return ddp_ ? ddp_->lastStats() : dtrain::DistributedDataParallel::Stats{};
@@ -189,7 +207,8 @@ MilNceNet& Trainer::evalModel() {
 void Trainer::captureTraining(dtrain::CheckpointState& s) const {
   if (!sharded()) {
     s.captureModel(*model_);
-    s.captureOptimizer(*opt_);
+    if (zero_) zero_->captureSharded(s);
+    else s.captureOptimizer(*opt_);
     return;
   }
   video_fsdp_->captureSharded(s, *opt_);
@@ -198,15 +217,17 @@ void Trainer::captureTraining(dtrain::CheckpointState& s) const {
 
 void Trainer::restoreTraining(const std::vector<dtrain::CheckpointState>& parts, const std::string& what) {
   DTRAIN_CHECK(!parts.empty(), dtrain::InvalidArgument, "{}: no saved state to resume from", what);
+  // (The state says which --zero saved it: stage 1 writes "zero.param_groups", FSDP "video.param_groups".)
+  const int saved = parts[0].sharded.count("zero.param_groups") ? 1 : parts[0].sharded.empty() ? 0 : 2;
+  const int mine = o_.zero >= 2 ? 2 : o_.zero;
+  DTRAIN_CHECK(saved == mine, dtrain::InvalidArgument, "{} was saved with --zero {}, this run has --zero {}: resume "
+               "with the --zero it was saved with", what, saved == 2 ? "2 or 3" : std::to_string(saved), o_.zero);
   if (!sharded()) {
-    DTRAIN_CHECK(parts[0].sharded.empty(), dtrain::InvalidArgument,
-                 "{} holds sharded state (saved with --zero 2 or 3): resume with that --zero", what);
     parts[0].restoreModel(*model_);
-    parts[0].restoreOptimizer(*opt_);
+    if (zero_) zero_->restoreSharded(parts, what);
+    else parts[0].restoreOptimizer(*opt_);
     return;
   }
-  DTRAIN_CHECK(!parts[0].sharded.empty(), dtrain::InvalidArgument,
-               "{} holds no sharded state (saved with --zero 0?): resume with that --zero", what);
   video_fsdp_->restoreSharded(parts, *opt_, what);
   text_fsdp_->restoreSharded(parts, *opt_, what);
 }

@@ -221,7 +221,7 @@ TEST(MilNceCli, ZeroTwo) {
            {"--zero 2 --comm-hook fp16", "--zero 2 and --comm-hook fp16"},
            {"--zero 3 --local-sgd 2", "--zero 3 and --local-sgd 2"},
            {"--zero 2 --optimizer lamb", "--zero 2 and --optimizer lamb"},
-           {"--zero 1", "--zero 1"},
+           {"--zero 1 --local-sgd 2", "--zero 1 and --local-sgd 2"},
            {"--zero 4", "--zero"}}) {
     auto [rc2, out] = run(kMilnce + " train --data " + data + " --out " + dir.path() + "/bad --epochs 1 --no-eval " + args);
     EXPECT_NE(rc2, 0) << args << ": " << out;

@@ -72,7 +72,7 @@ double maxRelDiff(const std::map<std::string, at::Tensor>& want, const std::map<
 
 class ZeroStage : public testing::TestWithParam<int> {};
 
-// FSDP on 2 ranks (each its half of every micro-batch, 2 micro-batches a step: noSync in between) takes
+// ZeRO on 2 ranks (each its half of every micro-batch, 2 micro-batches a step: noSync in between) takes
 // the same 3 steps as DDP in one process on the whole batches: losses and parameters agree up to the
 // order of the gradient sums.
 TEST_P(ZeroStage, TwoRanksMatchOneProcess) {
@@ -90,7 +90,7 @@ TEST_P(ZeroStage, TwoRanksMatchOneProcess) {
     so.zero = GetParam();
     Trainer sharded(two, data, so);
     Trainer ref(one, data, o);
-    ASSERT_TRUE(sharded.sharded());
+    EXPECT_EQ(sharded.sharded(), GetParam() >= 2);
     EXPECT_LT(maxRelDiff(ref.fullState(), sharded.fullState()), 1e-7);  // the same initial values
     std::mt19937_64 rng(7);
     for (int64_t step = 0; step < 3; ++step) {
@@ -108,14 +108,14 @@ TEST_P(ZeroStage, TwoRanksMatchOneProcess) {
     // (Adam divides by the root of the squared gradients: where a gradient is near 0, a difference in
     // its last bits moves the update by up to the learning rate; measured 1e-4 at most.)
     EXPECT_LT(maxRelDiff(ref.fullState(), sharded.fullState()), 5e-4);
-    // The evaluation model holds the gathered values (collective on both ranks).
+    // The evaluation model holds the gathered values (collective on both ranks; the model at stage 1).
     auto eval = sharded.evalModel()->named_parameters();
     for (const auto& [name, t] : sharded.fullState()) EXPECT_TRUE(torch::equal(eval[name], t)) << name;
   });
   dtrain::test::expectAllOk(results);
 }
 
-INSTANTIATE_TEST_SUITE_P(Stages, ZeroStage, testing::Values(2, 3));
+INSTANTIATE_TEST_SUITE_P(Stages, ZeroStage, testing::Values(1, 2, 3));
 
 // The newest per-rank checkpoint directory under `checkpoints` and every rank's file in it.
 std::vector<dtrain::CheckpointState> partsOf(const std::string& ckpt_dir, int world) {
@@ -217,6 +217,59 @@ TEST(ZeroTraining, ResumesAtAnotherWorldSize) {
   EXPECT_EQ(zero, (std::vector<int>{2, 2}));
 }
 
+// Stage 1 (DDP, the optimizer state sharded): saved by 3 ranks, resumed by 2 with the same global batch;
+// the model from rank 0's file, each rank's Adam state from the owners' files; a run with another
+// --zero refuses the checkpoint.
+TEST(ZeroTraining, StageOneResumesAtAnotherWorldSize) {
+  dtrain::test::TempDir dir;
+  generate(dir.path() + "/data");
+  TrainOptions o = small(dir.path() + "/data");
+  o.batch = 8;
+  o.accum = 2;
+  o.epochs = 1;
+  o.checkpoint_every = 1;
+  o.stop_after_steps = 1;
+  o.zero = 1;
+  o.out = dir.path() + "/run";
+  {
+    dtrain::test::StoreServer server;
+    dtrain::test::expectAllOk(dtrain::test::runRanks(3, [&](int rank) { train(worldOf(server, rank, 3), o); }));
+  }
+  const std::string saved = o.out + "/checkpoints/" + dtrain::Checkpointer::dirName(0, 1);
+  const auto parts = partsOf(saved, 3);
+  ASSERT_TRUE(parts[0].sharded.count("zero.param_groups"));
+  {
+    dtrain::test::StoreServer server;
+    dtrain::test::expectAllOk(dtrain::test::runRanks(2, [&](int rank) {
+      Dataset data = Dataset::load(o.data);
+      Trainer t(worldOf(server, rank, 2), data, o);
+      t.restoreTraining(parts, saved);
+      for (const auto& [name, v] : t.fullState()) EXPECT_TRUE(torch::equal(v, parts[0].model.at(name))) << name;
+      // Every parameter's Adam state is on its owner after the restore: one step changes every parameter.
+      EXPECT_GT(t.optimizer().state().size(), 0u);
+    }));
+  }
+  TrainOptions ddp = o;
+  ddp.zero = 0;
+  ddp.resume = true;
+  EXPECT_NE(dtrain::test::errorOf([&] { train(worldOfOne(), ddp); }).find("per-rank checkpoints (ckpt-000000-000000001), saved with --zero 1, 2 or 3; this run has --zero 0"),
+            std::string::npos);
+  TrainOptions fsdp = ddp;
+  fsdp.zero = 2;
+  EXPECT_NE(dtrain::test::errorOf([&] { train(worldOfOne(), fsdp); }).find("was saved with --zero 1, this run has --zero 2"),
+            std::string::npos);
+  o.resume = true;
+  o.stop_after_steps = 0;
+  dtrain::test::StoreServer server;
+  auto results = dtrain::test::runRanks(2, [&](int rank) { train(worldOf(server, rank, 2), o); });
+  dtrain::test::expectAllOk(results);
+  EXPECT_NE(results[0].output.find("resumed from epoch 0, step 1, sample 48 of the epoch (world 2, accum 3)"),
+            std::string::npos)
+      << results[0].output;
+  const auto done = partsOf(o.out + "/checkpoints/" + dtrain::Checkpointer::dirName(1, 2), 2);
+  EXPECT_EQ(done[0].scheduler.at("global_batch"), 48);
+}
+
 // restoreSharded from every old rank's state in memory equals restoreSharded from the directory, for
 // FSDP (two instances with their own checkpoint_prefix in one state) and ZeroRedundancyOptimizer.
 TEST(ZeroTraining, RestoreShardedFromPartsEqualsDirectory) {
@@ -312,7 +365,8 @@ TEST(ZeroTraining, RefusesOptionsItCannotTake) {
   EXPECT_NE(error(3, [](TrainOptions& o) { o.local_sgd = 2; }).find("--zero 3 and --local-sgd 2"), std::string::npos);
   EXPECT_NE(error(2, [](TrainOptions& o) { o.optimizer = "lamb"; }).find("--zero 2 and --optimizer lamb"), std::string::npos);
   EXPECT_NE(error(2, [](TrainOptions& o) { o.optimizer = "lars"; }).find("--optimizer lars"), std::string::npos);
-  EXPECT_NE(error(1, [](TrainOptions&) {}).find("--zero 1"), std::string::npos);
+  EXPECT_NE(error(1, [](TrainOptions& o) { o.local_sgd = 2; }).find("--zero 1 and --local-sgd 2"), std::string::npos);
+  EXPECT_EQ(error(1, [](TrainOptions& o) { o.optimizer = "lamb"; }), "no dtrain::Error");
   EXPECT_NE(error(4, [](TrainOptions&) {}).find("--zero 4"), std::string::npos);
   EXPECT_EQ(error(2, [](TrainOptions&) {}), "no dtrain::Error");
 }
