@@ -122,6 +122,20 @@ class RunLog {
   dtrain::BytesSentMeter sent_;
 };
 
+// Every rank's file of a per-rank checkpoint directory, in rank order (its world size from the names).
+std::vector<dtrain::CheckpointState> readRankParts(const std::string& dir) {
+  int world = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    int r = 0, n = 0;
+    if (std::sscanf(e.path().filename().string().c_str(), "rank-%d-of-%d.pt", &r, &n) == 2) world = n;
+  }
+  if (world <= 0) throw dtrain::InvalidArgument(fmt::format("{} holds no rank-<r>-of-<n>.pt files", dir));
+  std::vector<dtrain::CheckpointState> parts;
+  for (int r = 0; r < world; ++r)
+    parts.push_back(dtrain::Checkpointer::load(dir + "/" + dtrain::Checkpointer::rankFileName(r, world)));
+  return parts;
+}
+
 // The job of train(), in the order it runs: resume, evaluate, epochs (steps, checkpoint, evaluate).
 class Job {
  public:
@@ -246,18 +260,6 @@ class Job {
   }
 
  private:
-  // Every rank's file of a per-rank checkpoint directory, in rank order (its world size from the names).
-  static std::vector<dtrain::CheckpointState> readRankParts(const std::string& dir) {
-    int world = 0;
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      int r = 0, n = 0;
-      if (std::sscanf(e.path().filename().string().c_str(), "rank-%d-of-%d.pt", &r, &n) == 2) world = n;
-    }
-    if (world <= 0) throw dtrain::InvalidArgument(fmt::format("{} holds no rank-<r>-of-<n>.pt files", dir));
-    std::vector<dtrain::CheckpointState> parts;
-    for (int r = 0; r < world; ++r) parts.push_back(dtrain::Checkpointer::load(dir + "/" + dtrain::Checkpointer::rankFileName(r, world)));
-    return parts;
-  }
 
   // A checkpoint from another world size: the same global batch (accum changed), so the same number of
   // steps per epoch and learning-rate schedule (drop_last's rounding aside).
@@ -384,5 +386,42 @@ class Job {
 }  // namespace
 
 void train(const dtrain::Distributed& dist, const TrainOptions& o) { Job(dist, o).run(); }
+
+std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path) {
+  if (!path.empty()) {
+    if (std::filesystem::is_directory(path)) return readRankParts(path);
+    return {dtrain::Checkpointer::load(path)};
+  }
+  if (auto st = dtrain::Checkpointer(checkpoints, /*keep_last=*/0, /*writer=*/false).loadLatest()) return {*st};
+  auto one = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
+  const auto saved = dtrain::Checkpointer(checkpoints, one, /*keep_last=*/0).list();
+  if (saved.empty()) return {};
+  return readRankParts(saved.back().path);
+}
+
+void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,
+                            const std::vector<dtrain::CheckpointState>& parts, const std::string& what) {
+  if (!parts.at(0).sharded.count("video.param_groups")) {
+    parts[0].restoreModel(*model);  // DDP's file, or --zero 1's rank files (each holds the whole model)
+    return;
+  }
+  // FSDP's shards, put together by the same units in one process.
+  auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
+  const dtrain::Distributed one(pg, pg, dtrain::comm::WorldInfo{});
+  TrainOptions so = o;
+  so.zero = 2;
+  so.comm_hook = "none";
+  so.local_sgd = 0;
+  so.optimizer = "adam";
+  Trainer t(one, data, so);
+  t.restoreTraining(parts, what);
+  torch::NoGradGuard no_grad;
+  auto params = model->named_parameters();
+  for (const auto& [name, v] : t.fullState()) {
+    auto* p = params.find(name);
+    if (p == nullptr) throw dtrain::InvalidArgument(fmt::format("{}: '{}' is not a parameter of the model", what, name));
+    p->copy_(v);
+  }
+}
 
 }  // namespace milnce

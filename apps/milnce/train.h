@@ -135,4 +135,13 @@ class Trainer {
 // Rank 0 logs the run, every step and every evaluation to o.out/metrics.jsonl (appended to on --resume).
 void train(const dtrain::Distributed& dist, const TrainOptions& o);
 
+// For `milnce eval`: the parts of `path` (a checkpoint file, or a per-rank checkpoint directory: every
+// rank's file in rank order) or, when path is empty, of the newest checkpoint in `checkpoints` (a run's
+// checkpoints/ directory, whatever --zero saved it); empty when there is none.
+std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path);
+// The parameters those parts hold into `model` (built with o.model): FSDP's shards (--zero 2, 3) put
+// together in this process, at any saved world size. `what` names the source in errors.
+void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,
+                            const std::vector<dtrain::CheckpointState>& parts, const std::string& what);
+
 }  // namespace milnce

@@ -217,6 +217,15 @@ TEST(MilNceCli, ZeroTwo) {
   EXPECT_EQ(ddp["before"], zero["before"]);  // (the resumed run's "before" is after epoch 1)
   EXPECT_EQ(z["after"]["clips"], ddp["after"]["clips"]);
   EXPECT_TRUE(std::filesystem::exists(dir.path() + "/zero/checkpoints/ckpt-000002-000000006/rank-00001-of-00002.pt"));
+  // `milnce eval` puts the shards of the newest per-rank checkpoint together: the run's last evaluation.
+  auto ev = run(kMilnce + " eval --data " + data + " --run " + dir.path() + "/zero --hidden 64 --embed 32 --progress off"
+                " --json " + dir.path() + "/zero-eval.json");
+  ASSERT_EQ(ev.first, 0) << ev.second;
+  std::ifstream ej(dir.path() + "/zero-eval.json");
+  const auto e = nlohmann::json::parse(ej, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(e.is_object()) << ev.second;
+  EXPECT_EQ(e["epoch"], 2);
+  for (const char* k : {"R@1", "R@5", "R@10", "median_rank"}) EXPECT_EQ(e[k], z["after"][k]) << k;
   for (const auto& [args, what] : std::vector<std::pair<std::string, std::string>>{
            {"--zero 2 --comm-hook fp16", "--zero 2 and --comm-hook fp16"},
            {"--zero 3 --local-sgd 2", "--zero 3 and --local-sgd 2"},
