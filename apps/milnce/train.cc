@@ -185,6 +185,41 @@ class Job {
     if (o_.eval) finalTable();
   }
 
+  // What a checkpoint holds: the training state (Trainer::captureTraining: DDP's model and optimizer,
+  // or this rank's part of the sharded state), the RNG, and where the job is (epoch_ epochs done and `samples` samples
+  // of the next one read by all ranks together; the schedule's numbers; the loss).
+  dtrain::CheckpointState captureState(double loss, int64_t samples) {
+    dtrain::CheckpointState st;
+    trainer_.captureTraining(st);
+    st.captureRng();
+    st.epoch = epoch_;
+    st.step = step_;
+    st.samples = samples;
+    st.scheduler["global_batch"] = static_cast<double>(int64_t{o_.batch} * accum_ * dist_.size());
+    st.scheduler["step"] = static_cast<double>(step_);
+    st.scheduler["total"] = static_cast<double>(total_);
+    st.metrics["loss"] = loss;
+    return st;
+  }
+
+  // Continues from saved state: every saved rank's captureState() in old-rank order, from a run of any
+  // world size (DDP: parts[0] is the whole state). The position and schedule come from parts[0], the
+  // RNG from this rank's old part when there is one. `what` names the source in errors.
+  void restoreFrom(const std::vector<dtrain::CheckpointState>& parts, const std::string& what = "the checkpoint") {
+    trainer_.restoreTraining(parts, what);
+    const auto& st = parts[0];
+    const auto mine = static_cast<size_t>(dist_.rank());
+    parts[mine < parts.size() ? mine : 0].restoreRng();
+    epoch_ = static_cast<int>(st.epoch);
+    step_ = st.step;
+    start_samples_ = st.samples;
+    trainer_.resumeAt(step_);
+    keepGlobalBatch(st);
+    if (main_)
+      std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
+                  static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
+  }
+
  private:
   // The dataset, loaded before o.out is created (a wrong --data leaves no empty run directory behind).
   static Dataset loadData(const TrainOptions& o) {
@@ -223,43 +258,6 @@ class Job {
     }
   }
 
-
- public:
-  // What a checkpoint holds: the training state (DDP: model and optimizer; sharded: this rank's shards
-  // and their optimizer state), the RNG, and where the job is (epoch_ epochs done and `samples` samples
-  // of the next one read by all ranks together; the schedule's numbers; the loss).
-  dtrain::CheckpointState captureState(double loss, int64_t samples) {
-    dtrain::CheckpointState st;
-    trainer_.captureTraining(st);
-    st.captureRng();
-    st.epoch = epoch_;
-    st.step = step_;
-    st.samples = samples;
-    st.scheduler["global_batch"] = static_cast<double>(int64_t{o_.batch} * accum_ * dist_.size());
-    st.scheduler["step"] = static_cast<double>(step_);
-    st.scheduler["total"] = static_cast<double>(total_);
-    st.metrics["loss"] = loss;
-    return st;
-  }
-
-  // Continues from saved state: every saved rank's captureState() in old-rank order, from a run of any
-  // world size (DDP: parts[0] is the whole state). The position and schedule come from parts[0], the
-  // RNG from this rank's old part when there is one. `what` names the source in errors.
-  void restoreFrom(const std::vector<dtrain::CheckpointState>& parts, const std::string& what = "the checkpoint") {
-    trainer_.restoreTraining(parts, what);
-    const auto& st = parts[0];
-    parts[static_cast<size_t>(dist_.rank()) < parts.size() ? static_cast<size_t>(dist_.rank()) : 0].restoreRng();
-    epoch_ = static_cast<int>(st.epoch);
-    step_ = st.step;
-    start_samples_ = st.samples;
-    trainer_.resumeAt(step_);
-    keepGlobalBatch(st);
-    if (main_)
-      std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
-                  static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
-  }
-
- private:
 
   // A checkpoint from another world size: the same global batch (accum changed), so the same number of
   // steps per epoch and learning-rate schedule (drop_last's rounding aside).
