@@ -85,6 +85,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   tr->add_option("--local-sgd", t.local_sgd, "after the warm-up, average parameters every N steps (gradients within each machine)")
       ->check(CLI::NonNegativeNumber);
+  tr->add_option("--zero", t.zero, "ZeRO stage: 0 DDP (replicated), 1 DDP with sharded optimizer state, 2 FSDP with "
+                 "sharded gradients and Adam state, 3 parameters sharded too (1-3: per-rank checkpoints, no --local-sgd; "
+                 "2, 3: --comm-hook none, --optimizer adam)")
+      ->check(CLI::Range(0, 3));
   tr->add_flag("--resume", t.resume, "continue from the newest checkpoint in --out");
   tr->add_option("--stop-after", t.stop_after, "stop after this many epochs (as if interrupted; resume later)");
   tr->add_option("--checkpoint-every", t.checkpoint_every, "also checkpoint every N optimizer steps within an epoch")
@@ -109,7 +113,7 @@ int main(int argc, char** argv) {
   auto* ev = app.add_subcommand("eval", "retrieval R@1/5/10 and median rank of a checkpoint");
   ev->add_option("--data", e.data, "data directory")->required();
   ev->add_option("--run", e.out, "run directory (its newest checkpoint is used)");
-  ev->add_option("--checkpoint", checkpoint, "a checkpoint file instead of --run's newest");
+  ev->add_option("--checkpoint", checkpoint, "a checkpoint file (or per-rank checkpoint directory) instead of --run's newest");
   ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
   ev->add_option("--json", eval_json, "where to write the results (default: RUN/eval-epochN.json)");
   addProgressOption(ev, e.progress);
@@ -130,11 +134,10 @@ int main(int argc, char** argv) {
       auto mo = e.model;
       mo.feature_dim = data.feature_dim;
       milnce::MilNceNet model(data.word_vectors, mo);
-      std::optional<dtrain::CheckpointState> st;
-      if (!checkpoint.empty()) st = dtrain::Checkpointer::load(checkpoint);
-      else st = dtrain::Checkpointer(e.out + "/checkpoints").loadLatest();
-      if (!st) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
-      st->restoreModel(*model);
+      const auto parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
+      if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
+      milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
+      const dtrain::CheckpointState* st = &parts[0];
       dtrain::ProgressOptions po;
       po.mode = e.progress;
       po.unit = "clip";

@@ -31,97 +31,6 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
   return base * 0.5 * (1.0 + std::cos(M_PI * std::min(1.0, t)));
 }
 
-namespace {
-
-// Adam (the reference recipe), or LAMB / LARS with weight decay off biases and norm weights
-// (dtrain/optim.h's decayGroups); only trainable parameters (the word vectors are frozen).
-std::unique_ptr<torch::optim::Optimizer> makeOptimizer(torch::nn::Module& model, const TrainOptions& o) {
-  std::vector<at::Tensor> trainable;
-  for (auto& p : model.parameters())
-    if (p.requires_grad()) trainable.push_back(p);
-  if (o.optimizer == "adam") {
-    return std::make_unique<torch::optim::Adam>(trainable, torch::optim::AdamOptions(o.lr).weight_decay(o.weight_decay));
-  }
-  auto keepTrainable = [](const std::vector<torch::optim::OptimizerParamGroup>& groups) {
-    std::vector<torch::optim::OptimizerParamGroup> kept;
-    for (const auto& g : groups) {
-      std::vector<at::Tensor> ps;
-      for (const auto& p : g.params())
-        if (p.requires_grad()) ps.push_back(p);
-      if (!ps.empty()) kept.emplace_back(ps, g.options().clone());
-    }
-    return kept;
-  };
-  if (o.optimizer == "lamb") {
-    auto opts = dtrain::optim::LambOptions(o.lr).weight_decay(o.weight_decay);
-    return std::make_unique<dtrain::optim::Lamb>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
-  }
-  if (o.optimizer == "lars") {
-    auto opts = dtrain::optim::LarsOptions(o.lr).weight_decay(o.weight_decay);
-    return std::make_unique<dtrain::optim::Lars>(keepTrainable(dtrain::optim::decayGroups(model, opts)), opts);
-  }
-  throw dtrain::InvalidArgument(fmt::format("--optimizer '{}': expected adam, lamb or lars", o.optimizer));
-}
-
-}  // namespace
-
-Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o) : dist_(dist), o_(o) {
-  ModelOptions mo = o.model;
-  mo.feature_dim = data.feature_dim;
-  torch::manual_seed(static_cast<uint64_t>(o.seed));
-  model_ = MilNceNet(data.word_vectors, mo);
-  ddp_ = std::make_unique<dtrain::DistributedDataParallel>(model_.ptr(), dist.world());
-  if (auto hook = dtrain::makeCommHook(dtrain::parseCommHookSpec(o.comm_hook))) ddp_->registerCommHook(hook);
-  if (o.local_sgd > 0 && o.comm_hook != "none") {
-    throw dtrain::InvalidArgument(fmt::format("--local-sgd {} and --comm-hook {}: choose one (local SGD averages "
-                                              "gradients within each machine only)", o.local_sgd, o.comm_hook));
-  }
-  opt_ = makeOptimizer(*model_, o);
-}
-
-void Trainer::enableLocalSgd(int64_t start) {
-  if (o_.local_sgd <= 0) return;
-  ddp_->registerCommHook(dtrain::postLocalSGDHook(dist_.local(), start));
-  averager_ = std::make_unique<dtrain::PeriodicModelAverager>(dist_.world(), o_.local_sgd, start);
-}
-
-void Trainer::resumeAt(int64_t step) {
-  if (averager_) averager_->setStep(step);
-}
-
-double Trainer::lossAndBackward(const Batch& local, bool sync) {
-  const int64_t b = local.video.size(0), k = local.text.size(1), w = local.text.size(2);
-  at::Tensor loss;
-  {
-    DTRAIN_SPAN("forward", "compute");  // on the timeline (DTRAIN_TIMELINE) and in flight-recorder dumps
-    auto v = model_->encodeVideo(local.video);                 // [b, D]
-    auto t = model_->encodeText(local.text.reshape({b * k, w}));  // [b*K, D]
-    auto& pg = *dist_.world();
-    // Every rank scores its clips against every rank's captions; the gradient of the gathered
-    // embeddings is summed across ranks and each rank keeps its own slice (AllGatherGrad::sum), so
-    // with DDP's averaging the update equals one process on the global batch.
-    auto all_v = dtrain::allGather(v, pg);
-    auto all_t = dtrain::allGather(t, pg);
-    loss = milNceLoss(all_v, all_t) / o_.accum;
-  }
-  if (sync) {
-    loss.backward();
-  } else {
-    auto guard = ddp_->noSync();
-    loss.backward();
-  }
-  return loss.item<double>() * o_.accum;
-}
-
-void Trainer::optimizerStep(int64_t step, int64_t total, int64_t warmup_steps) {
-  double lr = learningRate(o_.lr, step, total, warmup_steps);
-  for (auto& g : opt_->param_groups()) g.options().set_lr(lr);
-  DTRAIN_SPAN("optimizer.step", "optim");
-  opt_->step();
-  if (averager_) averager_->averageParameters(model_->parameters());
-  opt_->zero_grad();
-}
-
 Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& lo, int windows,
                    dtrain::Progress* progress) {
   torch::NoGradGuard no_grad;
@@ -187,7 +96,8 @@ class RunLog {
                       .set("candidates", o.loader.num_candidates).set("max_words", o.loader.max_words)
                       .set("clip_steps", o.loader.clip_steps).set("hidden", o.model.hidden).set("embed", o.model.embed)
                       .set("transport", dist.world()->transportName()).set("comm_hook", o.comm_hook)
-                      .set("optimizer", o.optimizer).set("weight_decay", o.weight_decay).set("local_sgd", o.local_sgd);
+                      .set("optimizer", o.optimizer).set("weight_decay", o.weight_decay).set("local_sgd", o.local_sgd)
+                      .set("zero", o.zero);
     log_->writeRun("milnce", dist.size(), config);
   }
   void step(int epoch, int64_t step, double loss, double lr, double samples_per_s, double step_s,
@@ -212,12 +122,27 @@ class RunLog {
   dtrain::BytesSentMeter sent_;
 };
 
+// Every rank's file of a per-rank checkpoint directory, in rank order (its world size from the names).
+std::vector<dtrain::CheckpointState> readRankParts(const std::string& dir) {
+  int world = 0;
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    int r = 0, n = 0;
+    if (std::sscanf(e.path().filename().string().c_str(), "rank-%d-of-%d.pt", &r, &n) == 2) world = n;
+  }
+  if (world <= 0) throw dtrain::InvalidArgument(fmt::format("{} holds no rank-<r>-of-<n>.pt files", dir));
+  std::vector<dtrain::CheckpointState> parts;
+  for (int r = 0; r < world; ++r)
+    parts.push_back(dtrain::Checkpointer::load(dir + "/" + dtrain::Checkpointer::rankFileName(r, world)));
+  return parts;
+}
+
 // The job of train(), in the order it runs: resume, evaluate, epochs (steps, checkpoint, evaluate).
 class Job {
  public:
   Job(const dtrain::Distributed& dist, const TrainOptions& o)
       : dist_(dist), o_(o), data_(loadData(o)), main_(dist.isMain()), trainer_(dist, data_, o),
-        ckpt_(o.out + "/checkpoints", dist, o.keep),
+        ckpt_(trainer_.perRankState() ? dtrain::Checkpointer(o.out + "/checkpoints", dist.world(), o.keep)
+                                 : dtrain::Checkpointer(o.out + "/checkpoints", dist, o.keep)),
         sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true) {
     const int64_t micro_per_epoch = sampler_.size() / o.batch;
     if (micro_per_epoch < o.accum) {
@@ -239,8 +164,7 @@ class Job {
                    << std::flush;
     RunLog log(dist_, o_);
     log_ = &log;
-    if (o_.eval && main_) {
-      before_ = evaluateAndLog();
+    if (o_.eval && (before_ = evaluateAndLog())) {
       std::printf("%s\n%s\n%s\n", retrievalHeader(before_->clips).c_str(),
                   formatRetrieval("before training", *before_).c_str(), chanceRow(before_->clips).c_str());
       std::fflush(stdout);
@@ -252,12 +176,48 @@ class Job {
       epoch_ = epoch + 1;
       checkpoint(*loss);
       const bool last = epoch_ == last_epoch;
-      if (o_.eval && main_ && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0) {
-        std::printf("%s\n", formatRetrieval(fmt::format("after epoch {}", epoch_), evaluateAndLog()).c_str());
-        std::fflush(stdout);
-      }
+      if (o_.eval && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0)
+        if (auto r = evaluateAndLog()) {
+          std::printf("%s\n", formatRetrieval(fmt::format("after epoch {}", epoch_), *r).c_str());
+          std::fflush(stdout);
+        }
     }
-    if (o_.eval && main_) finalTable();
+    if (o_.eval) finalTable();
+  }
+
+  // What a checkpoint holds: the training state (Trainer::captureTraining: DDP's model and optimizer,
+  // or this rank's part of the sharded state), the RNG, and where the job is (epoch_ epochs done and `samples` samples
+  // of the next one read by all ranks together; the schedule's numbers; the loss).
+  dtrain::CheckpointState captureState(double loss, int64_t samples) {
+    dtrain::CheckpointState st;
+    trainer_.captureTraining(st);
+    st.captureRng();
+    st.epoch = epoch_;
+    st.step = step_;
+    st.samples = samples;
+    st.scheduler["global_batch"] = static_cast<double>(int64_t{o_.batch} * accum_ * dist_.size());
+    st.scheduler["step"] = static_cast<double>(step_);
+    st.scheduler["total"] = static_cast<double>(total_);
+    st.metrics["loss"] = loss;
+    return st;
+  }
+
+  // Continues from saved state: every saved rank's captureState() in old-rank order, from a run of any
+  // world size (DDP: parts[0] is the whole state). The position and schedule come from parts[0], the
+  // RNG from this rank's old part when there is one. `what` names the source in errors.
+  void restoreFrom(const std::vector<dtrain::CheckpointState>& parts, const std::string& what = "the checkpoint") {
+    trainer_.restoreTraining(parts, what);
+    const auto& st = parts[0];
+    const auto mine = static_cast<size_t>(dist_.rank());
+    parts[mine < parts.size() ? mine : 0].restoreRng();
+    epoch_ = static_cast<int>(st.epoch);
+    step_ = st.step;
+    start_samples_ = st.samples;
+    trainer_.resumeAt(step_);
+    keepGlobalBatch(st);
+    if (main_)
+      std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
+                  static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
   }
 
  private:
@@ -268,24 +228,36 @@ class Job {
     return d;
   }
 
+  // Resuming, from the newest checkpoint: its one file (DDP), or every rank's file of its directory,
+  // saved at any world size (--zero 1-3).
   void resume() {
     if (!o_.resume) return;
-    if (auto st = ckpt_.loadLatest()) {
-      st->restoreModel(*trainer_.model());
-      st->restoreOptimizer(trainer_.optimizer());
-      st->restoreRng();
-      epoch_ = static_cast<int>(st->epoch);
-      step_ = st->step;
-      start_samples_ = st->samples;
-      trainer_.resumeAt(step_);
-      keepGlobalBatch(*st);
-      if (main_)
-        std::printf("resumed from epoch %d, step %lld, sample %lld of the epoch (world %d, accum %d)\n", epoch_,
-                    static_cast<long long>(step_), static_cast<long long>(start_samples_), dist_.size(), accum_);
-    } else if (main_) {
-      std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+    if (!trainer_.perRankState()) {
+      if (auto st = ckpt_.loadLatest()) {
+        restoreFrom({*st}, ckpt_.dir());
+        return;
+      }
+    } else if (const auto saved = ckpt_.list(); !saved.empty()) {
+      restoreFrom(readRankParts(saved.back().path), saved.back().path);
+      return;
+    }
+    refuseOtherLayout();
+    if (main_) std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+  }
+
+  // Checkpoints of the other layout (saved with another --zero) are refused, not started afresh over.
+  void refuseOtherLayout() const {
+    if (!std::filesystem::is_directory(ckpt_.dir())) return;
+    for (const auto& e : std::filesystem::directory_iterator(ckpt_.dir())) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("ckpt-", 0) == 0 && e.is_directory() != trainer_.perRankState())
+        throw dtrain::InvalidArgument(fmt::format(
+            "--resume: {} holds {} checkpoints ({}), saved with --zero {}; this run has --zero {}: resume with the "
+            "--zero it was saved with", ckpt_.dir(), e.is_directory() ? "per-rank" : "single-file", name,
+            e.is_directory() ? "1, 2 or 3" : "0", o_.zero));
     }
   }
+
 
   // A checkpoint from another world size: the same global batch (accum changed), so the same number of
   // steps per epoch and learning-rate schedule (drop_last's rounding aside).
@@ -312,8 +284,12 @@ class Job {
     warmup_steps_ = std::max<int64_t>(1, static_cast<int64_t>(o_.warmup * total_));
   }
 
-  Retrieval evaluateAndLog() {
-    Retrieval r = evaluate(trainer_.model(), data_, o_.loader, o_.eval_windows);
+  // Collective when sharded (every rank gathers the parameters); the main rank evaluates and logs, the
+  // others return nothing.
+  std::optional<Retrieval> evaluateAndLog() {
+    MilNceNet& model = trainer_.evalModel();
+    if (!main_) return std::nullopt;
+    Retrieval r = evaluate(model, data_, o_.loader, o_.eval_windows);
     log_->eval(epoch_, step_, r);
     return r;
   }
@@ -357,7 +333,7 @@ class Job {
       if (samples_log_.is_open()) samples_log_.flush();
       loss_sum += loss;
       const double step_s = step_time.lap();
-      log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.ddp().lastStats());
+      log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.commStats());
       bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s", loss_sum / (s + 1), lr,
                                     samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9)));
       const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
@@ -369,24 +345,13 @@ class Job {
   }
 
   // epoch_ epochs done and `samples` samples of the next one read (by all ranks together).
-  void checkpoint(double loss, int64_t samples = 0) {
-    dtrain::CheckpointState st;
-    st.captureModel(*trainer_.model());
-    st.captureOptimizer(trainer_.optimizer());
-    st.captureRng();
-    st.epoch = epoch_;
-    st.step = step_;
-    st.samples = samples;
-    st.scheduler["global_batch"] = static_cast<double>(int64_t{o_.batch} * accum_ * dist_.size());
-    st.scheduler["step"] = static_cast<double>(step_);
-    st.scheduler["total"] = static_cast<double>(total_);
-    st.metrics["loss"] = loss;
-    ckpt_.save(st);
-  }
+  void checkpoint(double loss, int64_t samples = 0) { ckpt_.save(captureState(loss, samples)); }
 
   // Before, after (the last epoch's evaluation) and chance, also written to eval.json.
   void finalTable() {
-    Retrieval after = evaluateAndLog();
+    const auto evaluated = evaluateAndLog();
+    if (!evaluated) return;
+    const Retrieval& after = *evaluated;
     nlohmann::json eval_json;
     std::printf("%s\n", retrievalHeader(after.clips).c_str());
     if (before_) {
@@ -419,5 +384,42 @@ class Job {
 }  // namespace
 
 void train(const dtrain::Distributed& dist, const TrainOptions& o) { Job(dist, o).run(); }
+
+std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path) {
+  if (!path.empty()) {
+    if (std::filesystem::is_directory(path)) return readRankParts(path);
+    return {dtrain::Checkpointer::load(path)};
+  }
+  if (auto st = dtrain::Checkpointer(checkpoints, /*keep_last=*/0, /*writer=*/false).loadLatest()) return {*st};
+  auto one = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
+  const auto saved = dtrain::Checkpointer(checkpoints, one, /*keep_last=*/0).list();
+  if (saved.empty()) return {};
+  return readRankParts(saved.back().path);
+}
+
+void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,
+                            const std::vector<dtrain::CheckpointState>& parts, const std::string& what) {
+  if (!parts.at(0).sharded.count("video.param_groups")) {
+    parts[0].restoreModel(*model);  // DDP's file, or --zero 1's rank files (each holds the whole model)
+    return;
+  }
+  // FSDP's shards, put together by the same units in one process.
+  auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
+  const dtrain::Distributed one(pg, pg, dtrain::comm::WorldInfo{});
+  TrainOptions so = o;
+  so.zero = 2;
+  so.comm_hook = "none";
+  so.local_sgd = 0;
+  so.optimizer = "adam";
+  Trainer t(one, data, so);
+  t.restoreTraining(parts, what);
+  torch::NoGradGuard no_grad;
+  auto params = model->named_parameters();
+  for (const auto& [name, v] : t.fullState()) {
+    auto* p = params.find(name);
+    if (p == nullptr) throw dtrain::InvalidArgument(fmt::format("{}: '{}' is not a parameter of the model", what, name));
+    p->copy_(v);
+  }
+}
 
 }  // namespace milnce

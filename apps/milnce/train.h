@@ -1,12 +1,17 @@
 // Training and evaluation of the MIL-NCE model, distributed with dtrain.
 #pragma once
+#include <map>
+#include <memory>
 #include <optional>
 #include <random>
 #include <string>
 
+#include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
+#include "dtrain/fsdp.h"
 #include "dtrain/local_sgd.h"
+#include "dtrain/zero.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
@@ -29,6 +34,11 @@ struct TrainOptions {
   std::string optimizer = "adam";
   double weight_decay = 0;
   int local_sgd = 0;
+  // ZeRO (docs/ZERO.md): 0 replicates everything (DDP); 1 shards the optimizer state
+  // (ZeroRedundancyOptimizer over DDP); 2 and 3 shard the gradients and Adam's state too (and at 3 the
+  // parameters outside each encoder's forward) with FullyShardedDataParallel, one instance per encoder.
+  // 1-3 checkpoint per rank and need no --local-sgd; 2/3 need --comm-hook none and --optimizer adam.
+  int zero = 0;
   uint64_t seed = 0;
   // Resuming (resume) continues from the newest checkpoint, mid-epoch too, at any world size: the
   // sampler goes on from the samples the checkpoint's epoch had read, and the global batch (batch x
@@ -70,10 +80,14 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
 
 // One optimizer step's worth of work, shared by the CLI and the tests: embeddings of the local
 // batch, all-gathered across ranks (the gradient flows back to each rank's slice), the MIL-NCE loss
-// on the global batch, backward through DDP.
+// on the global batch, backward through DDP (o.zero 0; 1: the optimizer a ZeroRedundancyOptimizer) or
+// through two FullyShardedDataParallel
+// instances, one per encoder (o.zero 2 or 3: the optimizer steps their shards; the frozen word vectors
+// stay replicated). InvalidArgument for options FSDP cannot take (a comm hook, local SGD, lamb/lars).
 class Trainer {
  public:
   Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o);
+  ~Trainer();
   // Forward + backward of one micro-batch; `sync` false accumulates without communicating.
   double lossAndBackward(const Batch& local, bool sync = true);
   void optimizerStep(int64_t step, int64_t total, int64_t warmup_steps);
@@ -81,21 +95,53 @@ class Trainer {
   void enableLocalSgd(int64_t start);
   // After a resume at optimizer step `step`: the averager's count follows.
   void resumeAt(int64_t step);
+  // FSDP (--zero 2, 3): the parameters are sharded.
+  bool sharded() const { return video_fsdp_ != nullptr; }
+  // --zero 1-3: ranks hold different state, checkpointed per rank.
+  bool perRankState() const { return o_.zero > 0; }
+  // The model. Sharded: its trainable parameters hold no values outside forward (see evalModel()).
   MilNceNet& model() { return model_; }
-  torch::optim::Optimizer& optimizer() { return *opt_; }
-  dtrain::DistributedDataParallel& ddp() { return *ddp_; }
+  // The optimizer (--zero 1: this rank's part, which steps the parameters it owns).
+  torch::optim::Optimizer& optimizer();
+  // The last backward's communication (DDP's; zeros when sharded: FSDP keeps no timings).
+  dtrain::DistributedDataParallel::Stats commStats() const;
+
+  // Collective when sharded: every trainable parameter's current value by its name in MilNceNet.
+  std::map<std::string, at::Tensor> fullState();
+  // Collective when sharded: a model holding the current values, for evaluate() (the model itself for
+  // DDP; a copy, filled from fullState(), when sharded).
+  MilNceNet& evalModel();
+  // The training state a checkpoint holds: the model and optimizer (DDP); the model and this rank's
+  // optimizer state (--zero 1: s.sharded "zero.*"); this rank's shards and their optimizer state
+  // (FSDP: s.sharded "video.*" and "text.*").
+  void captureTraining(dtrain::CheckpointState& s) const;
+  // From every saved rank's state in old-rank order (DDP: parts[0], the one file), saved at any world
+  // size; `what` names the source in errors. Not collective.
+  void restoreTraining(const std::vector<dtrain::CheckpointState>& parts, const std::string& what);
 
  private:
   const dtrain::Distributed& dist_;
   TrainOptions o_;
   MilNceNet model_{nullptr};
+  MilNceNet eval_model_{nullptr};  // sharded: evalModel()'s copy
   std::unique_ptr<dtrain::DistributedDataParallel> ddp_;
-  std::unique_ptr<torch::optim::Optimizer> opt_;
+  std::unique_ptr<dtrain::FullyShardedDataParallel> video_fsdp_, text_fsdp_;
+  std::unique_ptr<torch::optim::Optimizer> opt_;        // --zero 0, 2, 3
+  std::unique_ptr<dtrain::ZeroRedundancyOptimizer> zero_;  // --zero 1
   std::unique_ptr<dtrain::PeriodicModelAverager> averager_;
 };
 
 // The whole job: evaluate, train for o.epochs (resuming if asked), checkpoint and evaluate every epoch.
 // Rank 0 logs the run, every step and every evaluation to o.out/metrics.jsonl (appended to on --resume).
 void train(const dtrain::Distributed& dist, const TrainOptions& o);
+
+// For `milnce eval`: the parts of `path` (a checkpoint file, or a per-rank checkpoint directory: every
+// rank's file in rank order) or, when path is empty, of the newest checkpoint in `checkpoints` (a run's
+// checkpoints/ directory, whatever --zero saved it); empty when there is none.
+std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path);
+// The parameters those parts hold into `model` (built with o.model): FSDP's shards (--zero 2, 3) put
+// together in this process, at any saved world size. `what` names the source in errors.
+void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,
+                            const std::vector<dtrain::CheckpointState>& parts, const std::string& what);
 
 }  // namespace milnce

@@ -60,6 +60,9 @@ struct FsdpOptions {
   // memory-tight runs (docs/ZERO.md "Memory").
   bool prefetch = true;
   bool recompute = false;             // run each unit through dtrain::recompute
+  // The names of captureSharded's entries start with this: give each instance its own when several
+  // FSDP instances (e.g. two encoders) save into one CheckpointState.
+  std::string checkpoint_prefix = "fsdp";
 };
 
 class FullyShardedDataParallel {
@@ -96,11 +99,22 @@ class FullyShardedDataParallel {
 
   // Per-rank checkpoints (dtrain/checkpoint.h, a Checkpointer over the group: every rank writes its part
   // in parallel, complete on every rank or not at all): this rank's shards and the optimizer's state for
-  // them into s.sharded ("fsdp.<unit>.shard", "fsdp.<unit>.<entry>"; "fsdp.param_groups": the options).
+  // them into s.sharded ("<p>.<unit>.shard", "<p>.<unit>.<entry>"; "<p>.param_groups": the options; <p>
+  // is FsdpOptions::checkpoint_prefix, "fsdp" by default). The optimizer may step other tensors too
+  // (e.g. a second instance's shards): only this instance's units are written.
   void captureSharded(CheckpointState& s, const torch::optim::Optimizer& optimizer) const;
   // From a per-rank checkpoint's directory (Checkpointer::list().back().path), saved at any world size and
   // either stage: reads every rank's file and takes this rank's part of each unit. Not collective.
   void restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer);
+  // The same from states already in memory: `parts` holds every old rank's CheckpointState (as
+  // captureSharded filled it), in old-rank order, saved at any world size (parts.size() is that size);
+  // `what` names their source in errors (a directory, "peer snapshots"). Not collective.
+  // \code
+  //   std::vector<dtrain::CheckpointState> parts;        // e.g. every old rank's snapshot, in rank order
+  //   fsdp.restoreSharded(parts, opt, "in-memory snapshots");
+  // \endcode
+  void restoreSharded(const std::vector<CheckpointState>& parts, torch::optim::Optimizer& optimizer,
+                      const std::string& what);
 
   // Collective: every parameter's current value (gathered from the shards), by its name in the model.
   std::map<std::string, at::Tensor> fullState();

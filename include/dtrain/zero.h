@@ -121,6 +121,14 @@ class ZeroRedundancyOptimizer {
   // reads every rank's file and keeps the owned parameters' entries. Not collective. Error naming the
   // directory when a rank's file is missing or does not hold ZeRO's state.
   void restoreSharded(const std::string& checkpoint_dir);
+  // The same from states already in memory: `parts` holds every old rank's CheckpointState (as
+  // captureSharded filled it), in old-rank order, saved at any world size; `what` names their source in
+  // errors (a directory, "peer snapshots"). Not collective.
+  // \code
+  //   std::vector<dtrain::CheckpointState> parts;        // e.g. every old rank's snapshot, in rank order
+  //   zero.restoreSharded(parts, "in-memory snapshots");
+  // \endcode
+  void restoreSharded(const std::vector<CheckpointState>& parts, const std::string& what);
 
   // What this rank holds, in bytes: parameters (all of them, at stage 1), gradients (defined ones),
   // optimizer state (its tensors).

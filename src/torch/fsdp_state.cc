@@ -182,14 +182,15 @@ at::Tensor reslice(const std::vector<CheckpointState>& files, const std::string&
 
 void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::optim::Optimizer& optimizer) const {
   const Impl& m = *impl_;
+  const std::string& pre = m.opts.checkpoint_prefix;
   const Kind k = kindOf(optimizer);
   const auto group_of = groupOfUnits(m.units, optimizer);
   for (size_t u = 0; u < m.units.size(); ++u) {
     const auto& unit = m.units[u];
-    s.sharded[fmt::format("fsdp.{}.shard", u)] = unit.shard.detach().clone();
+    s.sharded[fmt::format("{}.{}.shard", pre, u)] = unit.shard.detach().clone();
     auto it = optimizer.state().find(keyOf(unit.shard));
     if (it == optimizer.state().end()) continue;
-    for (const auto& e : toDict(k, *it->second)) s.sharded[fmt::format("fsdp.{}.{}", u, e.key())] = e.value().detach().clone();
+    for (const auto& e : toDict(k, *it->second)) s.sharded[fmt::format("{}.{}.{}", pre, u, e.key())] = e.value().detach().clone();
   }
   c10::impl::GenericList groups(c10::AnyType::get());
   for (size_t g = 0; g < optimizer.param_groups().size(); ++g) {
@@ -200,37 +201,44 @@ void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::o
     gd.insert("units", units);
     groups.push_back(c10::IValue(gd));
   }
-  s.sharded["fsdp.param_groups"] = bytesTensor(torch::pickle_save(groups));
+  s.sharded[pre + ".param_groups"] = bytesTensor(torch::pickle_save(groups));
 }
 
 void FullyShardedDataParallel::restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer) {
+  restoreSharded(readRankFiles(checkpoint_dir), optimizer, checkpoint_dir);
+}
+
+void FullyShardedDataParallel::restoreSharded(const std::vector<CheckpointState>& parts,
+                                              torch::optim::Optimizer& optimizer, const std::string& what) {
   Impl& m = *impl_;
   const Kind k = kindOf(optimizer);
+  const std::string& pre = m.opts.checkpoint_prefix;
   groupOfUnits(m.units, optimizer);  // (checks that the optimizer steps the shards)
-  const auto files = readRankFiles(checkpoint_dir);
-  auto g = files[0].sharded.find("fsdp.param_groups");
-  DTRAIN_CHECK(g != files[0].sharded.end(), InvalidArgument,
-               "{}: rank 0's file holds no FSDP state (no 'fsdp.param_groups'; saved with captureSharded?)", checkpoint_dir);
+  DTRAIN_CHECK(!parts.empty(), InvalidArgument, "{}: no rank's state to restore FSDP's from", what);
+  auto g = parts[0].sharded.find(pre + ".param_groups");
+  DTRAIN_CHECK(g != parts[0].sharded.end(), InvalidArgument,
+               "{}: rank 0's state holds no FSDP state (no '{}.param_groups'; saved with captureSharded?)", what,
+               pre);
   auto groups = torch::pickle_load(tensorBytes(g->second)).toList();
   DTRAIN_CHECK(groups.size() == optimizer.param_groups().size(), InvalidArgument,
-               "{} has {} parameter group(s), this optimizer {}", checkpoint_dir, groups.size(), optimizer.param_groups().size());
+               "{} has {} parameter group(s), this optimizer {}", what, groups.size(), optimizer.param_groups().size());
   for (size_t i = 0; i < groups.size(); ++i)
-    applyGroupDict(k, optimizer.param_groups()[i].options(), groups.get(i).toGenericDict(), checkpoint_dir);
+    applyGroupDict(k, optimizer.param_groups()[i].options(), groups.get(i).toGenericDict(), what);
   const int rank = m.pg->rank(), world = m.pg->size();
   torch::NoGradGuard no_grad;
   for (size_t u = 0; u < m.units.size(); ++u) {
     auto& unit = m.units[u];
     m.release(unit);
-    unit.shard.copy_(reslice(files, fmt::format("fsdp.{}.shard", u), unit, rank, world, checkpoint_dir));
+    unit.shard.copy_(reslice(parts, fmt::format("{}.{}.shard", pre, u), unit, rank, world, what));
     optimizer.state().erase(keyOf(unit.shard));
     TensorDict mine;
     for (const char* e : kEntries) {
-      const std::string key = fmt::format("fsdp.{}.{}", u, e);
-      auto it = files[0].sharded.find(key);
-      if (it == files[0].sharded.end()) continue;
-      mine.insert(e, std::string(e) == "step" ? it->second : reslice(files, key, unit, rank, world, checkpoint_dir));
+      const std::string key = fmt::format("{}.{}.{}", pre, u, e);
+      auto it = parts[0].sharded.find(key);
+      if (it == parts[0].sharded.end()) continue;
+      mine.insert(e, std::string(e) == "step" ? it->second : reslice(parts, key, unit, rank, world, what));
     }
-    if (mine.size() > 0) optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, checkpoint_dir);
+    if (mine.size() > 0) optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, what);
   }
 }
 

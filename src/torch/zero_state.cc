@@ -143,25 +143,29 @@ void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
 }
 
 void ZeroRedundancyOptimizer::restoreSharded(const std::string& checkpoint_dir) {
+  restoreSharded(readRankFiles(checkpoint_dir), checkpoint_dir);
+}
+
+void ZeroRedundancyOptimizer::restoreSharded(const std::vector<CheckpointState>& parts, const std::string& what) {
   Impl& m = *impl_;
   const Kind k = kindOf(*m.local);
-  const auto files = readRankFiles(checkpoint_dir);
+  DTRAIN_CHECK(!parts.empty(), InvalidArgument, "{}: no rank's state to restore ZeRO's from", what);
   std::map<int64_t, TensorDict> entries;
-  for (const auto& f : files)
+  for (const auto& f : parts)
     for (const auto& [name, t] : f.sharded) {
       if (name.rfind("zero.state.", 0) != 0) continue;
       const auto rest = name.substr(std::strlen("zero.state."));
       const auto dot = rest.find('.');
-      DTRAIN_CHECK(dot != std::string::npos, InvalidArgument, "{}: a ZeRO entry named '{}'", checkpoint_dir, name);
+      DTRAIN_CHECK(dot != std::string::npos, InvalidArgument, "{}: a ZeRO entry named '{}'", what, name);
       auto& d = entries.try_emplace(std::stoll(rest.substr(0, dot))).first->second;
       d.insert(rest.substr(dot + 1), t);
     }
-  auto g = files[0].sharded.find("zero.param_groups");
-  DTRAIN_CHECK(g != files[0].sharded.end(), InvalidArgument,
-               "{}: rank 0's file holds no ZeRO state (no 'zero.param_groups'; saved with captureSharded?)", checkpoint_dir);
+  auto g = parts[0].sharded.find("zero.param_groups");
+  DTRAIN_CHECK(g != parts[0].sharded.end(), InvalidArgument,
+               "{}: rank 0's file holds no ZeRO state (no 'zero.param_groups'; saved with captureSharded?)", what);
   c10::impl::GenericDict state(c10::IntType::get(), c10::AnyType::get());
   for (auto& [i, d] : entries) state.insert(i, d);
-  applyState(m, k, state, torch::pickle_load(tensorBytes(g->second)).toList(), checkpoint_dir);
+  applyState(m, k, state, torch::pickle_load(tensorBytes(g->second)).toList(), what);
 }
 
 }  // namespace dtrain

@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdio>
+#include <filesystem>
 #include <fstream>
 #include <string>
 
@@ -185,6 +186,52 @@ TEST(MilNceCli, SlowLinkOptions) {
            {"--comm-hook foo", "--comm-hook 'foo'"},
            {"--optimizer sgd", "--optimizer"},
            {"--local-sgd 2 --comm-hook fp16", "choose one"}}) {
+    auto [rc2, out] = run(kMilnce + " train --data " + data + " --out " + dir.path() + "/bad --epochs 1 --no-eval " + args);
+    EXPECT_NE(rc2, 0) << args << ": " << out;
+    EXPECT_NE(out.find(what), std::string::npos) << args << ": " << out;
+  }
+}
+
+// --zero 2 on 2 workers: the same evaluation before training as DDP (the same initial model, gathered
+// for the main rank), per-rank checkpoints, resumed with --zero 2; the options ZeRO refuses, named.
+TEST(MilNceCli, ZeroTwo) {
+  dtrain::test::TempDir dir;
+  const std::string data = dir.path() + "/data";
+  auto [rc, gen] = run(kMilnce + " gen-data --out " + data + " --videos 120 --eval-videos 20 --seed 5");
+  ASSERT_EQ(rc, 0) << gen;
+  auto train = [&](const std::string& name, const std::string& args) {
+    auto r = run(kRun + " --standalone --nproc-per-node 2 " + kMilnce + " train --data " + data + " --out " + dir.path() +
+                 "/" + name + " --epochs 2 --batch 16 --hidden 64 --embed 32 --no-progress " + args);
+    EXPECT_EQ(r.first, 0) << args << ": " << r.second;
+    std::ifstream f(dir.path() + "/" + name + "/eval.json");
+    return nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  };
+  const auto ddp = train("ddp", ""), zero = train("zero", "--zero 2 --stop-after 1");
+  auto resumed = run(kRun + " --standalone --nproc-per-node 2 " + kMilnce + " train --data " + data + " --out " +
+                     dir.path() + "/zero --epochs 2 --batch 16 --hidden 64 --embed 32 --no-progress --zero 2 --resume");
+  ASSERT_EQ(resumed.first, 0) << resumed.second;
+  EXPECT_NE(resumed.second.find("resumed from epoch 1, step 3"), std::string::npos) << resumed.second;
+  std::ifstream f(dir.path() + "/zero/eval.json");
+  const auto z = nlohmann::json::parse(f, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(ddp.is_object() && zero.is_object() && z.is_object()) << resumed.second;
+  EXPECT_EQ(ddp["before"], zero["before"]);  // (the resumed run's "before" is after epoch 1)
+  EXPECT_EQ(z["after"]["clips"], ddp["after"]["clips"]);
+  EXPECT_TRUE(std::filesystem::exists(dir.path() + "/zero/checkpoints/ckpt-000002-000000006/rank-00001-of-00002.pt"));
+  // `milnce eval` puts the shards of the newest per-rank checkpoint together: the run's last evaluation.
+  auto ev = run(kMilnce + " eval --data " + data + " --run " + dir.path() + "/zero --hidden 64 --embed 32 --progress off"
+                " --json " + dir.path() + "/zero-eval.json");
+  ASSERT_EQ(ev.first, 0) << ev.second;
+  std::ifstream ej(dir.path() + "/zero-eval.json");
+  const auto e = nlohmann::json::parse(ej, nullptr, /*allow_exceptions=*/false);
+  ASSERT_TRUE(e.is_object()) << ev.second;
+  EXPECT_EQ(e["epoch"], 2);
+  for (const char* k : {"R@1", "R@5", "R@10", "median_rank"}) EXPECT_EQ(e[k], z["after"][k]) << k;
+  for (const auto& [args, what] : std::vector<std::pair<std::string, std::string>>{
+           {"--zero 2 --comm-hook fp16", "--zero 2 and --comm-hook fp16"},
+           {"--zero 3 --local-sgd 2", "--zero 3 and --local-sgd 2"},
+           {"--zero 2 --optimizer lamb", "--zero 2 and --optimizer lamb"},
+           {"--zero 1 --local-sgd 2", "--zero 1 and --local-sgd 2"},
+           {"--zero 4", "--zero"}}) {
     auto [rc2, out] = run(kMilnce + " train --data " + data + " --out " + dir.path() + "/bad --epochs 1 --no-eval " + args);
     EXPECT_NE(rc2, 0) << args << ": " << out;
     EXPECT_NE(out.find(what), std::string::npos) << args << ": " << out;
