@@ -98,6 +98,11 @@ int main(int argc, char** argv) {
   tr->add_flag("--log-samples", t.log_samples, "each rank appends the dataset indices of every micro-batch to "
                "OUT/samples-rank<r>.txt (to audit coverage across restarts; each process starts with a '# start' line)");
   tr->add_option("--keep", t.keep, "checkpoints to keep");
+  tr->add_flag("--no-checkpoints{false}", t.disk_checkpoints, "write no checkpoints to disk (resume from peer-memory "
+               "snapshots only: --snapshot-every)");
+  tr->add_option("--snapshot-every", t.snapshot_every, "snapshot the training state every N optimizer steps (and at "
+                 "epoch ends) into the memory of the dtrain-run agents: this node's and the next node's")
+      ->check(CLI::NonNegativeNumber);
   tr->add_flag("--no-eval{false}", t.eval, "skip the retrieval evaluations");
   tr->add_option("--eval-every", t.eval_every, "epochs between evaluations (0: only before and after training)")
       ->check(CLI::NonNegativeNumber);

@@ -9,6 +9,7 @@
 #include <filesystem>
 #include <fstream>
 #include <optional>
+#include <set>
 #include <utility>
 
 #include <fmt/format.h>
@@ -21,6 +22,7 @@
 #include "dtrain/optim.h"
 #include "dtrain/metrics.h"
 #include "dtrain/sampler.h"
+#include "dtrain/snapshot.h"
 #include "dtrain/trace.h"
 
 namespace milnce {
@@ -109,6 +111,9 @@ class RunLog {
                     .stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
                     .set("bytes_sent", sent).set("rss_bytes", dtrain::residentBytes()));
   }
+  void write(const dtrain::Record& r) {
+    if (log_) log_->write(r);
+  }
   // After `epoch` epochs and `step` optimizer steps; recall in percent, as the tables print it.
   void eval(int epoch, int64_t step, const Retrieval& r) {
     if (!log_) return;
@@ -143,7 +148,11 @@ class Job {
       : dist_(dist), o_(o), data_(loadData(o)), main_(dist.isMain()), trainer_(dist, data_, o),
         ckpt_(trainer_.perRankState() ? dtrain::Checkpointer(o.out + "/checkpoints", dist.world(), o.keep)
                                  : dtrain::Checkpointer(o.out + "/checkpoints", dist, o.keep)),
-        sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true) {
+        sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true),
+        snaps_(dist, snapshotOptions(o, trainer_.perRankState())), snapshots_(o.snapshot_every > 0 && snaps_.enabled()) {
+    if (o.snapshot_every > 0 && !snaps_.enabled() && main_)
+      std::fprintf(stderr, "milnce: --snapshot-every %d: no snapshot stores (dtrain-run gives its workers "
+                   "DTRAIN_SNAPSHOT_STORES): no peer-memory snapshots\n", o.snapshot_every);
     const int64_t micro_per_epoch = sampler_.size() / o.batch;
     if (micro_per_epoch < o.accum) {
       throw dtrain::InvalidArgument(fmt::format(
@@ -170,11 +179,12 @@ class Job {
       std::fflush(stdout);
     }
     const int last_epoch = o_.stop_after > 0 ? std::min(o_.epochs, o_.stop_after) : o_.epochs;
+    const int64_t first_step = step_;
     for (int epoch = epoch_; epoch < last_epoch; ++epoch) {
       const auto loss = trainEpoch(epoch, std::exchange(start_samples_, 0));
-      if (!loss) return;  // stopped mid-epoch (stop_after_steps)
+      if (!loss) return finishSnapshots(first_step);  // stopped mid-epoch (stop_after_steps)
       epoch_ = epoch + 1;
-      checkpoint(*loss);
+      checkpoint(*loss, 0, /*disk=*/true, /*memory=*/true);
       const bool last = epoch_ == last_epoch;
       if (o_.eval && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0)
         if (auto r = evaluateAndLog()) {
@@ -182,6 +192,7 @@ class Job {
           std::fflush(stdout);
         }
     }
+    finishSnapshots(first_step);
     if (o_.eval) finalTable();
   }
 
@@ -228,10 +239,49 @@ class Job {
     return d;
   }
 
-  // Resuming, from the newest checkpoint: its one file (DDP), or every rank's file of its directory,
-  // saved at any world size (--zero 1-3).
+  static dtrain::SnapshotOptions snapshotOptions(const TrainOptions& o, bool per_rank) {
+    dtrain::SnapshotOptions so;
+    so.replicated = !per_rank;
+    so.stores = o.snapshot_stores;
+    return so;
+  }
+
+  // The step of the newest disk checkpoint; -1: none.
+  int64_t newestDiskStep() const {
+    if (!o_.disk_checkpoints) return -1;
+    const auto saved = ckpt_.list();
+    return saved.empty() ? -1 : saved.back().step;
+  }
+
+  // Resuming from peer memory (--snapshot-every): the newest complete snapshot when it is at least as new
+  // as the newest disk checkpoint. Collective. False: resume from disk.
+  bool resumeFromMemory() {
+    if (!snapshots_) return false;
+    const auto snap = snaps_.loadLatest();
+    const int64_t disk = newestDiskStep();
+    if (!snap || snap->step < disk) {
+      if (main_)
+        std::printf("peer memory: %s\n", snap ? fmt::format("step {}, older than the disk checkpoint of step {}", snap->step, disk).c_str()
+                                              : "no complete snapshot");
+      return false;
+    }
+    std::set<std::string> from(snap->sources.begin(), snap->sources.end());
+    if (main_)
+      std::printf("resumed from peer memory: the snapshot of step %lld taken by %d rank(s) in round %lld, from %s\n",
+                  static_cast<long long>(snap->step), snap->world_size, static_cast<long long>(snap->round),
+                  fmt::format("{}", fmt::join(from, ", ")).c_str());
+    restoreFrom(snap->parts, fmt::format("the peer-memory snapshot of step {} (round {})", snap->step, snap->round));
+    return true;
+  }
+
+  // Resuming, from the newer of peer memory and disk; on disk, from the newest checkpoint: its one file
+  // (DDP), or every rank's file of its directory, saved at any world size (--zero 1-3).
   void resume() {
-    if (!o_.resume) return;
+    if (!o_.resume || resumeFromMemory()) return;
+    if (!o_.disk_checkpoints) {
+      if (main_) std::printf("no checkpoint (--no-checkpoints, and none in peer memory): starting afresh\n");
+      return;
+    }
     if (!trainer_.perRankState()) {
       if (auto st = ckpt_.loadLatest()) {
         restoreFrom({*st}, ckpt_.dir());
@@ -337,15 +387,47 @@ class Job {
       bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s", loss_sum / (s + 1), lr,
                                     samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9)));
       const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
-      if (more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0)
-        checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch);
+      const bool disk = more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0;
+      const bool memory = more && o_.snapshot_every > 0 && step_ % o_.snapshot_every == 0;
+      if (disk || memory) checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch, disk, memory);
       if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) return std::nullopt;
     }
     return loss_sum / std::max<int64_t>(steps, 1);
   }
 
-  // epoch_ epochs done and `samples` samples of the next one read (by all ranks together).
-  void checkpoint(double loss, int64_t samples = 0) { ckpt_.save(captureState(loss, samples)); }
+  // epoch_ epochs done and `samples` samples of the next one read (by all ranks together): to disk
+  // and/or to peer memory. The state is captured once; a snapshot's time on this thread is counted.
+  void checkpoint(double loss, int64_t samples, bool disk, bool memory) {
+    disk = disk && o_.disk_checkpoints;
+    memory = memory && snapshots_ && snaps_.writes();
+    if (!disk && !memory) return;
+    dtrain::Stopwatch took;
+    const dtrain::CheckpointState st = captureState(loss, samples);
+    if (memory) {
+      snaps_.save(st);  // (the tensors are captured copies: the disk save below reads the same ones)
+      snapshot_s_ += took.seconds();
+    }
+    if (disk) ckpt_.save(st);
+  }
+
+  // The snapshots' last send completed (its error, if any, raised); rank 0 reports their cost.
+  void finishSnapshots(int64_t first_step) {
+    if (!snapshots_) return;
+    snaps_.flush();
+    const auto s = snaps_.stats();
+    const int64_t steps = std::max<int64_t>(1, step_ - first_step);
+    if (!main_ || s.snapshots == 0) return;
+    const double each = s.snapshots > 0 ? 1.0 / static_cast<double>(s.snapshots) : 0;
+    std::printf("peer snapshots: %lld taken (every %d steps and at epoch ends), %.1f ms each on the training thread "
+                "(capture and hand-off), %.1f ms each sent in the background, %.2f MB per copy: %.2f ms per optimizer "
+                "step over %lld steps\n",
+                static_cast<long long>(s.snapshots), o_.snapshot_every, 1e3 * snapshot_s_ * each,
+                1e3 * s.send_seconds * each, static_cast<double>(s.last_bytes) / 1e6,
+                1e3 * snapshot_s_ / static_cast<double>(steps), static_cast<long long>(steps));
+    log_->write(dtrain::Record("snapshots").set("count", s.snapshots).set("every", o_.snapshot_every)
+                    .set("training_thread_s", snapshot_s_).set("background_s", s.send_seconds)
+                    .set("bytes_per_copy", s.last_bytes).set("steps", steps));
+  }
 
   // Before, after (the last epoch's evaluation) and chance, also written to eval.json.
   void finalTable() {
@@ -371,6 +453,9 @@ class Job {
   Trainer trainer_;
   dtrain::Checkpointer ckpt_;
   dtrain::DistributedSampler sampler_;
+  dtrain::PeerSnapshots snaps_;
+  bool snapshots_;                // --snapshot-every, with stores to send to
+  double snapshot_s_ = 0;         // on the training thread (capture and hand-off)
   int64_t steps_per_epoch_ = 0, total_ = 0, warmup_steps_ = 0;
   int accum_ = o_.accum;        // micro-batches per step (changed on resuming at another world size)
   int64_t start_samples_ = 0;   // of the epoch resumed mid-way, read before

@@ -46,6 +46,12 @@ struct TrainOptions {
   bool resume = false;
   int stop_after = 0;        // stop once this many epochs are done (0: run all), as if interrupted
   int checkpoint_every = 0;  // also checkpoint every this many optimizer steps within an epoch (0: epoch ends)
+  bool disk_checkpoints = true;  // false: no checkpoints on disk (out/checkpoints is neither read nor written)
+  // Peer-memory snapshots (dtrain/snapshot.h) every this many optimizer steps and at every epoch's end
+  // (0: none), into the dtrain-run agents' stores: snapshot_stores, or DTRAIN_SNAPSHOT_STORES when empty.
+  // Resuming takes the newer of the newest snapshot and the newest disk checkpoint (memory wins a tie).
+  int snapshot_every = 0;
+  std::string snapshot_stores;
   int stop_after_steps = 0;  // stop once this many optimizer steps are done (0: never), as if interrupted
   // Each rank appends "epoch E step S: indices" per micro-batch to out/samples-rank<r>.txt: what was read,
   // to audit coverage across restarts (steps after the newest checkpoint are read again on resuming).

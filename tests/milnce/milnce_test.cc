@@ -6,6 +6,7 @@
 
 #include <cmath>
 #include <cstdlib>
+#include <filesystem>
 #include <fstream>
 #include <nlohmann/json.hpp>
 #include <map>
@@ -166,6 +167,43 @@ TEST(MilNceTraining, ResumeContinuesBitForBit) {
   auto sb = dtrain::Checkpointer(dir.path() + "/resumed/checkpoints").loadLatest();
   ASSERT_TRUE(sa && sb);
   for (const auto& [name, t] : sa->model) EXPECT_TRUE(torch::equal(t, sb->model.at(name))) << name;
+}
+
+// The same with no disk at all: stopped after 2 epochs, resumed from the snapshot a dtrain-run agent's
+// store kept in memory (a store served by this test process, which outlives the runs as an agent does).
+TEST(MilNceTraining, ResumeFromPeerMemoryContinuesBitForBit) {
+  dtrain::test::TempDir dir;
+  generateData(smallData(dir.path() + "/data"));
+  auto one = worldOfOne();
+  TrainOptions o;
+  o.data = dir.path() + "/data";
+  o.eval = false;
+  o.progress = dtrain::ProgressOptions::Mode::off;
+  o.batch = 16;
+  o.model.hidden = 64;
+  o.model.embed = 32;
+  o.epochs = 3;
+  o.out = dir.path() + "/straight";
+  train(one, o);
+  dtrain::comm::TcpStoreServer agent("127.0.0.1", 0);
+  o.out = dir.path() + "/resumed";
+  o.disk_checkpoints = false;
+  o.snapshot_every = 2;
+  o.snapshot_stores = "127.0.0.1:" + std::to_string(agent.port());
+  o.stop_after = 2;
+  train(one, o);
+  o.stop_after = 0;
+  o.resume = true;
+  testing::internal::CaptureStdout();
+  train(one, o);
+  const std::string out = testing::internal::GetCapturedStdout();
+  EXPECT_NE(out.find("resumed from peer memory: the snapshot of step"), std::string::npos) << out;
+  EXPECT_NE(out.find("peer snapshots: "), std::string::npos) << out;
+  EXPECT_FALSE(std::filesystem::exists(o.out + "/checkpoints"));
+  auto a = lossesOf(dir.path() + "/straight/metrics.jsonl"), b = lossesOf(o.out + "/metrics.jsonl");
+  ASSERT_FALSE(a.empty());
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
 }
 
 // Interrupted mid-epoch on 2 ranks (a checkpoint every 2 steps, stopped after 4) and resumed alone: the

@@ -7,9 +7,12 @@
 
 #include <cmath>
 #include <fstream>
+#include <fmt/format.h>
+#include <filesystem>
 #include <nlohmann/json.hpp>
 
 #include "dtrain/checkpoint.h"
+#include "dtrain/comm/store.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/zero.h"
 #include "harness.h"
@@ -268,6 +271,76 @@ TEST(ZeroTraining, StageOneResumesAtAnotherWorldSize) {
       << results[0].output;
   const auto done = partsOf(o.out + "/checkpoints/" + dtrain::Checkpointer::dirName(1, 2), 2);
   EXPECT_EQ(done[0].scheduler.at("global_batch"), 48);
+}
+
+// The losses of every step record of a metrics.jsonl, in order.
+std::vector<double> lossesIn(const std::string& metrics) {
+  std::ifstream f(metrics);
+  std::vector<double> out;
+  for (std::string line; std::getline(f, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "step") out.push_back(j["loss"].get<double>());
+  }
+  return out;
+}
+
+// Saved with --zero 2 by 3 ranks on 3 "nodes" (agents: stores served by this test process), to disk and
+// to peer memory after step 1; node 0's agent is then lost. Resumed by 2 ranks from memory (node 0's
+// shard from node 1's agent) and, in a copy of the run, from disk: the same training, bit for bit.
+TEST(ZeroTraining, ResumesFromPeerMemoryAsFromDisk) {
+  dtrain::test::TempDir dir;
+  generate(dir.path() + "/data");
+  TrainOptions o = small(dir.path() + "/data");
+  o.batch = 8;
+  o.accum = 2;
+  o.epochs = 2;
+  o.checkpoint_every = 1;
+  o.snapshot_every = 1;
+  o.stop_after_steps = 1;
+  o.zero = 2;
+  o.out = dir.path() + "/memory";
+  std::vector<std::unique_ptr<dtrain::comm::TcpStoreServer>> agents;
+  for (int i = 0; i < 3; ++i) agents.push_back(std::make_unique<dtrain::comm::TcpStoreServer>("127.0.0.1", 0));
+  auto stores = [&](std::vector<int> nodes) {
+    std::string list;
+    for (int n : nodes) list += (list.empty() ? "" : ",") + fmt::format("127.0.0.1:{}", agents[static_cast<size_t>(n)]->port());
+    return list;
+  };
+  // One rank per node, as on the emulated cluster.
+  auto onNodes = [](const dtrain::test::StoreServer& server, int rank, int world) {
+    std::vector<std::vector<int>> nodes;
+    for (int r = 0; r < world; ++r) nodes.push_back({r});
+    return dtrain::Distributed(groupOf(server, rank, world), nullptr,
+                               dtrain::comm::WorldInfo{rank, world, 0, 1, "explicit", rank, world, "", nodes});
+  };
+  o.snapshot_stores = stores({0, 1, 2});
+  {
+    dtrain::test::StoreServer server;
+    dtrain::test::expectAllOk(dtrain::test::runRanks(3, [&](int rank) { train(onNodes(server, rank, 3), o); }));
+  }
+  std::filesystem::copy(o.out, dir.path() + "/disk", std::filesystem::copy_options::recursive);
+  agents[0].reset();
+  o.resume = true;
+  o.stop_after_steps = 0;
+  o.snapshot_stores = stores({1, 2});
+  {
+    dtrain::test::StoreServer server;
+    auto results = dtrain::test::runRanks(2, [&](int rank) { train(onNodes(server, rank, 2), o); });
+    dtrain::test::expectAllOk(results);
+    EXPECT_NE(results[0].output.find("resumed from peer memory: the snapshot of step 1 taken by 3 rank(s) in round 0"),
+              std::string::npos) << results[0].output;
+  }
+  TrainOptions d = o;
+  d.out = dir.path() + "/disk";
+  d.snapshot_every = 0;
+  {
+    dtrain::test::StoreServer server;
+    dtrain::test::expectAllOk(dtrain::test::runRanks(2, [&](int rank) { train(worldOf(server, rank, 2), d); }));
+  }
+  const auto a = lossesIn(o.out + "/metrics.jsonl"), b = lossesIn(d.out + "/metrics.jsonl");
+  ASSERT_GE(a.size(), 3u);  // step 1 on 3 ranks, then the rest on 2 (the first run's records kept)
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "record " << i;
 }
 
 // restoreSharded from every old rank's state in memory equals restoreSharded from the directory, for
