@@ -6,12 +6,11 @@
 // piece of the newest snapshot survived somewhere, and from the newest disk checkpoint otherwise.
 //
 // \code
-//   dtrain::PeerSnapshots snaps(dist, {.replicated = true});   // DDP: every rank holds the same state
-//   if (snaps.enabled()) {                                       // under dtrain-run (DTRAIN_SNAPSHOT_STORES)
-//     if (auto snap = snaps.loadLatest()) {                     // collective: every rank gets the same answer
-//       restore(snap->parts[0]);                                 // replicated: the one state
-//       std::printf("resumed from peer memory, step %lld\n", (long long)snap->step);
-//     }
+//   dtrain::PeerSnapshots snaps(dist);                           // replicated (DDP): every rank holds the same state
+//   if (auto snap = snaps.loadLatest()) {                        // collective; nullopt when not under dtrain-run
+//     snap->parts[0].restoreModel(*model);                       // replicated: the one state
+//     snap->parts[0].restoreOptimizer(opt);
+//     start = snap->step;
 //   }
 //   ...
 //   if (step % every == 0) {
