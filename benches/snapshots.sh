@@ -4,9 +4,9 @@
 #
 # Usage: benches/snapshots.sh [--quick]   (markdown on stdout, progress on stderr)
 #   MIL-NCE on WORLD ranks (env WORLD, default 2) under `dtrain-run --standalone` (whose agent serves the
-#   snapshot store), EPOCHS epochs (default 4), no disk checkpoints, no evaluation. REPS repetitions
-#   (default 3; --quick: 1), each running, one after another: no snapshots, --snapshot-every 5 and
-#   --snapshot-every 1. Per configuration: the median over repetitions of the mean step time (rank 0's
+#   snapshot store), EPOCHS epochs (default 12), no evaluation. REPS repetitions (default 3; --quick: 1),
+#   each running, one after another: no checkpoints at all, --snapshot-every 5, --snapshot-every 1, and
+#   for comparison disk checkpoints (--checkpoint-every 5, no snapshots). Per configuration: the median over repetitions of the mean step time (rank 0's
 #   metrics.jsonl, the first epoch left out as warm-up), its ratio to no snapshots, and rank 0's own
 #   account ("peer snapshots: ..." line: time on the training thread and in the background, bytes).
 #   One compute thread per rank.
@@ -17,7 +17,7 @@ root=$(cd "$here/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 reps=${REPS:-3}
 world=${WORLD:-2}
-epochs=${EPOCHS:-4}
+epochs=${EPOCHS:-12}
 [[ ${1:-} == --quick ]] && reps=1
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 log() { echo "snapshots.sh: $*" >&2; }
@@ -28,14 +28,15 @@ tmp=$(mktemp -d /tmp/dtrain-snapbench.XXXXXX)
 trap 'rm -rf "$tmp"' EXIT
 cp "$build/bin/milnce" "$build/bin/dtrain-run" "$tmp/"
 "$tmp/milnce" gen-data --out "$tmp/data" --videos 1200 --eval-videos 20 --seed 3 >/dev/null
-declare -A every=([none]=0 [every5]=5 [every1]=1)
-configs=(none every5 every1)
+declare -A extra=([none]="--no-checkpoints" [every5]="--no-checkpoints --snapshot-every 5"
+                  [every1]="--no-checkpoints --snapshot-every 1" [disk5]="--checkpoint-every 5")
+configs=(none every5 every1 disk5)
 load_start=$(cut -d' ' -f1-3 /proc/loadavg)
 for ((r = 1; r <= reps; r++)); do
   for c in "${configs[@]}"; do
     out=$tmp/$c.r$r
     "$tmp/dtrain-run" --standalone --nproc-per-node "$world" "$tmp/milnce" train --data "$tmp/data" --out "$out" \
-      --epochs "$epochs" --batch 16 --no-eval --no-progress --no-checkpoints --snapshot-every "${every[$c]}" \
+      --epochs "$epochs" --batch 16 --no-eval --no-progress ${extra[$c]} \
       >"$out.log" 2>&1 || { tail -20 "$out.log" >&2; log "$c failed"; exit 1; }
     log "repetition $r $c done"
   done
