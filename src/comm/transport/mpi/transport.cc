@@ -24,9 +24,11 @@
 #include <sched.h>
 
 #include <algorithm>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <deque>
+#include <memory>
 #include <mutex>
 #include <optional>
 #include <random>
@@ -141,13 +143,12 @@ class MpiTransport : public Transport {
     MPI_Finalized(&done);
     if (done) return;
     cancelAll();
-    if (abort_in_req_ != MPI_REQUEST_NULL) {
-      MPI_Cancel(&abort_in_req_);
-      MPI_Request_free(&abort_in_req_);
-    }
+    // The abort receive may have matched a frame already (the peers of a failed group all send theirs):
+    // then it is delivered, not cancelled, and MPI writes abort_in_ until it completes.
+    if (abort_in_req_ != MPI_REQUEST_NULL) MPI_Cancel(&abort_in_req_);
     // Abort frames and the sends of a failed run still leaving: give them a moment, then keep their
     // buffers for the life of the process (MPI may still read them after the requests are freed).
-    std::vector<MPI_Request*> pending;
+    std::vector<MPI_Request*> pending = {&abort_in_req_};
     for (auto& r : abort_out_reqs_) pending.push_back(&r);
     for (auto& u : unsent_)
       for (auto& r : u.reqs) pending.push_back(&r);
@@ -157,6 +158,7 @@ class MpiTransport : public Transport {
       static std::vector<std::vector<char>> kept_aborts;
       static std::deque<SendState> kept_sends;
       kept_aborts.push_back(std::move(abort_out_));
+      kept_aborts.push_back(std::move(abort_in_));
       for (auto& u : unsent_) kept_sends.push_back(std::move(u));
     }
     if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
@@ -220,8 +222,10 @@ class MpiTransport : public Transport {
   }
 
  private:
+  // The headers live on the heap: MPI reads a send's and writes a receive's header until its request
+  // completes, which may be after the state moved (a failed run's sends are kept; see cancelAll).
   struct SendState {
-    Header h;
+    std::unique_ptr<Header> h = std::make_unique<Header>();
     std::vector<MPI_Request> reqs;
   };
   struct Chunk {
@@ -232,7 +236,7 @@ class MpiTransport : public Transport {
   };
   struct RecvState {
     Op* op = nullptr;
-    Header h;
+    std::unique_ptr<Header> h = std::make_unique<Header>();
     MPI_Request hreq = MPI_REQUEST_NULL;
     bool header_posted = false;
     bool header_done = false;
@@ -300,10 +304,10 @@ class MpiTransport : public Transport {
 
   void postSend(Op& op, const Label& label) {
     auto& s = peers_[op.peer].sends.emplace_back();
-    s.h = frameHeader(label, op.tag, op.bytes);
+    *s.h = frameHeader(label, op.tag, op.bytes);
     s.reqs.reserve(1 + (op.bytes + chunk_ - 1) / chunk_);
     s.reqs.push_back(MPI_REQUEST_NULL);
-    check(MPI_Isend(&s.h, sizeof(Header), MPI_BYTE, op.peer, frame_tag_, comm_, &s.reqs.back()), op.peer, label,
+    check(MPI_Isend(s.h.get(), sizeof(Header), MPI_BYTE, op.peer, frame_tag_, comm_, &s.reqs.back()), op.peer, label,
           "MPI_Isend");
     for (size_t off = 0; off < op.bytes; off += chunk_) {
       s.reqs.push_back(MPI_REQUEST_NULL);
@@ -366,7 +370,7 @@ class MpiTransport : public Transport {
     MPI_Status st;
     bool moved = false;
     if (!r.header_posted) {
-      check(MPI_Irecv(&r.h, sizeof(Header), MPI_BYTE, i, frame_tag_, comm_, &r.hreq), i, label, "MPI_Irecv");
+      check(MPI_Irecv(r.h.get(), sizeof(Header), MPI_BYTE, i, frame_tag_, comm_, &r.hreq), i, label, "MPI_Irecv");
       r.header_posted = true;
     }
     if (!r.header_done) {
@@ -377,7 +381,7 @@ class MpiTransport : public Transport {
         throw ProtocolError(fmt::format("[rank {}] {}: {} sent a {}-byte message where a frame header was due",
                                         rank_, label.what, peerName(i), n));
       }
-      checkHeader(r.h, op.tag, op.bytes, rank_, peerName(i), label);
+      checkHeader(*r.h, op.tag, op.bytes, rank_, peerName(i), label);
       r.header_done = moved = true;
       if (op.reduce && p.staging.size() < kWindow * chunk_) p.staging.resize(kWindow * chunk_);
     }
@@ -469,22 +473,38 @@ class MpiTransport : public Transport {
 
   // After a failure: withdraws every pending receive and forgets every send (MPI cannot cancel a send;
   // the group is broken from here on, as with every transport). Called with mpiMutex() held.
+  // A cancelled receive whose message had matched already is delivered, not cancelled: MPI writes its
+  // buffer (a header here, or the caller's memory) until it completes. So the receives are given a
+  // moment to complete; any still pending then keeps its header alive for the life of the process.
+  // Sends stay posted (their headers with them) and the destructor gives them a moment to leave, as it
+  // does the abort frames.
   void cancelAll() {
-    auto drop = [](MPI_Request& r, bool recv) {
-      if (r == MPI_REQUEST_NULL) return;
-      if (recv) MPI_Cancel(&r);
-      MPI_Request_free(&r);
-    };
-    for (auto& p : peers_) {
-      // Sends cannot be cancelled: they stay posted (their headers with them) and the destructor gives
-      // them a moment to leave, as it does the abort frames.
-      for (auto& s : p.sends) unsent_.push_back(std::move(s));
+    std::vector<MPI_Request*> pending;
+    for (auto& p : peers_)
       for (auto& r : p.recvs) {
-        drop(r.hreq, true);
-        for (auto& c : r.inflight) drop(c.req, true);
+        pending.push_back(&r.hreq);
+        for (auto& c : r.inflight) pending.push_back(&c.req);
       }
-      p.sends.clear();
+    for (MPI_Request* q : pending)
+      if (*q != MPI_REQUEST_NULL) MPI_Cancel(q);
+    const bool delivering = !completeWithin(pending, std::chrono::seconds(1));
+    for (auto& p : peers_) {
+      if (delivering) {
+        static std::deque<RecvState> kept;
+        for (auto& r : p.recvs) {
+          if (r.hreq != MPI_REQUEST_NULL) MPI_Request_free(&r.hreq);
+          for (auto& c : r.inflight)
+            if (c.req != MPI_REQUEST_NULL) MPI_Request_free(&c.req);
+          kept.push_back(std::move(r));
+        }
+      }
       p.recvs.clear();
+      for (auto& s : p.sends) unsent_.push_back(std::move(s));
+      p.sends.clear();
+    }
+    if (delivering) {
+      std::fprintf(stderr, "[rank %d] mpi transport: receives of a failed collective still pending 1 s after "
+                   "being cancelled; MPI may yet write into their buffers\n", rank_);
     }
   }
 
