@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <filesystem>
 #include <fstream>
+#include <functional>
 #include <nlohmann/json.hpp>
 #include <map>
 #include <set>
@@ -15,6 +16,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "harness.h"
+#include "milnce_test_util.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
 #include "milnce/train.h"
@@ -22,10 +24,9 @@
 namespace milnce {
 namespace {
 
-dtrain::Distributed worldOfOne() {
-  auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
-  return dtrain::Distributed(pg, pg, dtrain::comm::WorldInfo{});
-}
+using test::lossesOf;
+using test::worldOfOne;
+
 
 TEST(MilNceLoss, HandCheckedCases) {
   // One clip, two candidates: numerator = lse(a, b), denominator = lse(a, b, a, b) = lse(a, b) + log 2.
@@ -125,44 +126,46 @@ TEST(MilNceTraining, WorldTwoEqualsWorldOne) {
   dtrain::test::expectAllOk(results);
 }
 
-// The loss of every step record of a metrics.jsonl, in order.
-std::vector<double> lossesOf(const std::string& metrics) {
-  std::ifstream f(metrics);
-  std::vector<double> out;
-  for (std::string line; std::getline(f, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "step") out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
 
-// Stopping after 2 epochs and resuming gives the same 3rd epoch, bit for bit, as running 3 at once.
-TEST(MilNceTraining, ResumeContinuesBitForBit) {
-  dtrain::test::TempDir dir;
-  generateData(smallData(dir.path() + "/data"));
+// Trains o for 3 epochs at once (out: DIR/straight) and, after `interrupted` changed o, for 2 epochs
+// then resumed (DIR/resumed); returns the stdout of the resumed run.
+std::string straightAndResumed(const std::string& dir, TrainOptions o, const std::function<void(TrainOptions&)>& interrupted) {
+  generateData(smallData(dir + "/data"));
   auto one = worldOfOne();
-  TrainOptions o;
-  o.data = dir.path() + "/data";
+  o.data = dir + "/data";
   o.eval = false;
   o.progress = dtrain::ProgressOptions::Mode::off;
   o.batch = 16;
   o.model.hidden = 64;
   o.model.embed = 32;
   o.epochs = 3;
-  o.out = dir.path() + "/straight";
+  o.out = dir + "/straight";
   train(one, o);
-  o.out = dir.path() + "/resumed";
+  o.out = dir + "/resumed";
+  interrupted(o);
   o.stop_after = 2;
   train(one, o);
   o.stop_after = 0;
   o.resume = true;
+  testing::internal::CaptureStdout();
   train(one, o);
-  auto a = lossesOf(dir.path() + "/straight/metrics.jsonl"), b = lossesOf(dir.path() + "/resumed/metrics.jsonl");
-  // Every step's loss, read back from the metrics (logged in full precision).
+  return testing::internal::GetCapturedStdout();
+}
+
+// Every step's loss of both runs, read back from the metrics (logged in full precision): equal.
+void expectSameLosses(const std::string& dir) {
+  auto a = lossesOf(dir + "/straight/metrics.jsonl"), b = lossesOf(dir + "/resumed/metrics.jsonl");
   ASSERT_FALSE(a.empty());
   ASSERT_EQ(a.size() % 3, 0u);
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+}
+
+// Stopping after 2 epochs and resuming gives the same 3rd epoch, bit for bit, as running 3 at once.
+TEST(MilNceTraining, ResumeContinuesBitForBit) {
+  dtrain::test::TempDir dir;
+  straightAndResumed(dir.path(), TrainOptions{}, [](TrainOptions&) {});
+  expectSameLosses(dir.path());
   auto sa = dtrain::Checkpointer(dir.path() + "/straight/checkpoints").loadLatest();
   auto sb = dtrain::Checkpointer(dir.path() + "/resumed/checkpoints").loadLatest();
   ASSERT_TRUE(sa && sb);
@@ -173,37 +176,16 @@ TEST(MilNceTraining, ResumeContinuesBitForBit) {
 // store kept in memory (a store served by this test process, which outlives the runs as an agent does).
 TEST(MilNceTraining, ResumeFromPeerMemoryContinuesBitForBit) {
   dtrain::test::TempDir dir;
-  generateData(smallData(dir.path() + "/data"));
-  auto one = worldOfOne();
-  TrainOptions o;
-  o.data = dir.path() + "/data";
-  o.eval = false;
-  o.progress = dtrain::ProgressOptions::Mode::off;
-  o.batch = 16;
-  o.model.hidden = 64;
-  o.model.embed = 32;
-  o.epochs = 3;
-  o.out = dir.path() + "/straight";
-  train(one, o);
   dtrain::comm::TcpStoreServer agent("127.0.0.1", 0);
-  o.out = dir.path() + "/resumed";
-  o.disk_checkpoints = false;
-  o.snapshot_every = 2;
-  o.snapshot_stores = "127.0.0.1:" + std::to_string(agent.port());
-  o.stop_after = 2;
-  train(one, o);
-  o.stop_after = 0;
-  o.resume = true;
-  testing::internal::CaptureStdout();
-  train(one, o);
-  const std::string out = testing::internal::GetCapturedStdout();
+  const std::string out = straightAndResumed(dir.path(), TrainOptions{}, [&](TrainOptions& o) {
+    o.disk_checkpoints = false;
+    o.snapshot_every = 2;
+    o.snapshot_stores = "127.0.0.1:" + std::to_string(agent.port());
+  });
   EXPECT_NE(out.find("resumed from peer memory: the snapshot of step"), std::string::npos) << out;
   EXPECT_NE(out.find("peer snapshots: "), std::string::npos) << out;
-  EXPECT_FALSE(std::filesystem::exists(o.out + "/checkpoints"));
-  auto a = lossesOf(dir.path() + "/straight/metrics.jsonl"), b = lossesOf(o.out + "/metrics.jsonl");
-  ASSERT_FALSE(a.empty());
-  ASSERT_EQ(a.size(), b.size());
-  for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "step " << i + 1;
+  EXPECT_FALSE(std::filesystem::exists(dir.path() + "/resumed/checkpoints"));
+  expectSameLosses(dir.path());
 }
 
 // Interrupted mid-epoch on 2 ranks (a checkpoint every 2 steps, stopped after 4) and resumed alone: the

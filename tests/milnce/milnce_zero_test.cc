@@ -16,6 +16,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/zero.h"
 #include "harness.h"
+#include "milnce_test_util.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
 #include "milnce/train.h"
@@ -23,10 +24,9 @@
 namespace milnce {
 namespace {
 
-dtrain::Distributed worldOfOne() {
-  auto pg = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
-  return dtrain::Distributed(pg, pg, dtrain::comm::WorldInfo{});
-}
+using test::lossesOf;
+using test::worldOfOne;
+
 
 std::shared_ptr<dtrain::comm::ProcessGroup> groupOf(const dtrain::test::StoreServer& server, int rank, int world) {
   dtrain::comm::GroupOptions go;
@@ -273,16 +273,6 @@ TEST(ZeroTraining, StageOneResumesAtAnotherWorldSize) {
   EXPECT_EQ(done[0].scheduler.at("global_batch"), 48);
 }
 
-// The losses of every step record of a metrics.jsonl, in order.
-std::vector<double> lossesIn(const std::string& metrics) {
-  std::ifstream f(metrics);
-  std::vector<double> out;
-  for (std::string line; std::getline(f, line);) {
-    auto j = nlohmann::json::parse(line);
-    if (j["kind"] == "step") out.push_back(j["loss"].get<double>());
-  }
-  return out;
-}
 
 // Saved with --zero 2 by 3 ranks on 3 "nodes" (agents: stores served by this test process), to disk and
 // to peer memory after step 1; node 0's agent is then lost. Resumed by 2 ranks from memory (node 0's
@@ -337,7 +327,7 @@ TEST(ZeroTraining, ResumesFromPeerMemoryAsFromDisk) {
     dtrain::test::StoreServer server;
     dtrain::test::expectAllOk(dtrain::test::runRanks(2, [&](int rank) { train(worldOf(server, rank, 2), d); }));
   }
-  const auto a = lossesIn(o.out + "/metrics.jsonl"), b = lossesIn(d.out + "/metrics.jsonl");
+  const auto a = lossesOf(o.out + "/metrics.jsonl"), b = lossesOf(d.out + "/metrics.jsonl");
   ASSERT_GE(a.size(), 3u);  // step 1 on 3 ranks, then the rest on 2 (the first run's records kept)
   ASSERT_EQ(a.size(), b.size());
   for (size_t i = 0; i < a.size(); ++i) EXPECT_EQ(a[i], b[i]) << "record " << i;
