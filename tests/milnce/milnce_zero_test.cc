@@ -128,20 +128,27 @@ std::vector<dtrain::CheckpointState> partsOf(const std::string& ckpt_dir, int wo
   return parts;
 }
 
-// Saved by 3 ranks with --zero 2 (batch 8 x accum 2 x 3 = 48 clips a step) after step 1, resumed by 2:
-// accum 3 keeps the global batch; the restored parameters are the saved shards put together (and match
-// the same step under DDP); training goes on to the epoch's end.
-TEST(ZeroTraining, ResumesAtAnotherWorldSize) {
-  dtrain::test::TempDir dir;
-  generate(dir.path() + "/data");
-  TrainOptions o = small(dir.path() + "/data");
+// Data in DIR/data; --zero `zero`, batch 8 x accum 2, one epoch, a checkpoint every step, stopped after
+// step 1; out: DIR/run.
+TrainOptions stoppedAfterStepOne(const std::string& dir, int zero) {
+  generate(dir + "/data");
+  TrainOptions o = small(dir + "/data");
   o.batch = 8;
   o.accum = 2;
   o.epochs = 1;
   o.checkpoint_every = 1;
   o.stop_after_steps = 1;
-  o.zero = 2;
-  o.out = dir.path() + "/run";
+  o.zero = zero;
+  o.out = dir + "/run";
+  return o;
+}
+
+// Saved by 3 ranks with --zero 2 (batch 8 x accum 2 x 3 = 48 clips a step) after step 1, resumed by 2:
+// accum 3 keeps the global batch; the restored parameters are the saved shards put together (and match
+// the same step under DDP); training goes on to the epoch's end.
+TEST(ZeroTraining, ResumesAtAnotherWorldSize) {
+  dtrain::test::TempDir dir;
+  TrainOptions o = stoppedAfterStepOne(dir.path(), 2);
   TrainOptions ddp = o;
   ddp.zero = 0;
   ddp.out = dir.path() + "/ddp";
@@ -225,15 +232,7 @@ TEST(ZeroTraining, ResumesAtAnotherWorldSize) {
 // --zero refuses the checkpoint.
 TEST(ZeroTraining, StageOneResumesAtAnotherWorldSize) {
   dtrain::test::TempDir dir;
-  generate(dir.path() + "/data");
-  TrainOptions o = small(dir.path() + "/data");
-  o.batch = 8;
-  o.accum = 2;
-  o.epochs = 1;
-  o.checkpoint_every = 1;
-  o.stop_after_steps = 1;
-  o.zero = 1;
-  o.out = dir.path() + "/run";
+  TrainOptions o = stoppedAfterStepOne(dir.path(), 1);
   {
     dtrain::test::StoreServer server;
     dtrain::test::expectAllOk(dtrain::test::runRanks(3, [&](int rank) { train(worldOf(server, rank, 3), o); }));
@@ -279,15 +278,9 @@ TEST(ZeroTraining, StageOneResumesAtAnotherWorldSize) {
 // shard from node 1's agent) and, in a copy of the run, from disk: the same training, bit for bit.
 TEST(ZeroTraining, ResumesFromPeerMemoryAsFromDisk) {
   dtrain::test::TempDir dir;
-  generate(dir.path() + "/data");
-  TrainOptions o = small(dir.path() + "/data");
-  o.batch = 8;
-  o.accum = 2;
+  TrainOptions o = stoppedAfterStepOne(dir.path(), 2);
   o.epochs = 2;
-  o.checkpoint_every = 1;
   o.snapshot_every = 1;
-  o.stop_after_steps = 1;
-  o.zero = 2;
   o.out = dir.path() + "/memory";
   std::vector<std::unique_ptr<dtrain::comm::TcpStoreServer>> agents;
   for (int i = 0; i < 3; ++i) agents.push_back(std::make_unique<dtrain::comm::TcpStoreServer>("127.0.0.1", 0));
