@@ -72,6 +72,7 @@ struct Entry {
 };
 
 std::string dataKey(int64_t round, int part, int64_t step) { return fmt::format("snap/d/{}/{}/{}", round, part, step); }
+std::string entryKey(int64_t n) { return fmt::format("snap/e/{}", n); }
 
 }  // namespace
 
@@ -124,12 +125,12 @@ struct PeerSnapshots::Impl {
       try {
         s.set(key, bytes);
         const int64_t n = s.add("snap/seq", 1);
-        s.set(fmt::format("snap/e/{}", n), comm::toBytes(entry));
+        s.set(entryKey(n), comm::toBytes(entry));
         auto& mine = written[t];
         mine.emplace_back(n, key);
         while (mine.size() > 2) {
           s.deleteKey(mine.front().second);
-          s.deleteKey(fmt::format("snap/e/{}", mine.front().first));
+          s.deleteKey(entryKey(mine.front().first));
           mine.erase(mine.begin());
         }
       } catch (const Error& e) {
@@ -155,7 +156,7 @@ struct PeerSnapshots::Impl {
       comm::Store& s = store(i);
       const int64_t n = s.add("snap/seq", 0);
       for (int64_t k = 1; k <= n; ++k) {
-        const std::string ek = fmt::format("snap/e/{}", k);
+        const std::string ek = entryKey(k);
         if (!s.check({ek})) continue;
         Entry e;
         std::istringstream in(comm::toString(s.get(ek)));
@@ -178,7 +179,7 @@ struct PeerSnapshots::Impl {
       if (out[0] == 1 && e.round == out[1] && e.step == out[2] && e.world == out[3]) continue;
       comm::Store& s = store(e.store);
       s.deleteKey(dataKey(e.round, e.part, e.step));
-      s.deleteKey(fmt::format("snap/e/{}", e.seq));
+      s.deleteKey(entryKey(e.seq));
     }
     return out;
   }
