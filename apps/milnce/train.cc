@@ -127,20 +127,6 @@ class RunLog {
   dtrain::BytesSentMeter sent_;
 };
 
-// Every rank's file of a per-rank checkpoint directory, in rank order (its world size from the names).
-std::vector<dtrain::CheckpointState> readRankParts(const std::string& dir) {
-  int world = 0;
-  for (const auto& e : std::filesystem::directory_iterator(dir)) {
-    int r = 0, n = 0;
-    if (std::sscanf(e.path().filename().string().c_str(), "rank-%d-of-%d.pt", &r, &n) == 2) world = n;
-  }
-  if (world <= 0) throw dtrain::InvalidArgument(fmt::format("{} holds no rank-<r>-of-<n>.pt files", dir));
-  std::vector<dtrain::CheckpointState> parts;
-  for (int r = 0; r < world; ++r)
-    parts.push_back(dtrain::Checkpointer::load(dir + "/" + dtrain::Checkpointer::rankFileName(r, world)));
-  return parts;
-}
-
 // The job of train(), in the order it runs: resume, evaluate, epochs (steps, checkpoint, evaluate).
 class Job {
  public:
@@ -288,7 +274,7 @@ class Job {
         return;
       }
     } else if (const auto saved = ckpt_.list(); !saved.empty()) {
-      restoreFrom(readRankParts(saved.back().path), saved.back().path);
+      restoreFrom(dtrain::Checkpointer::loadRanks(saved.back().path), saved.back().path);
       return;
     }
     refuseOtherLayout();
@@ -472,14 +458,14 @@ void train(const dtrain::Distributed& dist, const TrainOptions& o) { Job(dist, o
 
 std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path) {
   if (!path.empty()) {
-    if (std::filesystem::is_directory(path)) return readRankParts(path);
+    if (std::filesystem::is_directory(path)) return dtrain::Checkpointer::loadRanks(path);
     return {dtrain::Checkpointer::load(path)};
   }
   if (auto st = dtrain::Checkpointer(checkpoints, /*keep_last=*/0, /*writer=*/false).loadLatest()) return {*st};
   auto one = dtrain::comm::ProcessGroup::create(nullptr, 0, 1);
   const auto saved = dtrain::Checkpointer(checkpoints, one, /*keep_last=*/0).list();
   if (saved.empty()) return {};
-  return readRankParts(saved.back().path);
+  return dtrain::Checkpointer::loadRanks(saved.back().path);
 }
 
 void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,

@@ -168,6 +168,10 @@ class Checkpointer {
   // dtrain::Error naming path when it cannot be read or is not a dtrain checkpoint (saying what it is).
   // Reads per-rank files too: load(ckpt.list().back().path + "/" + rankFileName(r, n)).
   static CheckpointState load(const std::string& path);
+  // Every rank's state of a per-rank checkpoint directory (list().back().path), in rank order, at the
+  // world size its file names give (any size: for resharding). InvalidArgument naming the directory when
+  // it holds no rank-<r>-of-<n>.pt file or one rank's is missing. Not collective.
+  static std::vector<CheckpointState> loadRanks(const std::string& dir);
 
   // The checkpoints in dir, oldest first (per rank: the complete ones, path = their directory).
   std::vector<CheckpointFile> list() const;

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <filesystem>
+#include <regex>
 #include <sstream>
 #include <tuple>
 
@@ -180,6 +181,26 @@ std::optional<CheckpointState> Checkpointer::loadLatest() const {
 CheckpointState Checkpointer::load(const std::string& path) {
   const auto bytes = detail::readFile(path);
   return detail::unpickleState(path, detail::loadCheckpointDict(path, bytes, detail::kCheckpointFormat));
+}
+
+std::vector<CheckpointState> Checkpointer::loadRanks(const std::string& dir) {
+  static const std::regex kName(R"(rank-(\d+)-of-(\d+)\.pt)");
+  int world = -1;
+  if (std::filesystem::is_directory(dir))
+    for (const auto& e : std::filesystem::directory_iterator(dir)) {
+      std::smatch m;
+      const std::string name = e.path().filename().string();
+      if (std::regex_match(name, m, kName)) world = std::stoi(m[2].str());
+    }
+  DTRAIN_CHECK(world > 0, InvalidArgument, "{} holds no per-rank checkpoint files (rank-<r>-of-<n>.pt)", dir);
+  std::vector<CheckpointState> out;
+  for (int r = 0; r < world; ++r) {
+    const std::string path = dir + "/" + rankFileName(r, world);
+    DTRAIN_CHECK(std::filesystem::exists(path), InvalidArgument, "{}: rank {}'s file {} is missing (a checkpoint of {} ranks)",
+                 dir, r, rankFileName(r, world), world);
+    out.push_back(load(path));
+  }
+  return out;
 }
 
 }  // namespace dtrain

@@ -205,7 +205,7 @@ void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::o
 }
 
 void FullyShardedDataParallel::restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer) {
-  restoreSharded(readRankFiles(checkpoint_dir), optimizer, checkpoint_dir);
+  restoreSharded(Checkpointer::loadRanks(checkpoint_dir), optimizer, checkpoint_dir);
 }
 
 void FullyShardedDataParallel::restoreSharded(const std::vector<CheckpointState>& parts,

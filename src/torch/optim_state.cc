@@ -282,26 +282,6 @@ std::vector<char> tensorBytes(const at::Tensor& t) {
   return std::vector<char>(p, p + c.numel());
 }
 
-std::vector<CheckpointState> readRankFiles(const std::string& dir) {
-  static const std::regex kName(R"(rank-(\d+)-of-(\d+)\.pt)");
-  int world = -1;
-  if (std::filesystem::is_directory(dir))
-    for (const auto& e : std::filesystem::directory_iterator(dir)) {
-      std::smatch m;
-      const std::string name = e.path().filename().string();
-      if (std::regex_match(name, m, kName)) world = std::stoi(m[2].str());
-    }
-  DTRAIN_CHECK(world > 0, InvalidArgument, "{} holds no per-rank checkpoint files (rank-<r>-of-<n>.pt)", dir);
-  std::vector<CheckpointState> out;
-  for (int r = 0; r < world; ++r) {
-    const std::string path = dir + "/" + Checkpointer::rankFileName(r, world);
-    DTRAIN_CHECK(std::filesystem::exists(path), InvalidArgument, "{}: rank {}'s file {} is missing (a checkpoint of {} ranks)",
-                 dir, r, Checkpointer::rankFileName(r, world), world);
-    out.push_back(Checkpointer::load(path));
-  }
-  return out;
-}
-
 c10::impl::GenericDict consolidatedRoot(Kind k, const c10::Dict<int64_t, TensorDict>& state,
                                         const c10::impl::GenericList& groups) {
   c10::impl::GenericDict root(c10::StringType::get(), c10::AnyType::get());

@@ -35,9 +35,6 @@ TensorDict tensorDict(const c10::IValue& v, const std::string& path, int64_t ind
 // Bytes (a pickle) as a uint8 tensor, for a checkpoint's tensor map, and back.
 at::Tensor bytesTensor(const std::vector<char>& bytes);
 std::vector<char> tensorBytes(const at::Tensor& t);
-// Every rank's state of a per-rank checkpoint directory (rank-<r>-of-<n>.pt for every r), in rank order;
-// Error naming the directory when a rank's file is missing.
-std::vector<CheckpointState> readRankFiles(const std::string& dir);
 // The root of a consolidated file: {"state", "param_groups", "dtrain_optimizer"} (callers may add more),
 // and its atomic write (a temporary file renamed into place).
 c10::impl::GenericDict consolidatedRoot(Kind k, const c10::Dict<int64_t, TensorDict>& state,

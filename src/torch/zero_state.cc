@@ -143,7 +143,7 @@ void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
 }
 
 void ZeroRedundancyOptimizer::restoreSharded(const std::string& checkpoint_dir) {
-  restoreSharded(readRankFiles(checkpoint_dir), checkpoint_dir);
+  restoreSharded(Checkpointer::loadRanks(checkpoint_dir), checkpoint_dir);
 }
 
 void ZeroRedundancyOptimizer::restoreSharded(const std::vector<CheckpointState>& parts, const std::string& what) {

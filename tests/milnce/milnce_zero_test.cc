@@ -122,9 +122,8 @@ INSTANTIATE_TEST_SUITE_P(Stages, ZeroStage, testing::Values(1, 2, 3));
 
 // The newest per-rank checkpoint directory under `checkpoints` and every rank's file in it.
 std::vector<dtrain::CheckpointState> partsOf(const std::string& ckpt_dir, int world) {
-  std::vector<dtrain::CheckpointState> parts;
-  for (int r = 0; r < world; ++r)
-    parts.push_back(dtrain::Checkpointer::load(ckpt_dir + "/" + dtrain::Checkpointer::rankFileName(r, world)));
+  auto parts = dtrain::Checkpointer::loadRanks(ckpt_dir);
+  EXPECT_EQ(static_cast<int>(parts.size()), world) << ckpt_dir;
   return parts;
 }
 
