@@ -10,7 +10,7 @@
 #
 # The anchors are the peer drivers in benches/peers/ (benches/README.md), compiled into a temporary
 # directory and run from there: memcpy_bw.c (gcc), mpi_allreduce.c (mpicc; run as mpi-shm and
-# mpi-tcp) and gloo_collectives.py (/usr/bin/python3, one compute thread per rank). Each checks its
+# mpi-tcp) and gloo_collectives.py (PEER_PYTHON: benches/peer_python.sh; one compute thread per rank). Each checks its
 # results (wrong=N; N != 0 fails the script). dtrain is run as
 #   $BUILD_DIR/bin/dtrain-run --standalone --nproc-per-node W $BUILD_DIR/bin/dtrain-bench allreduce \
 #       --transport shm|tcp --min-bytes 4K --max-bytes 64M --factor 4
@@ -35,6 +35,7 @@ here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
 build=${BUILD_DIR:-$root/build}
 anchors=$here/peers
+source "$here/peer_python.sh"
 reps=${REPS:-3}
 worlds=${WORLDS:-"2 4"}
 mode=default
@@ -113,7 +114,7 @@ for ((r = 1; r <= reps; r++)); do
     run "dtrain-tcp w=$w" "$tmp/raw/dtrain-tcp.w$w.r$r" \
       "$tmp/bin/dtrain-run" --standalone --nproc-per-node "$w" "$tmp/bin/dtrain-bench" "${dtrain_args[@]}" --transport tcp
     if ((r == 1)); then
-      run "gloo w=$w" "$tmp/raw/gloo.w$w.r$r" /usr/bin/python3 "$anchors/gloo_collectives.py" "$w" "${sizes[@]}"
+      run "gloo w=$w" "$tmp/raw/gloo.w$w.r$r" "$PEER_PYTHON" "$anchors/gloo_collectives.py" "$w" "${sizes[@]}"
     fi
   done
 done
@@ -130,7 +131,7 @@ mpirun ${mpirun_flags[*]} -np W <tmp>/mpi_allreduce ${sizes[*]}   # mpi-shm
 $run_bin --standalone --nproc-per-node W $bench_bin ${dtrain_args[*]} --transport shm   # dtrain-shm
 mpirun ${mpirun_flags[*]} ${mpi_tcp_flags[*]} -np W <tmp>/mpi_allreduce ${sizes[*]}   # mpi-tcp
 $run_bin --standalone --nproc-per-node W $bench_bin ${dtrain_args[*]} --transport tcp   # dtrain-tcp
-/usr/bin/python3 benches/peers/gloo_collectives.py W ${sizes[*]}   # gloo (first repetition only)
+$PEER_PYTHON benches/peers/gloo_collectives.py W ${sizes[*]}   # gloo (first repetition only; $PEER_TORCH)
 EOF
 )
 

@@ -17,14 +17,15 @@ worlds=("$@")
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 [[ -f $data/meta.json ]] || "$build/bin/milnce" gen-data --out "$data" >/dev/null
-echo "# MIL-NCE training throughput (batch 32 per rank, K=4); $(date -u +%F) $cores cores"
+source "$root/benches/peer_python.sh"
+echo "# MIL-NCE training throughput (batch 32 per rank, K=4); $(date -u +%F) $cores cores; peer $PEER_TORCH"
 for w in "${worlds[@]}"; do
   # dtrain: 3 epochs without evaluation; samples/s of the last two epochs (the first warms up), from
   # the step records of metrics.jsonl (docs/OBSERVABILITY.md): samples over the steps' wall time.
   "$build/bin/dtrain-run" --standalone --nproc-per-node "$w" "$build/bin/milnce" train --data "$data" \
     --out "$tmp/run$w" --epochs 3 --no-eval --no-progress >/dev/null
   ours=$(/usr/bin/python3 -c "import json,sys; l=[r for r in map(json.loads, open(sys.argv[1])) if r['kind'] == 'step' and r['epoch'] >= 1]; print(f'{sum(r[\"samples_per_s\"] * r[\"step_s\"] for r in l) / sum(r[\"step_s\"] for r in l):.1f}')" "$tmp/run$w/metrics.jsonl")
-  theirs=$(/usr/bin/python3 "$root/benches/peers/milnce_torch.py" "$data" "$w" --steps "${STEPS:-40}" | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
+  theirs=$("$PEER_PYTHON" "$root/benches/peers/milnce_torch.py" "$data" "$w" --steps "${STEPS:-40}" | sed -n 's/.*samples_per_s=\([0-9.]*\).*/\1/p')
   ratio=$(/usr/bin/python3 -c "print(f'{$ours/$theirs:.2f}')")
   echo "world=$w dtrain_samples_per_s=$ours pytorch_samples_per_s=$theirs ratio=${ratio}x"
 done

@@ -48,7 +48,11 @@ case $1 in
     shift
     name=${1:-}
     case $name in
-      torch_ddp|gloo_collectives|milnce_torch) shift; exec /usr/bin/python3 "$here/peers/$name.py" "$@" ;;
+      torch_ddp|gloo_collectives|milnce_torch)
+        shift
+        source "$here/peer_python.sh"
+        echo "# peer: $PEER_TORCH" >&2
+        exec "$PEER_PYTHON" "$here/peers/$name.py" "$@" ;;
       *) echo "run.sh peer: unknown peer '$name' (torch_ddp, gloo_collectives, milnce_torch)" >&2; exit 2 ;;
     esac ;;
 esac

@@ -14,10 +14,11 @@
 #
 #   benches/zero.sh [speed] [memory] [limit] [--reps 5] [--limit 1400M] [--layers 6 --width 4096]
 #                   [--default-malloc]                                       (default: all three)
-# Needs a build (BUILD_DIR, default <repo>/build), python3-torch for the peer, a quiet machine and about
+# Needs a build (BUILD_DIR, default <repo>/build), the peer's torch (benches/peer_python.sh), a quiet machine and about
 # 8 GB of free memory.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
+source "$here/peer_python.sh"
 build=${BUILD_DIR:-$here/../build}
 bin=$(cd "$build/bin" && pwd)
 reps=5 limit=1400M layers=6 width=4096 parts=()
@@ -51,7 +52,7 @@ speed() {
     for m in ddp zero1 zero2 zero3; do
       run 2 --mode "$m" --steps 20 | grep "rank 0\]" | field samples_per_s >>"$tmp/$m"
     done
-    /usr/bin/python3 "$here/peers/torch_ddp.py" 2 20 --opt zero-adam | field samples_per_s >>"$tmp/torch-zero1"
+    "$PEER_PYTHON" "$here/peers/torch_ddp.py" 2 20 --opt zero-adam | field samples_per_s >>"$tmp/torch-zero1"
   done
   for m in ddp zero1 zero2 zero3 torch-zero1; do printf '%-12s %s   (runs: %s)\n' "$m" "$(median <"$tmp/$m")" "$(tr '\n' ' ' <"$tmp/$m")"; done
   local d z1 z2 z3 tz

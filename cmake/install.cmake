@@ -25,6 +25,7 @@ set_target_properties(dtrain PROPERTIES EXPORT_NAME dtrain)
 
 # Public headers by directory: whatever include/dtrain holds is the API.
 install(DIRECTORY ${PROJECT_SOURCE_DIR}/include/dtrain DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
+install(FILES ${PROJECT_BINARY_DIR}/include/dtrain/build_info.h DESTINATION ${CMAKE_INSTALL_INCLUDEDIR}/dtrain)
 install(TARGETS dtrain_comm_base dtrain_comm EXPORT dtrainCommTargets
         ARCHIVE DESTINATION ${CMAKE_INSTALL_LIBDIR} INCLUDES DESTINATION ${CMAKE_INSTALL_INCLUDEDIR})
 install(TARGETS dtrain EXPORT dtrainTorchTargets
@@ -44,9 +45,17 @@ configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dtrainConfig.cmake.in
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
                                  COMPATIBILITY SameMinorVersion)
 install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
+              ${PROJECT_SOURCE_DIR}/cmake/torch_wheel_link.cmake
         DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
 
 # ---- the .deb: a development package (headers, static libraries, CMake package) plus the two tools ----
+# It depends on Debian's libtorch-dev, so it is made only from a build against that libtorch (a wheel's or
+# a zip's libtorch is no Debian package a .deb could depend on).
+if(NOT Torch_DIR MATCHES "^/usr/")
+  message(STATUS "dtrain: no .deb (cpack) from this build: the .deb is built against Debian's libtorch-dev, this "
+                 "build uses ${Torch_DIR}")
+  return()
+endif()
 set(CPACK_PACKAGE_NAME libdtrain-dev)
 set(CPACK_PACKAGE_VENDOR dtrain)
 set(CPACK_PACKAGE_CONTACT "dtrain maintainers <dtrain@localhost>")

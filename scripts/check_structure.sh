@@ -16,6 +16,8 @@
 #                    alone or with an algorithm's suffix: allreduceRing, ...) is declared, defined or
 #                    called there (comments and strings aside), and no header of src/comm/collectives/
 #                    (the algorithms and their reduction kernels) is included
+#   torch-version    libtorch's version is tested in one file: no TORCH_VERSION_* outside
+#                    include/dtrain/compat.h (in src/, include/, apps/, tools/, benches/, tests/, examples/)
 #
 # Usage: scripts/check_structure.sh [--no-tidy] [--report FILE]
 #   --no-tidy      skip function-size (the only slow check: ~10 min of CPU over the ~60 translation
@@ -58,6 +60,12 @@ done < <(find "${dirs[@]}" -type f \( -name '*.cc' -o -name '*.h' -o -name '*.c'
 # ---- getenv ----
 mapfile -t readers < <(grep -rl getenv src | sort || true)
 ((${#readers[@]} <= 1)) || fail "getenv: ${#readers[@]} files of src/ read the environment (limit one): ${readers[*]}"
+
+# ---- torch-version ----
+while IFS= read -r hit; do
+  fail "torch-version: $hit: only include/dtrain/compat.h tests libtorch's version"
+done < <(grep -rn --include='*.h' --include='*.cc' --include='*.cpp' --include='*.hpp' 'TORCH_VERSION_' \
+           src include apps tools benches tests examples 2>/dev/null | grep -v '^include/dtrain/compat\.h:' | cut -d: -f1,2 || true)
 
 # ---- tool-includes ----
 /usr/bin/python3 - "$ccdb" "$root" >>"$tmp/includes" <<'PY'

@@ -20,6 +20,11 @@ consumer=$root/tests/consumer
 ranks=2
 deadline=300  # seconds for one 2-rank run (each op inside has its own deadline too)
 cmake_args=(-G Ninja -DCMAKE_BUILD_TYPE=Release)  # CMake reads CMAKE_CXX_COMPILER_LAUNCHER=ccache from the env
+# The libtorch dtrain's build used (its CMAKE_PREFIX_PATH: a torch wheel's or a zip's root; empty for
+# Debian's): the consumers find the same one.
+torch_prefix=$(sed -n 's/^CMAKE_PREFIX_PATH:[A-Z]*=//p' "$build/CMakeCache.txt")
+torch_version=$(sed -n 's/.*kTorchVersion = "\(.*\)";/\1/p' "$build/include/dtrain/build_info.h")
+echo "consumer_test: dtrain's build $build uses libtorch $torch_version${torch_prefix:+ from $torch_prefix}"
 
 step() { echo; echo "== consumer_test: $*"; }
 fail() { echo "consumer_test: FAILED: $*" >&2; exit 1; }
@@ -53,7 +58,7 @@ t_installed() {
            lib/cmake/dtrain/dtrainConfigVersion.cmake; do
     [[ -e $prefix/$f ]] || fail "cmake --install put no $f into the prefix"
   done
-  configure "$consumer/installed" "$work/installed" "$prefix/" -DCMAKE_PREFIX_PATH="$prefix"
+  configure "$consumer/installed" "$work/installed" "$prefix/" -DCMAKE_PREFIX_PATH="$prefix${torch_prefix:+;$torch_prefix}"
   cmake --build "$work/installed" -j"$jobs" || fail "building tests/consumer/installed against $prefix"
   run_ranks "$prefix/bin/dtrain-run" "$work/installed/consumer-allreduce"
   run_ranks "$prefix/bin/dtrain-run" "$work/installed/consumer-ddp"
@@ -61,7 +66,8 @@ t_installed() {
 
 t_subdirectory() {
   step "add_subdirectory(dtrain EXCLUDE_FROM_ALL), dtrain::comm"
-  configure "$consumer/subdirectory" "$work/subdirectory" "" -DDTRAIN_VIA=subdirectory -DDTRAIN_SOURCE_DIR="$root"
+  configure "$consumer/subdirectory" "$work/subdirectory" "" -DDTRAIN_VIA=subdirectory -DDTRAIN_SOURCE_DIR="$root" \
+    ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix"}
   cmake --build "$work/subdirectory" -j"$jobs" || fail "building tests/consumer/subdirectory"
   run_ranks "$work/subdirectory/dtrain/bin/dtrain-run" "$work/subdirectory/consumer-allreduce"
 }
@@ -73,7 +79,7 @@ t_fetchcontent() {
   [[ -z $(git -C "$root" status --porcelain -- CMakeLists.txt cmake src include tools) ]] \
     || echo "consumer_test: note: FetchContent builds the committed HEAD $head, not your uncommitted changes"
   configure "$consumer/subdirectory" "$work/fetchcontent" "" -DDTRAIN_VIA=fetchcontent \
-    -DDTRAIN_GIT="file://$root" -DDTRAIN_GIT_TAG="$head"
+    -DDTRAIN_GIT="file://$root" -DDTRAIN_GIT_TAG="$head" ${torch_prefix:+-DCMAKE_PREFIX_PATH="$torch_prefix"}
   cmake --build "$work/fetchcontent" --target consumer-allreduce -j"$jobs" || fail "building with FetchContent"
   run_ranks "$work/fetchcontent/_deps/dtrain-build/bin/dtrain-run" "$work/fetchcontent/consumer-allreduce"
 }
@@ -86,6 +92,7 @@ deb_marker=/var/tmp/dtrain-consumer-test.deb-installed
 t_deb() {
   step "cpack -G DEB, apt-get install ./libdtrain-dev_*.deb, find_package(dtrain) from /usr"
   local deb
+  [[ -z $torch_prefix ]] || fail "the .deb is built against Debian's libtorch-dev: $build uses $torch_prefix (test the .deb with a Debian-libtorch build)"
   sudo=""
   [[ $(id -u) -eq 0 ]] || sudo=sudo
   if dpkg-query -W -f='${Status}' libdtrain-dev 2>/dev/null | grep -q "install ok installed"; then

@@ -1,18 +1,66 @@
 #!/usr/bin/env bash
-# Installs the dependencies, builds everything and runs the whole test suite (CTest), then the
-# consumer-project tests (scripts/consumer_test.sh) and the structural checks
-# (scripts/check_structure.sh: file and function sizes, environment, include paths, transports).
+# Installs the dependencies (scripts/setup.sh: Debian's packages and the torch wheel in .venv), then builds
+# and tests dtrain against both libtorch generations:
+#   1. libtorch 2.x, the pinned torch wheel (build-torch2): everything; the whole suite (CTest, its
+#      parity tests against that wheel's PyTorch); the consumer projects built against an installed
+#      prefix, add_subdirectory and FetchContent (scripts/consumer_test.sh)
+#   2. libtorch 1.13, Debian's libtorch-dev (build-torch1): the library, the tools, the apps and the tests
+#      of the torch-layer code that differs between the generations (include/dtrain/compat.h: optimizer
+#      state, the autograd hooks of DDP and FSDP) and of every comparison with PyTorch (Debian's
+#      python3-torch 1.13); the consumer projects against an installed prefix and the .deb
+# and ends with the structural checks (scripts/check_structure.sh: file and function sizes, environment,
+# include paths, transports). Each part prints how long it took.
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
-# Env: BUILD_DIR (default build), JOBS (default 2), CTEST_ARGS (extra ctest arguments).
+# Env: BUILD_DIR (default build: the two builds are BUILD_DIR-torch2 and BUILD_DIR-torch1), JOBS (default
+# 2), CTEST_ARGS (extra ctest arguments, both builds), TORCH_GENERATIONS ("2 1" by default; "2" or "1" for one).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-build=${BUILD_DIR:-$root/build}
+base=${BUILD_DIR:-$root/build}
 jobs=${JOBS:-2}
+generations=${TORCH_GENERATIONS:-2 1}
 bash "$root/scripts/setup.sh"
-cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON  # the MPI transport and its tests too
-cmake --build "$build" -j"$jobs"
-# Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
-ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}
-# Projects outside the tree using dtrain: installed prefix, add_subdirectory, FetchContent, the .deb.
-BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/consumer_test.sh"
-BUILD_DIR="$build" JOBS="$jobs" bash "$root/scripts/check_structure.sh"
+
+# The test executables whose tests run against 1.13 too (labels: one per executable, tests/CMakeLists.txt).
+torch1_tests=(large_batch_test zero_test fsdp_test ddp_test local_sgd_test checkpoint_test checkpoint_per_rank_test
+              powersgd_test buckets_test ps_features_test data_test milnce_test)
+timings=()
+timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
+  local label=$1 start=$SECONDS
+  shift
+  "$@"
+  timings+=("$label: $((SECONDS - start)) s")
+  echo "test.sh: $label took $((SECONDS - start)) s"
+}
+
+for gen in $generations; do
+  build=$base-torch$gen
+  args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON)  # the MPI transport and its tests too
+  if [[ $gen == 2 ]]; then
+    # The libtorch root inside the wheel (lib/, include/, share/cmake/Torch), as pytorch.org's zip has it.
+    args+=(-DCMAKE_PREFIX_PATH="$("$root/.venv/bin/python" -c 'import torch; print(torch.__path__[0])')")
+  fi
+  echo; echo "== test.sh: libtorch $gen.x in $build"
+  cmake -S "$root" -B "$build" "${args[@]}"
+  grep "^DTRAIN_TEST_PYTHON:" "$build/CMakeCache.txt" || true
+  if [[ $gen == 2 ]]; then
+    timed "libtorch 2.x: build" cmake --build "$build" -j"$jobs"
+    # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
+    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}
+    timed "libtorch 2.x: consumer projects" env BUILD_DIR="$build" JOBS="$jobs" \
+      bash "$root/scripts/consumer_test.sh" installed subdirectory fetchcontent
+  else
+    timed "libtorch 1.13: build" cmake --build "$build" -j"$jobs" --target dtrain dtrain-run dtrain-trace dtrain-report \
+      dtrain-bench milnce example-ddp "${torch1_tests[@]}"
+    label_re=$(IFS='|'; echo "^(${torch1_tests[*]})\$")
+    timed "libtorch 1.13: ctest (${#torch1_tests[@]} executables)" ctest --test-dir "$build" --output-on-failure -j"$jobs" \
+      --timeout 600 -L "$label_re" ${CTEST_ARGS:-}
+    timed "libtorch 1.13: consumer projects" env BUILD_DIR="$build" JOBS="$jobs" \
+      bash "$root/scripts/consumer_test.sh" installed deb
+  fi
+done
+# The structural checks read the 1.13 build (C++17): one build is enough, and clang-tidy-14 is older than
+# the C++20 that libtorch 2.14+ needs.
+tidy_build=$base-torch1
+[[ " $generations " == *" 1 "* ]] || tidy_build=$base-torch2
+timed "structural checks" env BUILD_DIR="$tidy_build" JOBS="$jobs" bash "$root/scripts/check_structure.sh"
+echo; echo "test.sh: all passed"; printf '  %s\n' "${timings[@]}"

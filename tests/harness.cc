@@ -166,11 +166,16 @@ std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeo
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
 }
 
+std::string pythonPath() {
+  const char* env = std::getenv("DTRAIN_TEST_PYTHON");
+  return env && *env ? env : DTRAIN_TEST_PYTHON;
+}
+
 std::string runPython(const std::string& code) {
   TempDir dir;
   const std::string script = dir.path() + "/check.py";
   std::ofstream(script) << code;
-  std::string cmd = "/usr/bin/python3 " + script + " 2>&1";
+  std::string cmd = pythonPath() + " " + script + " 2>&1";
   std::unique_ptr<FILE, int (*)(FILE*)> pipe(popen(cmd.c_str(), "r"), pclose);
   if (!pipe) {
     ADD_FAILURE() << "popen failed";
@@ -182,7 +187,7 @@ std::string runPython(const std::string& code) {
   while ((n = fread(buf.data(), 1, buf.size(), pipe.get())) > 0) out.append(buf.data(), n);
   int status = pclose(pipe.release());
   if (status != 0) {
-    ADD_FAILURE() << "python3 failed (status " << status << "): " << out;
+    ADD_FAILURE() << pythonPath() << " failed (status " << status << "): " << out;
     return "";
   }
   return out;

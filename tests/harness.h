@@ -54,8 +54,13 @@ class StoreServer {
   std::string file_;
 };
 
-// Runs /usr/bin/python3 on `code` (written to a file: no shell quoting) and returns its output; empty,
-// with a test failure, if it did not exit 0. (python3-torch and numpy come from scripts/setup.sh.)
+// The Python whose torch the parity tests compare with: $DTRAIN_TEST_PYTHON, else the one CMake chose
+// (DTRAIN_TEST_PYTHON: the virtual environment of the torch wheel dtrain was built against, or Debian's
+// /usr/bin/python3 with python3-torch 1.13). Both come from scripts/setup.sh, with numpy.
+std::string pythonPath();
+
+// Runs pythonPath() on `code` (written to a file: no shell quoting) and returns its output; empty,
+// with a test failure, if it did not exit 0.
 std::string runPython(const std::string& code);
 
 // Runs a shell command under `timeout <seconds>` and returns its exit status (-1 if it did not exit)

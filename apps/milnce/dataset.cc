@@ -2,6 +2,7 @@
 #include "milnce/data.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <cerrno>

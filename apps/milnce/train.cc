@@ -13,6 +13,7 @@
 #include <utility>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <nlohmann/json.hpp>
 
 #include "dtrain/autograd.h"

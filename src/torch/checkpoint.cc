@@ -2,6 +2,7 @@
 // loading). The per-rank layout is in checkpoint_manifest.cc, the file format in checkpoint_io.cc.
 #include "dtrain/checkpoint.h"
 
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>

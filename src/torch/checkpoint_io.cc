@@ -3,6 +3,7 @@
 #include "checkpoint_io.h"
 
 #include <fcntl.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <sys/stat.h>
 #include <unistd.h>
 #include <torch/torch.h>

@@ -8,6 +8,7 @@
 //      disagrees on (epoch, step), every rank throws the same error naming them, and no manifest exists;
 //   3. rank 0 writes the manifest atomically and prunes, then tells the others whether it succeeded.
 // A rank that dies mid-save makes the others fail in step 2 (the group's deadline bounds the wait).
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -4,6 +4,7 @@
 
 #include <ATen/ThreadLocalState.h>
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>

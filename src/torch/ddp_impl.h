@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "ddp_hooks.h"
+#include "dtrain/compat.h"
 #include "dtrain/ddp.h"
 #include "dtrain/join.h"
 
@@ -60,7 +61,7 @@ struct DistributedDataParallel::Impl {
   std::vector<std::string> names;
   std::vector<at::Tensor> buffers;
   detail::BufferPack buffer_pack;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;  // keeps our hooks' nodes alive
+  std::vector<compat::GradAccumulatorPtr> accumulators;  // keeps our hooks' nodes alive
   std::vector<uintptr_t> hook_keys;
   std::vector<detail::Bucket> buckets;
   std::vector<size_t> bucket_of, offset_of;  // per parameter: its bucket and element offset there

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "dtrain/comm/process_group.h"
+#include "dtrain/compat.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/tensor.h"
 
@@ -35,7 +36,7 @@ struct Unit {
   size_t pending = 0;
   comm::WorkPtr reducing;
   at::Tensor grad_flat, grad_part;
-  std::vector<std::shared_ptr<torch::autograd::Node>> accumulators;
+  std::vector<compat::GradAccumulatorPtr> accumulators;
 };
 
 }  // namespace fsdp_detail

@@ -59,7 +59,7 @@ void FullyShardedDataParallel::saveConsolidated(const std::string& path, const t
       group_params[group_of[u]].push_back(index + static_cast<int64_t>(i));
     }
     if (!was) m.release(unit);
-    auto it = optimizer.state().find(keyOf(unit.shard));
+    auto it = optimizer.state().find(compat::optimizerStateKey(unit.shard));
     int64_t has[2] = {it != optimizer.state().end(), it != optimizer.state().end()};
     m.pg->allreduce(&has[0], 1, comm::DType::i64, comm::ReduceOp::min)->wait();
     m.pg->allreduce(&has[1], 1, comm::DType::i64, comm::ReduceOp::max)->wait();
@@ -138,7 +138,7 @@ void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::
       if (st != state.end()) entries.push_back(tensorDict(st->value(), path, index_of[name]));
     }
     unit.shard.copy_(full.narrow(0, rank * unit.chunk, unit.chunk));
-    optimizer.state().erase(keyOf(unit.shard));
+    optimizer.state().erase(compat::optimizerStateKey(unit.shard));
     if (entries.empty()) continue;  // never stepped
     DTRAIN_CHECK(entries.size() == unit.params.size(), InvalidArgument,
                  "{}: some of unit {}'s parameters have optimizer state and some not", path, u);
@@ -154,7 +154,7 @@ void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::
         flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(entries[i].at(e).reshape(-1));
       mine.insert(e, flat.narrow(0, rank * unit.chunk, unit.chunk).clone());
     }
-    optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, path);
+    optimizer.state()[compat::optimizerStateKey(unit.shard)] = fromDict(k, mine, unit.shard, u, path);
   }
 }
 
@@ -188,7 +188,7 @@ void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::o
   for (size_t u = 0; u < m.units.size(); ++u) {
     const auto& unit = m.units[u];
     s.sharded[fmt::format("{}.{}.shard", pre, u)] = unit.shard.detach().clone();
-    auto it = optimizer.state().find(keyOf(unit.shard));
+    auto it = optimizer.state().find(compat::optimizerStateKey(unit.shard));
     if (it == optimizer.state().end()) continue;
     for (const auto& e : toDict(k, *it->second)) s.sharded[fmt::format("{}.{}.{}", pre, u, e.key())] = e.value().detach().clone();
   }
@@ -230,7 +230,7 @@ void FullyShardedDataParallel::restoreSharded(const std::vector<CheckpointState>
     auto& unit = m.units[u];
     m.release(unit);
     unit.shard.copy_(reslice(parts, fmt::format("{}.{}.shard", pre, u), unit, rank, world, what));
-    optimizer.state().erase(keyOf(unit.shard));
+    optimizer.state().erase(compat::optimizerStateKey(unit.shard));
     TensorDict mine;
     for (const char* e : kEntries) {
       const std::string key = fmt::format("{}.{}.{}", pre, u, e);
@@ -238,7 +238,7 @@ void FullyShardedDataParallel::restoreSharded(const std::vector<CheckpointState>
       if (it == parts[0].sharded.end()) continue;
       mine.insert(e, std::string(e) == "step" ? it->second : reslice(parts, key, unit, rank, world, what));
     }
-    if (mine.size() > 0) optimizer.state()[keyOf(unit.shard)] = fromDict(k, mine, unit.shard, u, what);
+    if (mine.size() > 0) optimizer.state()[compat::optimizerStateKey(unit.shard)] = fromDict(k, mine, unit.shard, u, what);
   }
 }
 

@@ -41,8 +41,6 @@ Kind kindOf(const torch::optim::Optimizer& o) {
       "optimizer is none of them");
 }
 
-std::string keyOf(const at::Tensor& p) { return c10::guts::to_string(p.unsafeGetTensorImpl()); }
-
 // ---- per-parameter state <-> {name: tensor} ----
 
 template <typename S>

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "dtrain/checkpoint.h"
+#include "dtrain/compat.h"  // optimizerStateKey: the callers find their entries in Optimizer::state() with it
 
 namespace dtrain::optim_state {
 
@@ -20,8 +21,6 @@ enum class Kind { kAdam, kAdamW, kSgd, kLamb, kLars };
 const char* kindName(Kind k);
 // InvalidArgument unless o is torch::optim Adam, AdamW, SGD or dtrain's Lamb or Lars.
 Kind kindOf(const torch::optim::Optimizer& o);
-// The key of a parameter's entry in Optimizer::state().
-std::string keyOf(const at::Tensor& p);
 
 TensorDict toDict(Kind k, const OptimizerParamState& s);
 // The state of parameter p (global index i, for messages) from its entries; InvalidArgument naming

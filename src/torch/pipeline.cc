@@ -12,6 +12,7 @@
 #include "dtrain/pipeline.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>

@@ -5,6 +5,7 @@
 #include "dtrain/sync_batch_norm.h"
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <functional>

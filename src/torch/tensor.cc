@@ -2,6 +2,7 @@
 #include "dtrain/tensor.h"
 
 #include <ATen/ATen.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 
 #include "dtrain/comm/error.h"
 

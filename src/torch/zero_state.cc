@@ -25,7 +25,7 @@ std::vector<char> ownedState(const torch::optim::Optimizer& local, const std::ve
   c10::Dict<int64_t, TensorDict> mine;
   const auto& state = local.state();
   for (size_t i : owned) {
-    auto it = state.find(keyOf(params[i]));
+    auto it = state.find(compat::optimizerStateKey(params[i]));
     if (it != state.end()) mine.insert(static_cast<int64_t>(i), toDict(k, *it->second));
   }
   return torch::pickle_save(mine);
@@ -83,7 +83,7 @@ void applyState(ZeroRedundancyOptimizer::Impl& m, Kind k, const c10::impl::Gener
   for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) {
     auto it = state.find(static_cast<int64_t>(i));
     if (it == state.end()) continue;  // never stepped (an unused parameter)
-    local_state[keyOf(m.params[i])] = fromDict(k, tensorDict(it->value(), path, static_cast<int64_t>(i)), m.params[i], i, path);
+    local_state[compat::optimizerStateKey(m.params[i])] = fromDict(k, tensorDict(it->value(), path, static_cast<int64_t>(i)), m.params[i], i, path);
   }
 }
 
@@ -134,7 +134,7 @@ void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
   const Kind k = kindOf(*m.local);
   const auto& state = m.local->state();
   for (size_t i : m.owned_by[static_cast<size_t>(m.pg->rank())]) {
-    auto it = state.find(keyOf(m.params[i]));
+    auto it = state.find(compat::optimizerStateKey(m.params[i]));
     if (it == state.end()) continue;
     for (const auto& e : toDict(k, *it->second))
       s.sharded[fmt::format("zero.state.{}.{}", i, e.key())] = e.value().detach().clone();

@@ -23,6 +23,9 @@ for i in $(seq 601); do echo "// line $i"; done >apps/big.h
 } >tools/t/t.cc
 printf '#include <cstdlib>\nconst char* a() { return std::getenv("A"); }\n' >src/a.cc
 printf '#include <cstdlib>\nconst char* b() { return std::getenv("B"); }\n' >src/b.cc
+mkdir -p include/dtrain
+printf '#if TORCH_VERSION_MAJOR >= 2\n#endif\n' >include/dtrain/compat.h      # the one place allowed
+printf 'int v() {\n#if TORCH_VERSION_MAJOR >= 2\n  return 2;\n#endif\n}\n' >src/v.cc
 cat >src/comm/transport/x/t.cc <<'EOF'
 #include "comm/collectives/kernels.h"
 // allreduce( in a comment is not code
@@ -44,11 +47,12 @@ expect "FAIL getenv: 2 files of src/ read the environment (limit one): src/a.cc 
 expect "FAIL tool-includes: tools/t/t.cc is compiled with $fake/src on its include path"
 expect "FAIL transport-algos: src/comm/transport/x/t.cc:1: includes comm/collectives/kernels.h"
 expect "FAIL transport-algos: src/comm/transport/x/t.cc:4: collective 'allreduce'"
+expect "FAIL torch-version: src/v.cc:2: only include/dtrain/compat.h tests libtorch's version"
 n=$(grep -c '^FAIL' <<<"$out" || true)
-[[ $n == 6 ]] || { echo "expected 6 offenders (the comment and the string are not code), got $n"; fails=1; }
+[[ $n == 7 ]] || { echo "expected 7 offenders (the comment and the string are not code), got $n"; fails=1; }
 
 # ---- the same tree without offenders ----
-rm apps/big.h src/b.cc src/comm/transport/x/t.cc
+rm apps/big.h src/b.cc src/comm/transport/x/t.cc src/v.cc
 printf 'int f() { return 1; }\nint main() { return f(); }\n' >tools/t/t.cc
 db "$fake/include"
 rc=0

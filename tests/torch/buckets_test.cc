@@ -92,7 +92,7 @@ TEST(AssignBuckets, EqualsPyTorchs) {
       "    out.append(b)\n"
       "print(json.dumps(out))\n";
   std::ofstream(tmp.path() + "/ref.py") << script;
-  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + tmp.path() + "/ref.py " + tmp.path() + "/cases.json", 120);
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 " + pythonPath() + " " + tmp.path() + "/ref.py " + tmp.path() + "/cases.json", 120);
   ASSERT_EQ(status, 0) << out;
   auto ref = nlohmann::json::parse(out.substr(out.find('[')));
   ASSERT_EQ(ref.size(), cases.size());

@@ -13,6 +13,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/compat.h"
 #include "dtrain/pipeline.h"
 #include "dtrain/ps.h"
 #include "dtrain/ps_module.h"
@@ -35,7 +36,7 @@ std::vector<at::Tensor> optimizerState(const torch::optim::Optimizer& opt) {
   std::vector<at::Tensor> out;
   for (const auto& g : opt.param_groups()) {
     for (const auto& p : g.params()) {
-      auto it = opt.state().find(c10::guts::to_string(p.unsafeGetTensorImpl()));
+      auto it = opt.state().find(dtrain::compat::optimizerStateKey(p));
       if (it == opt.state().end()) continue;
       if (auto* a = dynamic_cast<const torch::optim::AdamParamState*>(it->second.get())) {
         out.push_back(a->exp_avg());

@@ -287,7 +287,7 @@ TEST(Fsdp, ReshardsAndResumesFromAConsolidatedFile) {
       "opt = torch.optim.Adam(ps)\n"
       "opt.load_state_dict({'state': sd['state'], 'param_groups': sd['param_groups']})\n"
       "print('loaded', len(names), 'parameters, lr', opt.param_groups[0]['lr'])\n";
-  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + tmp.path() + "/check.py " + file, 120);
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 " + pythonPath() + " " + tmp.path() + "/check.py " + file, 120);
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("loaded 8 parameters, lr 0.01"), std::string::npos) << out;
 }

@@ -4,6 +4,7 @@
 // global batch; the trust ratio's zero-norm cases; a checkpoint round trip that continues bit for bit;
 // bad options; the schedule's values.
 #include <gtest/gtest.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <cmath>

@@ -11,6 +11,7 @@
 
 #include "ddp_test_util.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/compat.h"
 #include "dtrain/ddp.h"
 #include "dtrain/local_sgd.h"
 #include "harness.h"
@@ -97,8 +98,8 @@ void expectSame(LsNet& got, LsNet& want, torch::optim::SGD& got_opt, torch::opti
   // Momentum buffers: never averaged, so each rank's equals its own replica's.
   auto pa = got->parameters(), pb = want->parameters();
   for (size_t i = 0; i < pa.size(); ++i) {
-    auto ia = got_opt.state().find(c10::guts::to_string(pa[i].unsafeGetTensorImpl()));
-    auto ib = want_opt.state().find(c10::guts::to_string(pb[i].unsafeGetTensorImpl()));
+    auto ia = got_opt.state().find(dtrain::compat::optimizerStateKey(pa[i]));
+    auto ib = want_opt.state().find(dtrain::compat::optimizerStateKey(pb[i]));
     ASSERT_EQ(ia == got_opt.state().end(), ib == want_opt.state().end()) << what << ": parameter " << i;
     if (ia == got_opt.state().end()) continue;
     auto& ma = static_cast<torch::optim::SGDParamState&>(*ia->second).momentum_buffer();

@@ -1,9 +1,11 @@
-# The PyTorch side of tests/torch/powersgd_test.cc: trains the test's model for a few steps in a
-# world-size-1 Gloo DDP run with PyTorch 1.13's powerSGD_hook (or, for the batched variant, the
-# hand-written reference below: PyTorch 1.13's batched_powerSGD_hook fails on its first compressed
-# step) and writes the gradients the hook produced at every step.
+# The PyTorch side of tests/torch/powersgd_test.cc: trains the test's model for a few steps in a Gloo
+# DDP run of WORLD processes (each on its slice of every step's batch) with PyTorch's powerSGD_hook (or,
+# for the batched variant, the hand-written reference below: PyTorch 1.13's batched_powerSGD_hook fails
+# on its first compressed step) and writes the gradients the hook produced at every step, as rank 0
+# saw them (DDP gives every rank the same).
 #
-# usage: /usr/bin/python3 powersgd_reference.py DIR...   (one case per DIR)
+# usage: python3 powersgd_reference.py [--world W] DIR...   (one case per DIR; W 1 by default)
+#   With W > 1 it starts W processes of itself (--rank R), which meet in a FileStore in the first DIR.
 #   DIR/config.json  {"rank", "start", "warm_start", "error_feedback", "epsilon", "seed",
 #                     "min_compression_rate", "steps", "batch", "first_bucket_bytes", "bucket_bytes",
 #                     "lr", "batched"}
@@ -15,6 +17,7 @@
 import json
 import math
 import os
+import subprocess
 import sys
 
 import numpy as np
@@ -96,12 +99,27 @@ def batched_reference_hook(state, bucket):
 
 
 def main():
-    dirs = sys.argv[1:]
+    args = sys.argv[1:]
+    world, rank = 1, None
+    while args and args[0] in ("--world", "--rank"):
+        if args[0] == "--world":
+            world = int(args[1])
+        else:
+            rank = int(args[1])
+        args = args[2:]
+    dirs = args
+    if rank is None and world > 1:
+        # One process per rank; every one must succeed (each bounded by the test's own timeout).
+        procs = [subprocess.Popen([sys.executable, __file__, "--world", str(world), "--rank", str(r)] + dirs)
+                 for r in range(world)]
+        codes = [p.wait() for p in procs]
+        sys.exit(0 if all(c == 0 for c in codes) else 1)
+    rank = rank or 0
     torch.set_num_threads(1)
-    store = dist.FileStore(os.path.join(dirs[0], "store"), 1)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    store = dist.FileStore(os.path.join(dirs[0], "store.w%d" % world), world)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
     for k, d in enumerate(dirs):
-        run(d, dist.PrefixStore("case%d" % k, store))
+        run(d, dist.PrefixStore("case%d" % k, store), rank, world)
     dist.destroy_process_group()
     # Tearing down a Gloo group whose last reference a completion callback of the hook's futures
     # dropped can abort ("Resource deadlock avoided": a worker thread joining itself), after every
@@ -110,12 +128,12 @@ def main():
     os._exit(0)
 
 
-def run(d, store):
+def run(d, store, rank, world):
     cfg = json.load(open(os.path.join(d, "config.json")))
     opts = dist.ProcessGroupGloo._Options()
     opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
     opts._threads = 16
-    pg = dist.ProcessGroupGloo(store, 0, 1, opts)
+    pg = dist.ProcessGroupGloo(store, rank, world, opts)
     torch.manual_seed(0)
     model = Net()
     flat = torch.from_numpy(np.fromfile(os.path.join(d, "params.bin"), dtype=np.float32))
@@ -127,6 +145,8 @@ def run(d, store):
             off += p.numel()
     assert off == flat.numel(), "params.bin does not fit the model"
     steps, batch = cfg["steps"], cfg["batch"]
+    assert batch % world == 0, "the batch does not split over the ranks"
+    per = batch // world
     xs = torch.from_numpy(np.fromfile(os.path.join(d, "x.bin"), dtype=np.float32)).view(steps, batch, 4, 4, 4)
     ys = torch.from_numpy(np.fromfile(os.path.join(d, "y.bin"), dtype=np.int64)).view(steps, batch)
 
@@ -145,7 +165,8 @@ def run(d, store):
     # One bucket at a time: powerSGD_hook without warm start clears every bucket's P / Q memory when
     # one bucket finishes (a KeyError in the others still in flight), and it waits for its second and
     # third allreduces inside Gloo's completion callbacks (with more buckets in flight than Gloo's
-    # worker threads it deadlocks). At world size 1 the results are what overlapping buckets give.
+    # worker threads it deadlocks). The results are what overlapping buckets give: every rank runs the
+    # buckets in the same order, and each bucket's arithmetic does not depend on the others'.
     def recording_hook(st, bucket):
         if st.iter >= st.start_powerSGD_iter:
             if bucket.index() == 0:
@@ -157,13 +178,17 @@ def run(d, store):
 
     ddp.register_comm_hook(state, recording_hook)
     opt = torch.optim.SGD(model.parameters(), lr=cfg["lr"])
-    with open(os.path.join(d, "grads.bin"), "wb") as out:
-        for s in range(steps):
-            opt.zero_grad()
-            F.cross_entropy(ddp(xs[s]), ys[s]).backward()
-            out.write(torch.cat([p.grad.reshape(-1) for p in params]).numpy().tobytes())
-            opt.step()
-    json.dump(layouts, open(os.path.join(d, "layout.json"), "w"))
+    grads = []
+    for s in range(steps):
+        opt.zero_grad()
+        mine = slice(rank * per, (rank + 1) * per)
+        F.cross_entropy(ddp(xs[s][mine]), ys[s][mine]).backward()
+        grads.append(torch.cat([p.grad.reshape(-1) for p in params]).numpy().tobytes())
+        opt.step()
+    if rank == 0:
+        with open(os.path.join(d, "grads.bin"), "wb") as out:
+            out.write(b"".join(grads))
+        json.dump(layouts, open(os.path.join(d, "layout.json"), "w"))
     # Kept alive until os._exit: destroying a Gloo group (with its DDP and hook state) whose futures'
     # callbacks still hold it can abort the process ("Resource deadlock avoided") under load.
     _KEEP.append((pg, ddp, state, model))

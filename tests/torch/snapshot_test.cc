@@ -5,6 +5,7 @@
 #include <torch/torch.h>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"

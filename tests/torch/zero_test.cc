@@ -183,7 +183,7 @@ TEST(Zero, PartitionEqualsPyTorchs) {
       "            for p in pg['params']: owner[id(p)] = r\n"
       "    out.append([owner[id(p)] for g in groups for p in g])\n"
       "print(json.dumps(out))\n";
-  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + tmp.path() + "/ref.py " + tmp.path() +
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 " + pythonPath() + " " + tmp.path() + "/ref.py " + tmp.path() +
                                       "/cases.json " + tmp.path() + "/pg",
                                   120);
   ASSERT_EQ(status, 0) << out;
@@ -249,7 +249,7 @@ TEST(Zero, ConsolidatedStateLoadsIntoPyTorchsAdam) {
       "diff = max((p - a).abs().max().item() for p, a in zip(ps, torch.load(d + '/after.pt')))\n"
       "print('steps', int(opt.state[ps[0]]['step'].item()), 'max difference', diff)\n"
       "sys.exit(0 if diff < 1e-10 else 1)\n";
-  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 /usr/bin/python3 " + dir + "/ref.py " + dir, 120);
+  auto [status, out] = runCommand("env OMP_NUM_THREADS=1 " + pythonPath() + " " + dir + "/ref.py " + dir, 120);
   EXPECT_EQ(status, 0) << out;
   EXPECT_NE(out.find("steps 4 max difference"), std::string::npos) << out;
 }

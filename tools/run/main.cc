@@ -11,6 +11,7 @@
 #include <optional>
 #include <string>
 
+#include "dtrain/build_info.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/store.h"
 #include "launcher.h"
@@ -44,6 +45,14 @@ std::string newSecret() {
     hex += kHex[c & 15];
   }
   return hex;
+}
+
+// --version: dtrain's version and the libtorch its torch layer (and this build's programs) were built with.
+std::string versionText() {
+  namespace b = dtrain::build_info;
+  std::string cuda = *b::kTorchCuda ? std::string(", CUDA ") + b::kTorchCuda : std::string(", CPU only");
+  return std::string("dtrain-run ") + b::kVersion + "\nbuilt with libtorch " + b::kTorchVersion + " (C++" +
+         std::to_string(b::kTorchCxxStandard) + cuda + ") from " + b::kTorchDir;
 }
 }  // namespace
 
@@ -162,6 +171,7 @@ int main(int argc, char** argv) {
                  "(dtrain-trace analyze) and exit with 124. 0: never")
       ->capture_default_str()
       ->check(CLI::Range(0.0, 864000.0));
+  app.set_version_flag("--version", versionText(), "Print dtrain's version and the libtorch it was built with");
   // PROGRAM and everything after it (or after "--") is left untouched.
   app.prefix_command();
 

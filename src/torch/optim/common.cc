@@ -23,10 +23,6 @@ torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure) {
 
 std::string groupName(size_t index) { return fmt::format("parameter group {}", index); }
 
-std::string stateKey(const torch::Tensor& param) {
-  return c10::guts::to_string(param.unsafeGetTensorImpl());
-}
-
 void checkDense(const torch::Tensor& grad, const char* who) {
   DTRAIN_CHECK(!grad.is_sparse(), InvalidArgument, "{}: sparse gradients are not supported", who);
 }

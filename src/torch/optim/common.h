@@ -1,5 +1,4 @@
-// What the large-batch optimizers (lars.cc, lamb.cc) share: option checks, the state key of a
-// parameter, the trust ratio and the tagged save/load (internal; not installed).
+// What the large-batch optimizers (lars.cc, lamb.cc) share: option checks, the trust ratio and the tagged save/load (internal; not installed).
 #pragma once
 #include <torch/optim/optimizer.h>
 #include <torch/serialize/archive.h>
@@ -16,9 +15,6 @@ torch::Tensor evaluate(const torch::optim::Optimizer::LossClosure& closure);
 
 // "the defaults" or "parameter group i".
 std::string groupName(size_t index);
-
-// The key torch::optim uses for a parameter's state.
-std::string stateKey(const torch::Tensor& param);
 
 // InvalidArgument naming the optimizer for sparse gradients.
 void checkDense(const torch::Tensor& grad, const char* who);

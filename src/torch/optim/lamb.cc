@@ -7,6 +7,7 @@
 #include <fmt/format.h>
 
 #include "common.h"
+#include "dtrain/compat.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/optim.h"
 
@@ -111,7 +112,7 @@ torch::Tensor Lamb::step(LossClosure closure) {
     for (auto& p : group.params()) {
       if (!p.grad().defined()) continue;
       auto g = clip == 1.0 ? p.grad() : p.grad() / clip;
-      auto key = detail::stateKey(p);
+      auto key = compat::optimizerStateKey(p);
       auto it = state_.find(key);
       if (it == state_.end()) {
         auto s = std::make_unique<LambParamState>();

@@ -5,6 +5,7 @@
 #include <fmt/format.h>
 
 #include "common.h"
+#include "dtrain/compat.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/optim.h"
 
@@ -86,7 +87,7 @@ torch::Tensor Lars::step(LossClosure closure) {
         p.sub_(update);
         continue;
       }
-      auto key = detail::stateKey(p);
+      auto key = compat::optimizerStateKey(p);
       auto it = state_.find(key);
       if (it == state_.end()) {
         auto s = std::make_unique<LarsParamState>();

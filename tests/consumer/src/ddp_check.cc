@@ -8,7 +8,10 @@
 
 #include <cstdio>
 #include <cstdlib>
+#include <string>
 
+#include "dtrain/build_info.h"
+#include "dtrain/compat.h"
 #include "dtrain/ddp.h"
 #include "dtrain/distributed.h"
 
@@ -31,6 +34,18 @@ int main(int argc, char** argv) try {
   const int rank = dist.rank(), size = dist.size();
   if (size != expected) {
     std::fprintf(stderr, "[rank %d] world size %d, expected %d (run it under dtrain-run)\n", rank, size, expected);
+    return 1;
+  }
+
+  // The libtorch dtrain was built with and the one this program compiled against: the same MAJOR.MINOR
+  // (dtrainConfig.cmake refuses another), which this prints and checks.
+  const std::string built = dtrain::build_info::kTorchVersion, here = dtrain::compat::kTorchVersion;
+  if (rank == 0)
+    std::printf("consumer-ddp: dtrain %s built with libtorch %s; this program compiled against libtorch %s\n",
+                dtrain::build_info::kVersion, built.c_str(), here.c_str());
+  if (built.substr(0, built.rfind('.')) != here.substr(0, here.rfind('.'))) {
+    std::fprintf(stderr, "[rank %d] dtrain was built with libtorch %s, this program with %s\n", rank, built.c_str(),
+                 here.c_str());
     return 1;
   }
 

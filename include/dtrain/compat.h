@@ -1,0 +1,58 @@
+// What differs between the libtorch generations dtrain builds against: Debian's 1.13, the 2.x of the
+// PyPI `torch` wheel and pytorch.org's zip (C++17 up to 2.13, C++20 from 2.14). The only file that tests
+// TORCH_VERSION_*; everything else calls these names and never asks which libtorch it is.
+//
+//   #include <dtrain/compat.h>
+//   auto it = optimizer.state().find(dtrain::compat::optimizerStateKey(param));  // both generations
+//   std::cout << "built with libtorch " << dtrain::compat::kTorchVersion << "\n";
+//
+// A custom torch::optim::Optimizer (like dtrain's Lars and Lamb) keys its state_ map with
+// optimizerStateKey(p), as torch::optim's own optimizers do.
+#pragma once
+#include <torch/csrc/autograd/variable.h>
+#include <torch/optim/optimizer.h>
+#include <torch/version.h>  // from about 2.10 it forwards to torch/headeronly/version.h
+
+#include <sstream>
+#include <string>
+#include <type_traits>
+#include <utility>
+
+namespace dtrain::compat {
+
+// TORCH_VERSION_* packed as MAJOR * 10000 + MINOR * 100 + PATCH (1.13.0 -> 11300, 2.15.0 -> 21500).
+inline constexpr int kTorchVersionNumber = TORCH_VERSION_MAJOR * 10000 + TORCH_VERSION_MINOR * 100 + TORCH_VERSION_PATCH;
+// "MAJOR.MINOR.PATCH" of the libtorch headers this translation unit was compiled against.
+#define DTRAIN_COMPAT_STR2(x) #x
+#define DTRAIN_COMPAT_STR(x) DTRAIN_COMPAT_STR2(x)
+inline constexpr const char* kTorchVersion =
+    DTRAIN_COMPAT_STR(TORCH_VERSION_MAJOR) "." DTRAIN_COMPAT_STR(TORCH_VERSION_MINOR) "." DTRAIN_COMPAT_STR(TORCH_VERSION_PATCH);
+#undef DTRAIN_COMPAT_STR
+#undef DTRAIN_COMPAT_STR2
+
+// ---- Optimizer::state()'s key ----
+// Up to 2.1 the map is keyed by the parameter's TensorImpl address as text (c10::guts::to_string, i.e.
+// `ostream << ptr`, "0x..."); from 2.2 (pytorch#108748) by the address itself, a void*, and
+// c10::guts::to_string is gone.
+#if TORCH_VERSION_MAJOR > 2 || (TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR >= 2)
+using OptimizerStateKey = void*;
+inline OptimizerStateKey optimizerStateKey(const at::Tensor& param) { return param.unsafeGetTensorImpl(); }
+#else
+using OptimizerStateKey = std::string;
+inline OptimizerStateKey optimizerStateKey(const at::Tensor& param) {
+  std::ostringstream s;
+  s << static_cast<const void*>(param.unsafeGetTensorImpl());
+  return s.str();
+}
+#endif
+// A release that changes the key again fails here, at compile time, rather than finding no state.
+static_assert(std::is_same_v<OptimizerStateKey, typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>()
+                                                                                    .state())>::key_type>,
+              "dtrain/compat.h: this libtorch keys Optimizer::state() differently; update optimizerStateKey");
+
+// ---- autograd ----
+// What torch::autograd::impl::grad_accumulator(param) returns, to hold the node (and the hooks added to
+// it) alive: std::shared_ptr<Node> in 1.13, c10::intrusive_ptr<Node> in 2.15.
+using GradAccumulatorPtr = decltype(torch::autograd::impl::grad_accumulator(std::declval<const at::Tensor&>()));
+
+}  // namespace dtrain::compat
