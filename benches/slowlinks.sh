@@ -10,7 +10,8 @@
 #   - dtrain-bench ddp (reference MLP, 7.9M parameters) with each hook; with --local-sgd when the
 #     build's dtrain-bench has it: local SGD of period 8 (ddp --local-sgd 8);
 #   - benches/peers/torch_ddp.py under torchrun: fp32, the fp16 hook and powerSGD_hook (rank 4, start
-#     step 2) — PyTorch 1.13's PowerSGD crashes over gloo with 2+ ranks; the crash is recorded;
+#     step 2) on PEER_PYTHON's torch (benches/peer_python.sh) — PowerSGD over gloo with 2+ ranks
+#     crashes in PyTorch 1.13 and in 2.15 alike (gloo::EnforceNotMet); the crash is recorded;
 #   - at 2x1: dtrain-bench allreduce 16-64 MiB (busbw against the link rate); at HxP with P > 1: the
 #     hierarchical allreduce against the flat ring (DTRAIN_ALGO=ring) on the same sizes.
 # Plus T_nocomm: dtrain-bench ddp alone (one process, no communication), and on one host the fp16 hook

@@ -40,9 +40,11 @@ Every rank gets OMP_NUM_THREADS=OPENBLAS_NUM_THREADS=MKL_NUM_THREADS=1. Host i h
 10.212.0.(i+1) on eth0 (GLOO_SOCKET_IFNAME=eth0 for torchrun); each rig has its own namespaces
 (dtc-N-br, dtc-N-h<i>), so rigs never see each other.
 The launchers: dtrain: dtrain-run --nnodes H --node-rank i --nproc-per-node P --master-addr 10.212.0.1
-  --master-port PORT PROGRAM...;  torchrun: /usr/bin/python3 -m torch.distributed.run --nnodes H
+  --master-port PORT PROGRAM...;  torchrun: PEER_PYTHON -m torch.distributed.run --nnodes H
   --node_rank i --nproc_per_node P --master_addr 10.212.0.1 --master_port PORT PROGRAM... (with
-  --redirects 1 --tee 1: torchrun 1.13 on Python 3.11 fails on its defaults; worker lines get [defaultN]:)
+  --redirects 1 --tee 1: torchrun 1.13 on Python 3.11 fails on its defaults; worker lines get [defaultN]:).
+  PEER_PYTHON: benches/peer_python.sh (the repository's .venv with the pinned torch wheel, else
+  /usr/bin/python3 with Debian's torch 1.13)
 Example: scripts/cluster.sh --hosts 2 --nproc-per-host 2 --gbit 1 -- build/bin/dtrain-bench allreduce
 EOF
 }
@@ -245,7 +247,8 @@ launch_cmd() {  # launch_cmd I PROGRAM...: fills the array cmd
     # --redirects 1 --tee 1: torchrun 1.13 under Python 3.11 cannot parse its own default "0" for these
     # (IntFlag no longer lists NONE, so Std.from_str returns None and the agent dies in to_map); 1 makes
     # it copy the workers' stdout to a log and to the console, stderr going straight to the console.
-    cmd+=(/usr/bin/python3 -m torch.distributed.run --redirects 1 --tee 1 --nnodes "$nn" --node_rank "$i"
+    source "$here/../benches/peer_python.sh"
+    cmd+=("$PEER_PYTHON" -m torch.distributed.run --redirects 1 --tee 1 --nnodes "$nn" --node_rank "$i"
       --nproc_per_node "$nproc" --master_addr "$m" --master_port "$master_port" "$@")
   fi
 }

@@ -166,6 +166,18 @@ std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeo
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
 }
 
+const char* const kPythonDtrainLoad =
+    "import torch\n"
+    "import torch.jit._pickle\n"
+    "def dtrain_load(path):\n"
+    "    allow = getattr(torch.serialization, 'safe_globals', None)  # PyTorch 2.5 and later\n"
+    "    if allow is None:\n"
+    "        return torch.load(path)\n"
+    "    jp = torch.jit._pickle\n"
+    "    with allow([jp.restore_type_tag, jp.build_intlist, jp.build_doublelist, jp.build_boollist, "
+    "jp.build_tensorlist]):\n"
+    "        return torch.load(path)\n";
+
 std::string pythonPath() {
   const char* env = std::getenv("DTRAIN_TEST_PYTHON");
   return env && *env ? env : DTRAIN_TEST_PYTHON;

@@ -87,12 +87,12 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
   GenVideo v;
   const int nseg = static_cast<int>(uniformInt(rng, o.min_segments, o.max_segments));
   std::vector<double> bounds{0.0};  // nseg + 1 segment boundaries
-  std::vector<int> concept;
+  std::vector<int> concept_of;
   for (int s = 0; s < nseg; ++s) {
     bounds.push_back(bounds.back() + o.min_seg_sec + (o.max_seg_sec - o.min_seg_sec) * uniform01(rng));
     const bool next_step = uniform01(rng) < o.procedure;
     const int random_concept = static_cast<int>(uniformInt(rng, 0, o.concepts - 1));
-    concept.push_back(s > 0 && next_step ? (concept.back() + 1) % o.concepts : random_concept);
+    concept_of.push_back(s > 0 && next_step ? (concept_of.back() + 1) % o.concepts : random_concept);
   }
   const double total = bounds.back();
 
@@ -103,8 +103,8 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
   size_t seg = 0;
   for (int64_t t = 0; t < v.rows; ++t) {
     const double time = static_cast<double>(t) / o.rate;
-    while (seg + 1 < concept.size() && time >= bounds[seg + 1]) ++seg;
-    const float* proto = &w.prototypes[static_cast<size_t>(concept[seg] * F)];
+    while (seg + 1 < concept_of.size() && time >= bounds[seg + 1]) ++seg;
+    const float* proto = &w.prototypes[static_cast<size_t>(concept_of[seg] * F)];
     float* row = &v.features[static_cast<size_t>(t * F)];
     for (int64_t f = 0; f < F; ++f) row[f] = proto[f] + static_cast<float>(o.noise * normal(rng));
   }
@@ -117,14 +117,14 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
     for (int n : {s - 1, s + 1}) {
       if (n < 0 || n >= nseg) continue;
       neighbours.push_back(n);
-      if (concept[n] != concept[s]) other.push_back(n);
+      if (concept_of[n] != concept_of[s]) other.push_back(n);
     }
     const auto& pool = other.empty() ? neighbours : other;
     // Lead (next segment) or lag (previous), when both are possible.
     const bool to_next = uniform01(rng) < o.lead;
     int pick = pool.empty() ? -1 : pool[0];
     if (pool.size() == 2) pick = to_next ? pool[1] : pool[0];
-    const int described = (shift && pick >= 0) ? concept[pick] : concept[s];
+    const int described = (shift && pick >= 0) ? concept_of[pick] : concept_of[s];
 
     Caption c;
     c.start = std::clamp(bounds[s] + uniform01(rng) - 0.5, 0.0, total);

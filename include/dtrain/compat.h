@@ -17,6 +17,7 @@
 #include <string>
 #include <type_traits>
 #include <utility>
+#include <vector>
 
 namespace dtrain::compat {
 
@@ -49,6 +50,18 @@ inline OptimizerStateKey optimizerStateKey(const at::Tensor& param) {
 static_assert(std::is_same_v<OptimizerStateKey, typename std::decay_t<decltype(std::declval<torch::optim::Optimizer&>()
                                                                                     .state())>::key_type>,
               "dtrain/compat.h: this libtorch keys Optimizer::state() differently; update optimizerStateKey");
+
+// ---- parameter groups of a custom optimizer ----
+// libtorch 2.15 (not 2.11) merges a parameter group's own options with the optimizer's defaults in
+// Optimizer::add_param_group, field by field, for its own six optimizers only; for any other optimizer
+// (dtrain's Lars and Lamb, a user's) it installs the defaults and drops the group's options, silently.
+// 1.13 and 2.11 keep them. A custom optimizer's constructor calls this after the base class's, with the
+// groups it was given, to keep each group's options as given (whole, as 1.13 does) on every libtorch.
+inline void keepGroupOptions(std::vector<torch::optim::OptimizerParamGroup>& installed,
+                             const std::vector<torch::optim::OptimizerParamGroup>& given) {
+  for (size_t i = 0; i < installed.size() && i < given.size(); ++i)
+    if (given[i].has_options()) installed[i].set_options(given[i].options().clone());
+}
 
 // ---- autograd ----
 // What torch::autograd::impl::grad_accumulator(param) returns, to hold the node (and the hooks added to

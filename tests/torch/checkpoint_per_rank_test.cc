@@ -144,10 +144,10 @@ TEST(CheckpointPerRank, PipelineStagesResumeBitForBit) {
   }
   EXPECT_EQ(seen.size(), pipeModel(1)->parameters().size());
   // Python reads the manifest and the rank files.
-  const std::string out = runPython("import torch\nm = torch.load('" + cdir + "/manifest.pt')\n"
+  const std::string out = runPython(std::string(kPythonDtrainLoad) + "m = dtrain_load('" + cdir + "/manifest.pt')\n"
                                     "print(m['format'], m['epoch'], m['step'], m['world_size'], m['files'], "
                                     "m['parameter_server'], len(m['bytes']))\n"
-                                    "d = torch.load('" + cdir + "/rank-00002-of-00003.pt')\n"
+                                    "d = dtrain_load('" + cdir + "/rank-00002-of-00003.pt')\n"
                                     "print(d['format'], d['rank'], d['world_size'], d['step'], sorted(d['model']))\n");
   EXPECT_NE(out.find("dtrain-checkpoint-manifest-v1 0 3 3 ['rank-00000-of-00003.pt', 'rank-00001-of-00003.pt', "
                      "'rank-00002-of-00003.pt'] 0 3"),

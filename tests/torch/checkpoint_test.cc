@@ -451,8 +451,8 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
   const auto rand_after_restore = torch::rand({4});  // what Python should draw after set_rng_state
 
   const std::string out = runPython(
-      "import torch\n"
-      "d = torch.load('" + path + "')\n"
+      std::string(kPythonDtrainLoad) +
+      "d = dtrain_load('" + path + "')\n"
       "print(sorted(d.keys()))\n"
       "print(d['format'], d['epoch'], d['step'], d['user_rng'])\n"
       "print(sorted(d['model'].keys()))\n"

@@ -276,9 +276,9 @@ TEST(Fsdp, ReshardsAndResumesFromAConsolidatedFile) {
     });
     expectAllOk(results);
   }
-  std::ofstream(tmp.path() + "/check.py") <<
+  std::ofstream(tmp.path() + "/check.py") << kPythonDtrainLoad <<
       "import sys, torch\n"
-      "sd = torch.load(sys.argv[1])\n"
+      "sd = dtrain_load(sys.argv[1])\n"
       "names = sd['parameter_names']\n"
       "assert sorted(sd['model']) == sorted(names), (sorted(sd['model']), names)\n"
       "assert sorted(sd['state']) == list(range(len(names))), sorted(sd['state'])\n"

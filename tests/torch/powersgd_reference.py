@@ -14,6 +14,7 @@
 # writes
 #   DIR/grads.bin    float32, per step the gradients after the hook, in registration order
 #   DIR/layout.json  per compressed step, the buckets the hook saw: lists of parameter indices
+import inspect
 import json
 import math
 import os
@@ -118,8 +119,8 @@ def main():
     torch.set_num_threads(1)
     store = dist.FileStore(os.path.join(dirs[0], "store.w%d" % world), world)
     dist.init_process_group("gloo", store=store, rank=rank, world_size=world)
-    for k, d in enumerate(dirs):
-        run(d, dist.PrefixStore("case%d" % k, store), rank, world)
+    for d in dirs:
+        run(d, rank, world)
     dist.destroy_process_group()
     # Tearing down a Gloo group whose last reference a completion callback of the hook's futures
     # dropped can abort ("Resource deadlock avoided": a worker thread joining itself), after every
@@ -128,12 +129,11 @@ def main():
     os._exit(0)
 
 
-def run(d, store, rank, world):
+def run(d, rank, world):
     cfg = json.load(open(os.path.join(d, "config.json")))
-    opts = dist.ProcessGroupGloo._Options()
-    opts._devices = [dist.ProcessGroupGloo.create_device(hostname="127.0.0.1")]
-    opts._threads = 16
-    pg = dist.ProcessGroupGloo(store, rank, world, opts)
+    # A group of its own per case (every rank creates them in the same order). new_group, not a
+    # ProcessGroupGloo built by hand: PyTorch 2.x's DDP takes only a ProcessGroup, whose backend that is.
+    pg = dist.new_group(backend="gloo")
     torch.manual_seed(0)
     model = Net()
     flat = torch.from_numpy(np.fromfile(os.path.join(d, "params.bin"), dtype=np.float32))
@@ -152,8 +152,15 @@ def run(d, store, rank, world):
 
     # The bucket sizes DDP uses when it rebuilds its buckets after the first step (the layout of
     # every compressed step); the test picks sizes where PyTorch's and dtrain's rules agree.
-    dist._DEFAULT_FIRST_BUCKET_BYTES = cfg["first_bucket_bytes"]
-    ddp = DDP(model, process_group=pg, bucket_cap_mb=cfg["bucket_bytes"] / float(1 << 20))
+    # PyTorch 1.13 caps the first bucket at dist._DEFAULT_FIRST_BUCKET_BYTES whatever bucket_cap_mb is;
+    # later releases do so only when bucket_cap_mb is left at its default, and take per-bucket caps
+    # (bucket_cap_mb_list, the last one repeating) instead.
+    mb = float(1 << 20)
+    if "bucket_cap_mb_list" in inspect.signature(DDP.__init__).parameters:
+        ddp = DDP(model, process_group=pg, bucket_cap_mb_list=[cfg["first_bucket_bytes"] / mb, cfg["bucket_bytes"] / mb])
+    else:
+        dist._DEFAULT_FIRST_BUCKET_BYTES = cfg["first_bucket_bytes"]
+        ddp = DDP(model, process_group=pg, bucket_cap_mb=cfg["bucket_bytes"] / mb)
     state = psgd.PowerSGDState(
         process_group=pg, matrix_approximation_rank=cfg["rank"], start_powerSGD_iter=cfg["start"],
         min_compression_rate=cfg["min_compression_rate"], use_error_feedback=cfg["error_feedback"],

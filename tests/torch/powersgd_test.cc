@@ -224,7 +224,11 @@ void matchesPyTorch(int world) {
         Trained got = train(group(fresh, rank, world), c, kBatch);
         for (const auto& l : layouts) EXPECT_EQ(l.get<std::vector<std::vector<size_t>>>(), got.layout);
         auto mine = makeModel();
-        compare(mine, got.grads, want, 1e-5, fmt::format("{}, rank {} of {}", c.name(), rank, world));
+        // Four ranks' sums are associated differently by Gloo's ring and dtrain's reduction, and PowerSGD's
+        // orthogonalisation carries those last bits on through error feedback and warm start: 1.3e-5 seen
+        // at step 7. A real difference (no error feedback, another seed) is 1e-3 and more.
+        const double tol = world > 2 ? 1e-4 : 1e-5;
+        compare(mine, got.grads, want, tol, fmt::format("{}, rank {} of {}", c.name(), rank, world));
       });
       expectAllOk(results);
       continue;

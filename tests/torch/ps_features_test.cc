@@ -449,7 +449,7 @@ TEST(PSCheckpoint, ServerStateSurvivesARestart) {
   // The file also reads in Python: the PS state is a dict of tensors next to the model's.
   auto files = Checkpointer(dir.path(), 3, false).list();
   ASSERT_FALSE(files.empty());
-  auto out = runPython("import torch\nd = torch.load('" + files.back().path +
+  auto out = runPython(std::string(kPythonDtrainLoad) + "d = dtrain_load('" + files.back().path +
                        "')\nps = d['parameter_server']\nprint(sorted(k for k in ps if k.startswith('emb')), "
                        "int(ps['#clock'][0]))\n");
   EXPECT_NE(out.find("['emb#data', 'emb#rows', 'emb#steps'] 3"), std::string::npos) << out;

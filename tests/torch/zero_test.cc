@@ -235,18 +235,18 @@ TEST(Zero, ConsolidatedStateLoadsIntoPyTorchsAdam) {
     pg->barrier()->wait();
   });
   expectAllOk(results);
-  std::ofstream(dir + "/ref.py") <<
+  std::ofstream(dir + "/ref.py") << kPythonDtrainLoad <<
       "import sys, torch\n"
       "d = sys.argv[1]\n"
-      "ps = [torch.nn.Parameter(t) for t in torch.load(d + '/before.pt')]\n"
-      "sd = torch.load(d + '/adam.pt')\n"
+      "ps = [torch.nn.Parameter(t) for t in dtrain_load(d + '/before.pt')]\n"
+      "sd = dtrain_load(d + '/adam.pt')\n"
       "opt = torch.optim.Adam(ps, lr=0.5)\n"
       "opt.load_state_dict(sd)\n"
       "assert opt.param_groups[0]['lr'] == 0.01, opt.param_groups[0]\n"
       "assert sorted(sd['state'].keys()) == list(range(len(ps))), sorted(sd['state'].keys())\n"
-      "for p, g in zip(ps, torch.load(d + '/grads.pt')): p.grad = g\n"
+      "for p, g in zip(ps, dtrain_load(d + '/grads.pt')): p.grad = g\n"
       "opt.step()\n"
-      "diff = max((p - a).abs().max().item() for p, a in zip(ps, torch.load(d + '/after.pt')))\n"
+      "diff = max((p - a).abs().max().item() for p, a in zip(ps, dtrain_load(d + '/after.pt')))\n"
       "print('steps', int(opt.state[ps[0]]['step'].item()), 'max difference', diff)\n"
       "sys.exit(0 if diff < 1e-10 else 1)\n";
   auto [status, out] = runCommand("env OMP_NUM_THREADS=1 " + pythonPath() + " " + dir + "/ref.py " + dir, 120);

@@ -89,7 +89,8 @@ void LambParamState::serialize(torch::serialize::InputArchive& archive) {
 }
 
 Lamb::Lamb(std::vector<torch::optim::OptimizerParamGroup> param_groups, LambOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<LambOptions>(defaults)) {
+    : Optimizer(param_groups, std::make_unique<LambOptions>(defaults)) {
+  compat::keepGroupOptions(param_groups_, param_groups);  // libtorch 2.15 replaced them with the defaults
   checkLamb(defaults, "the defaults");
   checkGroups(param_groups_);
 }

@@ -58,7 +58,8 @@ void LarsParamState::serialize(torch::serialize::InputArchive& archive) {
 }
 
 Lars::Lars(std::vector<torch::optim::OptimizerParamGroup> param_groups, LarsOptions defaults)
-    : Optimizer(std::move(param_groups), std::make_unique<LarsOptions>(defaults)) {
+    : Optimizer(param_groups, std::make_unique<LarsOptions>(defaults)) {
+  compat::keepGroupOptions(param_groups_, param_groups);  // libtorch 2.15 replaced them with the defaults
   checkLars(defaults, "the defaults");
   checkGroups(param_groups_);
 }
