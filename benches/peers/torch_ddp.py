@@ -22,7 +22,7 @@ lr 1e-3, PyTorch's ZeRO stage 1: the peer of `dtrain-bench zero --mode zero1`); 
 start_powerSGD_iter 2, the rest of PowerSGDState's defaults). bytes_per_step is what each rank hands
 to allreduce per step once the hook is active, computed from the model's shapes and the hook's rules
 (PowerSGD: (n+m)*R floats for a compressed (n, m) gradient, n*m for the others).
-Note: PyTorch 1.13's powerSGD_hook over gloo with 2 or more ranks crashes within the first compressed
+Note: PyTorch's powerSGD_hook over gloo with 2 or more ranks (1.13, and 2.15 too) crashes within the first compressed
 steps on this machine (gloo::EnforceNotMet ... op.preamble.length <= op.nbytes); see docs/PERFORMANCE.md.
 """
 import argparse

@@ -1,4 +1,4 @@
-// ZeroRedundancyOptimizer (dtrain/zero.h, stage 1): the partition against PyTorch 1.13's (python3-torch);
+// ZeroRedundancyOptimizer (dtrain/zero.h, stage 1): the partition against PyTorch's (the torch of pythonPath(): the wheel's 2.x or Debian's 1.13);
 // 2, 3 and 4 ranks with DDP against one process on the global batch (SGD-momentum and Adam, a model with an
 // unused parameter, a tied weight and uneven sizes, with and without clipping); the consolidated state
 // loaded by PyTorch's Adam, whose next step equals dtrain's; resharding: saved at 4 ranks, continued at
