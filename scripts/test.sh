@@ -35,7 +35,10 @@ timed "setup (Debian packages, the torch wheel)" bash "$root/scripts/setup.sh"
 
 for gen in $generations; do
   build=$base-torch$gen
-  args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON)  # the MPI transport and its tests too
+  # The MPI transport and its tests too; tests, examples and benchmarks on again after an earlier run's
+  # .deb step turned them off in build-torch1.
+  args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_BUILD_EXAMPLES=ON
+        -DDTRAIN_BUILD_BENCHMARKS=ON)
   if [[ $gen == 2 ]]; then
     # The libtorch root inside the wheel (lib/, include/, share/cmake/Torch), as pytorch.org's zip has it.
     args+=(-DCMAKE_PREFIX_PATH="$("$root/.venv/bin/python" -c 'import torch; print(torch.__path__[0])')")
@@ -66,8 +69,7 @@ for gen in $generations; do
       bash "$root/scripts/consumer_test.sh" deb subdirectory
   fi
 done
-# The structural checks read the 1.13 build (C++17): one build is enough, and clang-tidy-14 is older than
-# the C++20 that libtorch 2.14+ needs.
+# The structural checks read one build: the 1.13 one (C++17, what clang-tidy-14 has always read here).
 tidy_build=$base-torch1
 [[ " $generations " == *" 1 "* ]] || tidy_build=$base-torch2
 timed "structural checks" env BUILD_DIR="$tidy_build" JOBS="$jobs" bash "$root/scripts/check_structure.sh"
