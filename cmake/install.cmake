@@ -51,7 +51,7 @@ install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtr
 # ---- the .deb: a development package (headers, static libraries, CMake package) plus the two tools ----
 # It depends on Debian's libtorch-dev, so it is made only from a build against that libtorch (a wheel's or
 # a zip's libtorch is no Debian package a .deb could depend on).
-if(NOT Torch_DIR MATCHES "^/usr/")
+if(NOT Torch_DIR MATCHES "^/usr/lib/")  # Debian's: /usr/lib/<triplet>/cmake/Torch (a zip may sit in /usr/local)
   message(STATUS "dtrain: no .deb (cpack) from this build: the .deb is built against Debian's libtorch-dev, this "
                  "build uses ${Torch_DIR}")
   return()

@@ -21,8 +21,6 @@
 
 namespace dtrain::compat {
 
-// TORCH_VERSION_* packed as MAJOR * 10000 + MINOR * 100 + PATCH (1.13.0 -> 11300, 2.15.0 -> 21500).
-inline constexpr int kTorchVersionNumber = TORCH_VERSION_MAJOR * 10000 + TORCH_VERSION_MINOR * 100 + TORCH_VERSION_PATCH;
 // "MAJOR.MINOR.PATCH" of the libtorch headers this translation unit was compiled against.
 #define DTRAIN_COMPAT_STR2(x) #x
 #define DTRAIN_COMPAT_STR(x) DTRAIN_COMPAT_STR2(x)
