@@ -15,6 +15,10 @@
 //   --batch B                    samples per rank and step (64)
 //   --lr LR                      learning rate at 64 samples per step (0.05 with sgd and lars, 0.005 with lamb)
 //   --scale-lr                   the linear scaling rule: LR x global batch / 64, warmed up over the first epoch
+//
+// On GPUs (a CUDA build of dtrain; dtrain/device.h):
+//   --device cpu|cuda|cuda:N|auto   where to train (cpu); cuda is cuda:LOCAL_RANK. Gradients travel by NCCL
+//                where every rank has a GPU of its own, else staged through the host (DTRAIN_CUDA_COMM).
 #include <torch/torch.h>
 
 #include <cstdio>
@@ -22,6 +26,7 @@
 #include <string>
 
 #include "dtrain/ddp.h"
+#include "dtrain/device.h"
 #include "dtrain/distributed.h"
 #include "dtrain/hook_spec.h"
 #include "dtrain/local_sgd.h"
@@ -38,7 +43,7 @@ struct NetImpl : torch::nn::Module {
 TORCH_MODULE(Net);
 
 struct Args {
-  std::string metrics, hook = "none", optimizer = "sgd";
+  std::string metrics, hook = "none", optimizer = "sgd", device = "cpu";
   int64_t batch = 64, local_sgd = 0;
   double lr = -1;  // -1: the optimizer's default
   bool scale_lr = false;
@@ -59,6 +64,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--local-sgd") a.local_sgd = std::stoll(value(i));
     else if (arg == "--lr") a.lr = std::stod(value(i));
     else if (arg == "--scale-lr") a.scale_lr = true;
+    else if (arg == "--device") a.device = value(i);
     else throw std::invalid_argument("unknown argument " + arg + " (see the comment at the top of examples/ddp_train.cc)");
   }
   if (a.optimizer != "sgd" && a.optimizer != "lamb" && a.optimizer != "lars")
@@ -85,20 +91,24 @@ int main(int argc, char** argv) try {
   const std::string& metrics = args.metrics;
   torch::set_num_threads(1);
   auto dist = dtrain::init();  // a world of one when not launched by dtrain-run / torchrun / mpirun
+  const torch::Device device = dtrain::selectDevice(args.device, dist.localRank());
   std::unique_ptr<dtrain::MetricsLog> log;  // docs/OBSERVABILITY.md: a run record, then one per step
   if (!metrics.empty() && dist.isMain()) {
     log = std::make_unique<dtrain::MetricsLog>(metrics);
     log->writeRun("example-ddp", dist.size(), dtrain::Record().set("batch", args.batch).set("lr", args.lr).set("epochs", 5)
                                                     .set("comm_hook", args.hook).set("optimizer", args.optimizer)
-                                                    .set("local_sgd", args.local_sgd).set("scale_lr", args.scale_lr));
+                                                    .set("local_sgd", args.local_sgd).set("scale_lr", args.scale_lr)
+                                                    .set("device", device.str()));
   }
 
   torch::manual_seed(0);  // the same data on every rank; DDP broadcasts rank 0's weights anyway
   auto centers = torch::randn({4, 16});
   auto labels = torch::randint(0, 4, {4096});
-  auto data = centers.index_select(0, labels) + 0.8 * torch::randn({4096, 16});
+  auto data = (centers.index_select(0, labels) + 0.8 * torch::randn({4096, 16})).to(device);
+  labels = labels.to(device);
 
   Net model;
+  model->to(device);
   dtrain::DistributedDataParallel ddp(model.ptr(), dist.world());
   if (auto hook = dtrain::makeCommHook(dtrain::parseCommHookSpec(args.hook))) ddp.registerCommHook(hook);
   std::unique_ptr<dtrain::PeriodicModelAverager> averager;  // local SGD from the start
@@ -125,7 +135,7 @@ int main(int argc, char** argv) try {
   for (int epoch = 0; epoch < 5; ++epoch) {
     sampler.setEpoch(epoch);
     step_time.lap();  // step times leave out the accuracy check below
-    auto idx = torch::tensor(sampler.indices(), torch::kLong);
+    auto idx = torch::tensor(sampler.indices(), torch::kLong).to(device);
     double sum = 0;
     int steps = 0;
     for (int64_t b = 0; b + batch <= idx.size(0); b += batch) {
@@ -158,7 +168,9 @@ int main(int argc, char** argv) try {
     }
     torch::NoGradGuard no_grad;
     double acc = (model->forward(data).argmax(1) == labels).to(torch::kDouble).mean().item<double>();
-    if (dist.isMain()) std::printf("epoch %d  loss %.4f  accuracy %.3f  (%d ranks)\n", epoch, sum / steps, acc, dist.size());
+    if (dist.isMain())
+      std::printf("epoch %d  loss %.4f  accuracy %.3f  (%d ranks%s)\n", epoch, sum / steps, acc, dist.size(),
+                  device.is_cpu() ? "" : (", " + device.str()).c_str());
   }
   return 0;
 } catch (const std::exception& e) {

@@ -17,6 +17,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/device.h"
 #include "dtrain/distributed.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
@@ -98,6 +99,7 @@ int main(int argc, char** argv) {
   tr->add_flag("--log-samples", t.log_samples, "each rank appends the dataset indices of every micro-batch to "
                "OUT/samples-rank<r>.txt (to audit coverage across restarts; each process starts with a '# start' line)");
   tr->add_option("--keep", t.keep, "checkpoints to keep");
+  tr->add_option("--device", t.device, "cpu, cuda (each rank on cuda:LOCAL_RANK), cuda:N or auto (a GPU when there is one)");
   tr->add_flag("--no-checkpoints{false}", t.disk_checkpoints, "write no checkpoints to disk (resume from peer-memory "
                "snapshots only: --snapshot-every)");
   tr->add_option("--snapshot-every", t.snapshot_every, "snapshot the training state every N optimizer steps (and at "
@@ -121,6 +123,7 @@ int main(int argc, char** argv) {
   ev->add_option("--checkpoint", checkpoint, "a checkpoint file (or per-rank checkpoint directory) instead of --run's newest");
   ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
   ev->add_option("--json", eval_json, "where to write the results (default: RUN/eval-epochN.json)");
+  ev->add_option("--device", e.device, "cpu, cuda, cuda:N or auto");
   addProgressOption(ev, e.progress);
   addLoaderOptions(ev, e.loader);
   addModelOptions(ev, e.model);
@@ -142,6 +145,7 @@ int main(int argc, char** argv) {
       const auto parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
       if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
       milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
+      model->to(dtrain::selectDevice(e.device));
       const dtrain::CheckpointState* st = &parts[0];
       dtrain::ProgressOptions po;
       po.mode = e.progress;

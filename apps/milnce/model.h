@@ -37,10 +37,12 @@ TORCH_MODULE(TextEncoder);
 
 struct MilNceNetImpl : torch::nn::Module {
   MilNceNetImpl(const at::Tensor& word_vectors, const ModelOptions& o);
-  // video [B, T, F] -> [B, D]
-  at::Tensor encodeVideo(const at::Tensor& video) { return video_enc->forward(video); }
+  // video [B, T, F] -> [B, D], on the model's device (inputs are moved there)
+  at::Tensor encodeVideo(const at::Tensor& video) { return video_enc->forward(video.to(device())); }
   // tokens [N, W] -> [N, D]
-  at::Tensor encodeText(const at::Tensor& tokens) { return text_enc->forward(tokens); }
+  at::Tensor encodeText(const at::Tensor& tokens) { return text_enc->forward(tokens.to(device())); }
+  // Where the model's parameters are (model->to(device) moves them).
+  c10::Device device() const { return text_enc->fc1->weight.device(); }
   VideoEncoder video_enc{nullptr};
   TextEncoder text_enc{nullptr};
 };

@@ -8,6 +8,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/ddp.h"
+#include "dtrain/device.h"
 #include "dtrain/distributed.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/local_sgd.h"
@@ -31,6 +32,7 @@ struct TrainOptions {
   // and norm weights excluded); local SGD: after the warm-up, gradients averaged within each machine
   // only and parameters averaged over all ranks every local_sgd steps (0: off).
   std::string comm_hook = "none";
+  std::string device = "cpu";  // cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto (dtrain/device.h)
   std::string optimizer = "adam";
   double weight_decay = 0;
   int local_sgd = 0;
@@ -128,6 +130,7 @@ class Trainer {
  private:
   const dtrain::Distributed& dist_;
   TrainOptions o_;
+  c10::Device device_;  // where the model trains (TrainOptions::device)
   MilNceNet model_{nullptr};
   MilNceNet eval_model_{nullptr};  // sharded: evalModel()'s copy
   std::unique_ptr<dtrain::DistributedDataParallel> ddp_;

@@ -87,14 +87,17 @@ std::unique_ptr<dtrain::FullyShardedDataParallel> shardEncoder(const Encoder& en
 
 }  // namespace
 
-Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o) : dist_(dist), o_(o) {
+Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o)
+    : dist_(dist), o_(o), device_(dtrain::selectDevice(o.device, dist.localRank())) {
   checkZeroOptions(o);
   ModelOptions mo = o.model;
   mo.feature_dim = data.feature_dim;
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   model_ = MilNceNet(data.word_vectors, mo);
+  model_->to(device_);  // before DDP or FSDP takes the parameters
   if (o.zero >= 2) {
     eval_model_ = MilNceNet(data.word_vectors, mo);
+    eval_model_->to(device_);
     video_fsdp_ = shardEncoder(model_->video_enc, "video", o, dist);
     text_fsdp_ = shardEncoder(model_->text_enc, "text", o, dist);
     std::vector<at::Tensor> shards = video_fsdp_->shards();
@@ -129,11 +132,12 @@ void Trainer::resumeAt(int64_t step) {
 
 double Trainer::lossAndBackward(const Batch& local, bool sync) {
   const int64_t b = local.video.size(0), k = local.text.size(1), w = local.text.size(2);
+  const at::Tensor video = local.video.to(device_);
   at::Tensor loss;
   {
     DTRAIN_SPAN("forward", "compute");  // on the timeline (DTRAIN_TIMELINE) and in flight-recorder dumps
-    const auto tokens = local.text.reshape({b * k, w});
-    auto v = sharded() ? video_fsdp_->forward(local.video) : model_->encodeVideo(local.video);  // [b, D]
+    const auto tokens = local.text.reshape({b * k, w}).to(device_);
+    auto v = sharded() ? video_fsdp_->forward(video) : model_->encodeVideo(video);  // [b, D]
     auto t = sharded() ? text_fsdp_->forward(tokens) : model_->encodeText(tokens);            // [b*K, D]
     auto& pg = *dist_.world();
     // Every rank scores its clips against every rank's captions; the gradient of the gathered

@@ -8,6 +8,8 @@
 // hidden is the fraction of the allreduce time that backward hid (DDP's lastStats, averaged over the
 // timed steps). Run it under dtrain-run for several ranks; alone it is the one-rank baseline.
 // `--mode dp --threads N` runs DataParallel (one process, N replica threads) on N x batch instead.
+// `--device cuda` trains on cuda:LOCAL_RANK (dtrain/device.h; NCCL where each rank has a GPU of its own,
+// else staged through the host) and adds device=cuda:N to the line; the check runs on the CPU.
 //
 // Verification, after the timed steps: every rank trains the same MLP in one process with plain
 // libtorch on the global batch (all ranks' batches concatenated) for as many steps, and compares
@@ -29,6 +31,7 @@
 #include "reference_mlp.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/ddp.h"
+#include "dtrain/device.h"
 #include "dtrain/distributed.h"
 #include "dtrain/hook_spec.h"
 #include "dtrain/local_sgd.h"
@@ -51,6 +54,7 @@ struct Options {
   int threads = 2;
   std::string hook = "none";
   int local_sgd = 0;
+  std::string device = "cpu";
   Observe observe;
 };
 
@@ -58,7 +62,7 @@ struct Options {
 Record runConfig(const Options& o) {
   return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
       .set("threads", o.threads).set("hook", o.hook)
-      .set("local_sgd", o.local_sgd);
+      .set("local_sgd", o.local_sgd).set("device", o.device);
 }
 
 // Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
@@ -81,7 +85,9 @@ ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Opti
 int runDdp(const Options& o) {
   torch::set_num_threads(1);
   auto dist = dtrain::init();
+  const torch::Device device = selectDevice(o.device, dist.localRank());
   auto net = referenceMlp();
+  net->to(device);
   DistributedDataParallel ddp(net.ptr(), dist.world());
   const CommHookSpec spec = parseCommHookSpec(o.hook, "--hook");
   if (auto hook = makeCommHook(spec)) ddp.registerCommHook(hook);
@@ -92,13 +98,19 @@ int runDdp(const Options& o) {
     averager = std::make_unique<PeriodicModelAverager>(dist.world(), o.local_sgd);
   }
   auto opt = makeSgd(net);
-  auto [x, y] = rankBatch(dist.rank(), o.batch);
+  auto [x_cpu, y_cpu] = rankBatch(dist.rank(), o.batch);
+  const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
+  // The clock reads the GPU's time too: every step's work done before the barrier that ends the loop.
+  auto settle = [&] {
+    if (device.is_cuda()) torch::cuda::synchronize(device.index());
+  };
   auto log = o.observe.open(dist.isMain(), "ddp", dist.size(), runConfig(o).set("transport", dist.world()->transportName()));
   double hidden = 0;
   for (int i = 0; i < o.warmup; ++i) {
     sgdStep(net, opt, x, y);
     if (averager) averager->averageParameters(net->parameters());
   }
+  settle();
   dist.world()->barrier()->wait();
   Progress progress("ddp", o.steps, o.observe.progress(dist.isMain(), "step"));
   BytesSentMeter sent;
@@ -120,11 +132,13 @@ int runDdp(const Options& o) {
     }
     progress.update(i + 1);
   }
+  settle();
   dist.world()->barrier()->wait();
   double dt = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() / o.steps;
   progress.finish();
 
   if (averager) averageParameters(net->parameters(), *dist.world());  // local SGD: agree before the check
+  net->to(torch::kCPU);  // the reference runs on the CPU
   const ParamCheck mine = checkParams(dist, net, o, spec);
   if (mine.wrong != 0 && lossy(spec, o)) {
     std::fprintf(stderr, "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ between ranks (largest %.3g)\n",
@@ -144,12 +158,12 @@ int runDdp(const Options& o) {
   const std::string shown = o.local_sgd > 0 ? "local-sgd:" + std::to_string(o.local_sgd) : o.hook;
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
-                "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s\n",
+                "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s%s\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
                 dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), shown.c_str(),
                 static_cast<unsigned long long>(sent_total / static_cast<uint64_t>(o.steps)),
                 static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel,
-                lossy(spec, o) ? "ranks-agree" : "reference");
+                lossy(spec, o) ? "ranks-agree" : "reference", device.is_cpu() ? "" : (" device=" + device.str()).c_str());
   }
   if (log) {
     Record r("bench");
@@ -176,6 +190,7 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
   sub->add_option("--threads", o->threads, "dp: replica threads");
   o->observe.addOptions(sub);
+  sub->add_option("--device", o->device, "ddp: cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto");
   sub->add_option("--hook", o->hook, "ddp: none, fp16, bf16, topk:RATIO or powersgd:R[:START] (dtrain/hook_spec.h)");
   sub->add_option("--local-sgd", o->local_sgd, "ddp: local SGD, parameters averaged every N steps (gradients within each host)")
       ->check(CLI::NonNegativeNumber);

@@ -9,7 +9,7 @@ rank, the workload of `dtrain-bench ddp`. Prints rank 0's line:
 after WARMUP untimed steps (3) and STEPS timed ones. Then checks that every rank holds the same
 parameters (DDP's invariant: each parameter's sum); exits 1 if they differ.
 
-usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N] [--opt O]
+usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N] [--opt O] [--device D]
        torchrun ... torch_ddp.py env [STEPS] [BATCH_PER_RANK] [--hook H] [--warmup N] [--opt O]
 
 WORLD: spawns WORLD ranks on this host (rendezvous on 127.0.0.1); the parent compares the ranks'
@@ -18,6 +18,9 @@ as torchrun starts them (RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), e.g. on th
 (`scripts/cluster.sh --launcher torchrun`); the check then gathers the sums with gloo.
 --opt: sgd (the default, as above), adam (Adam lr 1e-3) or zero-adam (ZeroRedundancyOptimizer over Adam
 lr 1e-3, PyTorch's ZeRO stage 1: the peer of `dtrain-bench zero --mode zero1`); the line then ends opt=O.
+--device cuda: the model and batches on cuda:0 (every rank), the peer of `dtrain-bench ddp --device cuda`:
+NCCL at world 1 (DDP wrapped even then), Gloo with CUDA tensors at world 2 and more (NCCL refuses two ranks on
+one GPU); the line then ends device=cuda.
 --hook: none, fp16 (fp16_compress_hook) or powersgd:R (powerSGD_hook, matrix_approximation_rank R,
 start_powerSGD_iter 2, the rest of PowerSGDState's defaults). bytes_per_step is what each rank hands
 to allreduce per step once the hook is active, computed from the model's shapes and the hook's rules
@@ -79,7 +82,10 @@ def train(rank, world, a):
     """Trains; returns (seconds per timed step, parameter count, per-parameter sums)."""
     peer_env.check_threads(torch)
     net = model()
-    ddp = nn.parallel.DistributedDataParallel(net) if world > 1 else net
+    on_gpu = a.device == "cuda"
+    if on_gpu:
+        net = net.cuda()
+    ddp = nn.parallel.DistributedDataParallel(net) if world > 1 or on_gpu else net
     if world > 1:
         register(ddp, a.hook)
     if a.opt == "zero-adam" and world > 1:
@@ -92,6 +98,9 @@ def train(rank, world, a):
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(a.batch, 784, generator=g)
     y = torch.randint(0, 10, (a.batch,), generator=g)
+    if on_gpu:
+        x, y = x.cuda(), y.cuda()
+    settle = torch.cuda.synchronize if on_gpu else (lambda: None)
     lossf = nn.CrossEntropyLoss()
 
     def step():
@@ -101,10 +110,12 @@ def train(rank, world, a):
 
     for _ in range(a.warmup):
         step()
+    settle()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(a.steps):
         step()
+    settle()
     dist.barrier()
     dt = (time.perf_counter() - t0) / a.steps
     sums = [float(p.detach().double().sum()) for p in net.parameters()]
@@ -112,7 +123,8 @@ def train(rank, world, a):
 
 
 def spawned(rank, world, a, port, q):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    backend = "nccl" if a.device == "cuda" and world == 1 else "gloo"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     q.put((rank, *train(rank, world, a)))
     dist.destroy_process_group()
 
@@ -122,7 +134,8 @@ def report(world, a, results):
     differ = sum(r[3] != sums0 for r in results)
     print(f"torch-ddp world={world} params={params} batch_per_rank={a.batch} ms_per_step={dt * 1e3:.1f} "
           f"samples_per_s={world * a.batch / dt:.1f} hook={a.hook} bytes_per_step={nbytes if world > 1 else 0}"
-          + (f" opt={a.opt}" if a.opt != "sgd" else ""), flush=True)
+          + (f" opt={a.opt}" if a.opt != "sgd" else "") + (f" device={a.device}" if a.device != "cpu" else ""),
+          flush=True)
     if differ:
         sys.exit(f"torch_ddp: {differ} of {world} ranks hold parameters different from rank 0's")
 
@@ -135,6 +148,7 @@ def main():
     p.add_argument("--hook", default="none")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--opt", default="sgd", choices=["sgd", "adam", "zero-adam"])
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     a = p.parse_args()
     if a.hook not in ("none", "fp16") and not (a.hook.startswith("powersgd:") and a.hook[9:].isdigit()
                                                and int(a.hook[9:]) > 0):

@@ -14,6 +14,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 namespace {
@@ -108,9 +109,9 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
     GatherLayout layout = exchangeLayout(x, *pg);
     const int64_t total = std::accumulate(layout.rows.begin(), layout.rows.end(), int64_t{0});
     at::Tensor out = at::empty(withRows(x, total), x.options());
-    pg->allgatherv(x.data_ptr(), out.data_ptr(), elementCounts(layout.rows, layout.row_numel),
-                   toCommDType(x.scalar_type()))
-        ->wait();
+    const auto counts = elementCounts(layout.rows, layout.row_numel);
+    const auto dt = toCommDType(x.scalar_type());
+    device::onHost(*pg, x, out, [&](const void* in, void* o) { return pg->allgatherv(in, o, counts, dt); })->wait();
 
     saveGroup(ctx, *pg);
     ctx->saved_data["mode"] = static_cast<int64_t>(mode);
@@ -133,11 +134,13 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
       const int64_t offset = std::accumulate(rows.begin(), rows.begin() + r, int64_t{0});
       gx = g.narrow(0, offset, rows[r]);
     } else {
-      checkCommTensor(g, "allGather backward: incoming gradient");
+      device::checkTensor(g, "allGather backward: incoming gradient");
       gx = at::empty(withRows(g, rows[r]), g.options());
-      pg.reduceScatterv(g.data_ptr(), gx.data_ptr(), elementCounts(rows, row_numel), toCommDType(g.scalar_type()),
-                        comm::ReduceOp::sum)
-          ->wait();
+      const auto counts = elementCounts(rows, row_numel);
+      const auto dt = toCommDType(g.scalar_type());
+      device::onHost(pg, g, gx, [&](const void* in, void* o) {
+        return pg.reduceScatterv(in, o, counts, dt, comm::ReduceOp::sum);
+      })->wait();
     }
     // One gradient per forward argument; the group and the mode get none.
     return {gx, at::Tensor(), at::Tensor()};
@@ -147,8 +150,7 @@ struct AllGatherFn : torch::autograd::Function<AllGatherFn> {
 struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::ProcessGroup* pg, comm::ReduceOp op) {
     at::Tensor y = at::empty_like(x, at::MemoryFormat::Contiguous);
-    pg->allreduce(x.data_ptr(), y.data_ptr(), static_cast<size_t>(x.numel()), toCommDType(x.scalar_type()), op)
-        ->wait();
+    device::allreduce(*pg, x, y, op)->wait();
     saveGroup(ctx, *pg);
     ctx->saved_data["op"] = static_cast<int64_t>(op);
     return y;
@@ -164,11 +166,10 @@ struct AllReduceFn : torch::autograd::Function<AllReduceFn> {
                  "[rank {}] allReduce({}) is not differentiable: only sum and avg have a backward", pg.rank(),
                  comm::reduceOpName(op));
     at::Tensor g = grads[0].contiguous();
-    checkCommTensor(g, "allReduce backward: incoming gradient");
+    device::checkTensor(g, "allReduce backward: incoming gradient");
     // Out of place: the engine may hand the same gradient buffer to other consumers.
     at::Tensor gx = at::empty_like(g, at::MemoryFormat::Contiguous);
-    pg.allreduce(g.data_ptr(), gx.data_ptr(), static_cast<size_t>(g.numel()), toCommDType(g.scalar_type()), op)
-        ->wait();
+    device::allreduce(pg, g, gx, op)->wait();
     return {gx, at::Tensor(), at::Tensor()};
   }
 };
@@ -180,14 +181,14 @@ at::Tensor allGather(const at::Tensor& x, comm::ProcessGroup& pg, AllGatherGrad 
                "[rank {}] allGather: input needs at least one dimension (gathered along dim 0)", pg.rank());
   // contiguous() is itself differentiable, so gradients still reach a strided x.
   at::Tensor xc = x.contiguous();
-  checkCommTensor(xc, "allGather input");
+  device::checkTensor(xc, "allGather input");
   return AllGatherFn::apply(xc, &pg, mode);
 }
 
 at::Tensor allReduce(const at::Tensor& x, comm::ProcessGroup& pg, comm::ReduceOp op) {
   DTRAIN_CHECK(x.defined(), InvalidArgument, "[rank {}] allReduce: undefined input", pg.rank());
   at::Tensor xc = x.contiguous();
-  checkCommTensor(xc, "allReduce input");
+  device::checkTensor(xc, "allReduce input");
   return AllReduceFn::apply(xc, &pg, op);
 }
 

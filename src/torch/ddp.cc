@@ -18,6 +18,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
 #include "dtrain/zero.h"
+#include "torch/device/tensor_comm.h"
 #include "errors.h"
 
 namespace dtrain {
@@ -133,7 +134,7 @@ void DistributedDataParallel::Impl::launchBucket(Bucket& b) {
     any_launched = true;
   }
   if (!hook) {
-    b.work = pg->allreduce(b.gb.flat.data_ptr(), static_cast<size_t>(b.gb.flat.numel()), b.dtype, comm::ReduceOp::avg);
+    b.work = device::allreduce(*pg, b.gb.flat, comm::ReduceOp::avg);
     return;
   }
   b.gb.lane_ = hook_runner->open(b.gb.index, pg->rank(), hook->name(), chain_pg.get());
@@ -262,8 +263,7 @@ std::vector<comm::WorkPtr> DistributedDataParallel::Impl::startBufferBroadcast(i
         off += buffers[i].numel();
       }
     }
-    works.push_back(pg->broadcast(flat.data_ptr(), static_cast<size_t>(flat.numel()),
-                                  toCommDType(flat.scalar_type(), "DDP buffer"), root));
+    works.push_back(device::broadcast(*pg, flat, root));
   }
   return works;
 }
@@ -286,8 +286,8 @@ void DistributedDataParallel::Impl::broadcastFrom(int root, const std::vector<at
   if (pg->size() == 1) return;
   std::vector<comm::WorkPtr> works;
   for (const auto& t : ts) {
-    checkCommTensor(t, what);
-    works.push_back(pg->broadcast(t.data_ptr(), static_cast<size_t>(t.numel()), toCommDType(t.scalar_type()), root));
+    device::checkTensor(t, what);
+    works.push_back(device::broadcast(*pg, t, root));
   }
   for (auto& w : works) w->wait();
 }
@@ -325,12 +325,15 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   // first name.
   for (const auto& [name, p] : uniqueParameters(*m.module)) {
     if (!p.requires_grad()) continue;
-    checkCommTensor(p, fmt::format("DDP parameter {}", name).c_str());
+    device::checkTensor(p, fmt::format("DDP parameter {}", name).c_str());
+    DTRAIN_CHECK(m.params.empty() || p.device() == m.params[0].device(), InvalidArgument,
+                 "DDP parameter {} is on {}, {} on {}: DistributedDataParallel takes a module on one device", name,
+                 p.device().str(), m.names.empty() ? "" : m.names[0], m.params.empty() ? "" : m.params[0].device().str());
     m.params.push_back(p);
     m.names.push_back(name);
   }
   for (const auto& item : m.module->named_buffers(/*recurse=*/true)) {
-    if (m.pg->size() > 1) checkCommTensor(item.value(), fmt::format("DDP buffer {}", item.key()).c_str());
+    if (m.pg->size() > 1) device::checkTensor(item.value(), fmt::format("DDP buffer {}", item.key()).c_str());
     m.buffers.push_back(item.value());
   }
   std::map<c10::ScalarType, size_t> flat_of;

@@ -12,6 +12,7 @@
 #include "dtrain/ddp.h"
 #include "dtrain/trace.h"
 #include "errors.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 namespace detail {
@@ -150,7 +151,8 @@ class CastHook : public CommHook {
     const auto n = static_cast<size_t>(b.flat.numel());
     // float32 buckets convert with dtrain's vectorised conversions (ATen's float -> half copy runs at
     // about 1.7 ns an element, which cost more than the halved transfer saves on one host).
-    const bool f32 = b.flat.scalar_type() == at::kFloat && b.flat.is_contiguous();
+    // (On a GPU, ATen's conversions, which run there.)
+    const bool f32 = b.flat.scalar_type() == at::kFloat && b.flat.is_contiguous() && b.flat.is_cpu();
     // Over shared memory the conversions (two passes over the bucket, on the ranks' own cores) cost more
     // than the halved copies save: the reference MLP's step was 0.92x of no hook with them
     // (docs/PERFORMANCE.md). Such a bucket travels as float32; the choice is visible once.
@@ -161,7 +163,7 @@ class CastHook : public CommHook {
                      "halved bytes save, so float32 buckets are averaged as they are (to compress anyway: "
                      "%sCompressHook(true), or --comm-hook %s:always)\n", name_, kind, kind);
       noted_ = true;
-      return pg.allreduce(b.flat.data_ptr(), n, comm::DType::f32, comm::ReduceOp::avg);
+      return device::allreduce(pg, b.flat, comm::ReduceOp::avg);
     }
     if (f32) {
       // Kept between steps: a fresh 16 MB tensor per step faults its pages in every step (about as
@@ -172,7 +174,7 @@ class CastHook : public CommHook {
     } else {
       b.scratch = b.flat.to(t_).contiguous();
     }
-    auto avg = pg.allreduce(b.scratch.data_ptr(), n, ct_, comm::ReduceOp::avg);
+    auto avg = device::allreduce(pg, b.scratch, comm::ReduceOp::avg);
     return b.then(avg, [&b, f32, n, ct = ct_] {
       if (f32) comm::floatsFrom16(b.scratch.data_ptr(), b.flat.data_ptr<float>(), n, ct);
       else b.flat.copy_(b.scratch);

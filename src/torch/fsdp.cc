@@ -19,6 +19,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/recompute.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 #include "torch/fsdp_impl.h"
 #include "torch/sharding.h"
 
@@ -96,7 +97,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
       for (const auto& p : model->ptr(static_cast<size_t>(c))->parameters())
         if (p.requires_grad() && !taken[p.unsafeGetTensorImpl()]) {
           taken[p.unsafeGetTensorImpl()] = true;
-          checkCommTensor(p, fmt::format("FSDP parameter {}", name_of[p.unsafeGetTensorImpl()]).c_str());
+          device::checkTensor(p, fmt::format("FSDP parameter {}", name_of[p.unsafeGetTensorImpl()]).c_str());
           DTRAIN_CHECK(u.params.empty() || p.scalar_type() == u.params[0].scalar_type(), InvalidArgument,
                        "FSDP: unit {} mixes dtypes ({} is {}, {} is {}); keep one dtype per unit", m.units.size(),
                        u.names[0], c10::toString(u.params[0].scalar_type()), name_of[p.unsafeGetTensorImpl()],
@@ -120,7 +121,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
       view.copy_(u.params[i]);
       u.params[i].set_data(view);
     }
-    m.pg->broadcast(u.flat.data_ptr(), static_cast<size_t>(u.flat.numel()), toCommDType(dtype), 0)->wait();
+    device::broadcast(*m.pg, u.flat, 0)->wait();
     u.shard = u.flat.narrow(0, rank * u.chunk, u.chunk).clone().requires_grad_(true);
     u.gathered = true;
     m.gathered_now += static_cast<int64_t>(u.bytes);
@@ -246,8 +247,7 @@ void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
   for (auto& p : u.params) p.mutable_grad().reset();
   u.grads_in_buf = false;
   u.grad_part = at::empty({u.chunk}, u.grad_flat.options());  // becomes the shard's gradient if it has none
-  u.reducing = pg->reduceScatter(u.grad_flat.data_ptr(), u.grad_part.data_ptr(), static_cast<size_t>(u.chunk),
-                                 toCommDType(u.grad_flat.scalar_type()), comm::ReduceOp::avg);
+  u.reducing = device::reduceScatter(*pg, u.grad_flat, u.grad_part, comm::ReduceOp::avg);
 }
 
 void FullyShardedDataParallel::Impl::finishPass() {

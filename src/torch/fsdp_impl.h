@@ -12,6 +12,7 @@
 #include "dtrain/compat.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 
@@ -97,8 +98,7 @@ struct FullyShardedDataParallel::Impl {
     allocate(u);
     u.gathered = true;
     u.version = u.shard._version();
-    u.gathering = pg->allgather(u.shard.data_ptr(), u.flat.data_ptr(), static_cast<size_t>(u.chunk),
-                                toCommDType(u.shard.scalar_type()));
+    u.gathering = device::allgather(*pg, u.shard, u.flat);
   }
   void ensure(Unit& u) {
     startGather(u);

@@ -8,6 +8,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
+#include "torch/device/tensor_comm.h"
 #include "torch/fsdp_impl.h"
 #include "torch/optim_state.h"
 
@@ -76,8 +77,7 @@ void FullyShardedDataParallel::saveConsolidated(const std::string& path, const t
           continue;
         }
         at::Tensor full = at::empty({unit.chunk * world}, t.options());
-        m.pg->allgather(t.contiguous().data_ptr(), full.data_ptr(), static_cast<size_t>(unit.chunk),
-                        toCommDType(t.scalar_type()))->wait();
+        device::allgather(*m.pg, t.contiguous(), full)->wait();
         for (size_t i = 0; i < unit.params.size(); ++i)
           per[i].insert(e, full.narrow(0, unit.offsets[i], unit.params[i].numel()).view(unit.params[i].sizes()).clone());
       }

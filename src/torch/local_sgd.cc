@@ -6,6 +6,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 
@@ -31,8 +32,7 @@ void averageInPlace(const std::vector<at::Tensor>& params, comm::ProcessGroup& g
   }
   at::Tensor all = at::cat(flat);
   all.div_(group.size());
-  group.allreduce(all.data_ptr(), static_cast<size_t>(all.numel()), toCommDType(all.scalar_type(), "averageParameters"),
-                  comm::ReduceOp::sum)->wait();
+  device::allreduce(group, all, comm::ReduceOp::sum)->wait();
   int64_t off = 0;
   for (const auto& p : params) {
     p.detach().copy_(all.narrow(0, off, p.numel()).view_as(p));
@@ -110,11 +110,10 @@ class PostLocalSGDHook : public CommHook {
   std::string name() const override { return "post_localSGD"; }
 
   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
-    const auto n = static_cast<size_t>(b.flat.numel());
-    const auto dtype = toCommDType(b.flat.scalar_type(), "post-local SGD bucket");
+    toCommDType(b.flat.scalar_type(), "post-local SGD bucket");  // refuses a dtype that cannot travel
     if (iter_ < start_) {
       if (b.last) ++iter_;
-      return pg.allreduce(b.flat.data_ptr(), n, dtype, comm::ReduceOp::avg);
+      return device::allreduce(pg, b.flat, comm::ReduceOp::avg);
     }
     if (!allreduce_) {
       auto done = std::make_shared<comm::Work>("post-local SGD: bucket kept local", std::chrono::steady_clock::now(),
@@ -122,7 +121,7 @@ class PostLocalSGDHook : public CommHook {
       done->finish();
       return done;
     }
-    return sub_->allreduce(b.flat.data_ptr(), n, dtype, comm::ReduceOp::avg);
+    return device::allreduce(*sub_, b.flat, comm::ReduceOp::avg);
   }
 
  private:

@@ -43,12 +43,16 @@ Kind kindOf(const torch::optim::Optimizer& o) {
 
 // ---- per-parameter state <-> {name: tensor} ----
 
+// Saved state lives on the CPU, so that a checkpoint from GPUs loads anywhere; entry() moves it back
+// to its parameter's device.
+static at::Tensor onCpu(const at::Tensor& t) { return t.defined() && !t.device().is_cpu() ? t.to(at::kCPU) : t; }
+
 template <typename S>
 TensorDict moments(const S& s) {
   TensorDict d;
   d.insert("step", at::scalar_tensor(static_cast<double>(s.step()), at::kFloat));
-  d.insert("exp_avg", s.exp_avg());
-  d.insert("exp_avg_sq", s.exp_avg_sq());
+  d.insert("exp_avg", onCpu(s.exp_avg()));
+  d.insert("exp_avg_sq", onCpu(s.exp_avg_sq()));
   return d;
 }
 
@@ -57,7 +61,7 @@ namespace {
 template <typename S>
 TensorDict withMax(const S& s) {
   TensorDict d = moments(s);
-  if (s.max_exp_avg_sq().defined()) d.insert("max_exp_avg_sq", s.max_exp_avg_sq());
+  if (s.max_exp_avg_sq().defined()) d.insert("max_exp_avg_sq", onCpu(s.max_exp_avg_sq()));
   return d;
 }
 
@@ -71,13 +75,13 @@ TensorDict toDict(Kind k, const OptimizerParamState& s) {
     case Kind::kSgd: {
       TensorDict d;
       const auto& b = static_cast<const torch::optim::SGDParamState&>(s).momentum_buffer();
-      if (b.defined()) d.insert("momentum_buffer", b);
+      if (b.defined()) d.insert("momentum_buffer", onCpu(b));
       return d;
     }
     case Kind::kLars: {
       TensorDict d;
       const auto& b = static_cast<const optim::LarsParamState&>(s).momentum_buffer();
-      if (b.defined()) d.insert("momentum_buffer", b);
+      if (b.defined()) d.insert("momentum_buffer", onCpu(b));
       return d;
     }
   }
@@ -96,7 +100,7 @@ at::Tensor entry(const TensorDict& d, const char* name, const at::Tensor& param,
   if (like_param && t.sizes() != param.sizes())
     throw InvalidArgument(fmt::format("{}: parameter {}'s '{}' has shape {}, the parameter {}", path, index, name,
                                       c10::str(t.sizes()), c10::str(param.sizes())));
-  return like_param ? t.to(param.scalar_type()).clone() : t;
+  return like_param ? t.to(param.device(), param.scalar_type()).clone() : t;
 }
 
 template <typename S>

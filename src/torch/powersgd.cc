@@ -22,6 +22,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 namespace {
@@ -80,8 +81,7 @@ class PowerSGDBase : public PowerSGDHook {
   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
     if (iter_ < o_.start_powerSGD_iter) {
       if (b.last) ++iter_;
-      return pg.allreduce(b.flat.data_ptr(), static_cast<size_t>(b.flat.numel()),
-                          toCommDType(b.flat.scalar_type(), "PowerSGD bucket"), comm::ReduceOp::avg);
+      return device::allreduce(pg, b.flat, comm::ReduceOp::avg);
     }
     if (b.index == 0) counting_ = {};
     auto w = compress(pg, b);
@@ -123,8 +123,7 @@ class PowerSGDBase : public PowerSGDHook {
   }
 
   static comm::WorkPtr allreduceSum(comm::ProcessGroup& pg, at::Tensor& t) {
-    return pg.allreduce(t.data_ptr(), static_cast<size_t>(t.numel()), toCommDType(t.scalar_type(), "PowerSGD"),
-                        comm::ReduceOp::sum);
+    return device::allreduce(pg, t, comm::ReduceOp::sum);
   }
 
   PowerSGDOptions o_;
@@ -242,7 +241,7 @@ void LayerwiseHook::initQ(Bucket& s, bool fresh) {
   }
   auto gen = seededGenerator();
   for (auto& q : s.qs) {
-    q.copy_(at::randn(q.sizes(), gen, q.options()));
+    q.copy_(at::randn(q.sizes(), gen, q.options().device(at::kCPU)));  // on a GPU too: the CPU's numbers
     orthogonalize(q, o_.orthogonalization_epsilon);
   }
 }
@@ -290,7 +289,7 @@ class BatchedHook : public PowerSGDBase {
     addError(s.error, s.padded);
     if (!o_.warm_start || !s.q.defined()) {
       auto gen = seededGenerator();
-      s.q = at::randn({side, r}, gen, b.flat.options());
+      s.q = at::randn({side, r}, gen, b.flat.options().device(at::kCPU)).to(b.flat.device());
     }
     const double eps = o_.orthogonalization_epsilon;
     orthogonalize(s.q, eps);

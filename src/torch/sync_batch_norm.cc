@@ -14,6 +14,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 namespace {
@@ -62,7 +63,7 @@ GlobalStats gatherStats(const at::Tensor& x, double eps, comm::ProcessGroup& pg)
   }
   const int world = pg.size();
   at::Tensor all = at::empty({world, 2 * channels + 1}, mine.options());
-  pg.allgather(mine.data_ptr(), all.data_ptr(), static_cast<size_t>(mine.numel()), toCommDType(acc))->wait();
+  device::allgather(pg, mine, all)->wait();
 
   at::Tensor counts = all.narrow(1, 0, 1);  // [W, 1]
   at::Tensor means = all.narrow(1, 1, channels), m2s = all.narrow(1, 1 + channels, channels);
@@ -136,7 +137,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     if (ctx->needs_input_grad(0)) {
       // Every rank, empty or not, joins this allreduce: the peers wait for it.
       at::Tensor combined = at::cat({sum_dy, sum_dy_xmu});
-      pg.allreduce(combined.data_ptr(), static_cast<size_t>(combined.numel()), toCommDType(acc))->wait();
+      device::allreduce(pg, combined, comm::ReduceOp::sum)->wait();
       at::Tensor mean_dy = combined.narrow(0, 0, channels) / n;
       at::Tensor mean_dy_xmu = combined.narrow(0, channels, channels) / n;
       if (x.numel() > 0) {
@@ -171,7 +172,7 @@ at::Tensor syncBatchNorm(const at::Tensor& input, const at::Tensor& weight, cons
   DTRAIN_CHECK(running_mean.defined() == running_var.defined(), InvalidArgument,
                "[rank {}] SyncBatchNorm: running_mean and running_var must both be given or both be undefined",
                pg.rank());
-  checkCommTensor(input.contiguous(), "SyncBatchNorm input");
+  device::checkTensor(input.contiguous(), "SyncBatchNorm input");
   // A custom Function cannot take undefined tensors: absent ones travel as empty tensors.
   auto orEmpty = [&](const at::Tensor& t) { return t.defined() ? t : at::empty({0}, input.options()); };
   return SyncBatchNormFn::apply(input, orEmpty(weight), orEmpty(bias), orEmpty(running_mean), orEmpty(running_var),

@@ -9,6 +9,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 
 namespace dtrain {
 
@@ -42,8 +43,8 @@ class TopKHook : public CommHook {
   comm::WorkPtr run(comm::ProcessGroup& pg, GradBucket& b) override {
     torch::NoGradGuard no_grad;
     const int64_t n = b.flat.numel();
-    const comm::DType dt = toCommDType(b.flat.scalar_type(), "DDP bucket");
-    if (n < o_.min_compress_numel) return pg.allreduce(b.flat.data_ptr(), static_cast<size_t>(n), dt, comm::ReduceOp::avg);
+    toCommDType(b.flat.scalar_type(), "DDP bucket");  // refuses a dtype that cannot travel
+    if (n < o_.min_compress_numel) return device::allreduce(pg, b.flat, comm::ReduceOp::avg);
     at::Tensor& v = accumulate(pg.size(), b);
     State& st = state_[b.index];
     const int64_t k = std::min<int64_t>(n, static_cast<int64_t>(std::ceil(topKRatioAt(o_, st.steps++) * n)));
@@ -54,9 +55,9 @@ class TopKHook : public CommHook {
     const auto world = static_cast<int64_t>(pg.size());
     at::Tensor all_vals = at::empty({world * k}, vals.options());
     at::Tensor all_idx = at::empty({world * k}, idx.options());
-    pg.allgather(vals.data_ptr(), all_vals.data_ptr(), static_cast<size_t>(k), dt);
+    device::allgather(pg, vals, all_vals);
     // Ops on a group complete in issue order: the second's completion covers the first.
-    auto gathered = pg.allgather(idx.data_ptr(), all_idx.data_ptr(), static_cast<size_t>(k), comm::DType::i64);
+    auto gathered = device::allgather(pg, idx, all_idx);
     return b.then(gathered, [&b, vals, idx, all_vals, all_idx, world] {
       b.flat.zero_();
       b.flat.index_put_({all_idx}, all_vals, /*accumulate=*/true);

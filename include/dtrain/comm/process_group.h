@@ -19,6 +19,7 @@
 #pragma once
 #include <chrono>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -60,6 +61,11 @@ struct GroupOptions {
   // The allreduce algorithm of calls that leave it automatic (types.h); automatic here: DTRAIN_ALGO
   // (auto, ring, recursive_doubling or rd, direct, hierarchical), read when the group is created.
   AllreduceAlgorithm allreduce_algorithm = AllreduceAlgorithm::automatic;
+  // How the torch layer moves CUDA tensors through this group (dtrain/device.h): "auto" (NCCL when
+  // dtrain was built with it and every rank of the group has a GPU of its own, else staged through pinned
+  // host buffers over this group's transport), "nccl" (fails when a rank shares its GPU) or "staged".
+  // The same on every rank. DTRAIN_CUDA_COMM.
+  std::string cuda_path = "auto";
 
   // What initWorld() uses when InitOptions::group is not given: the defaults overridden by the DTRAIN_*
   // variables above, listen_host resolved as described there. Reads the environment on every call.
@@ -135,6 +141,16 @@ class ProcessGroup {
   // error carrying `reason` promptly, instead of timing out; later ops here fail with it too. For a
   // rank that knows it cannot go on (e.g. DDP found a parameter without a gradient).
   WorkPtr abort(const std::string& reason);
+
+  // A step of this rank alone, run in the group's issue order: after the ops issued before it, before
+  // those issued after. It runs on the group's thread (or a thread waiting for it) and must end before
+  // the group's deadline; if it throws, the group fails as with abort(). The torch layer uses it to wait
+  // for a device-to-host copy right before the collective that reads the copied bytes.
+  WorkPtr localStep(std::string what, std::function<void()> fn);
+
+  // State that lives as long as this group (a device backend's communicator, say): the object attached
+  // under `key`, made by make() on the first call. Thread-safe; make() runs at most once per key.
+  std::shared_ptr<void> attachment(const std::string& key, const std::function<std::shared_ptr<void>()>& make);
 
   // Collective over this group: every rank calls it with the same ranks (distinct, in range). Members
   // get the new group (ranks renumbered in the given order); the others get nullptr.

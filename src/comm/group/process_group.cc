@@ -17,6 +17,7 @@
 #include <fmt/ranges.h>
 
 #include "comm/collectives/collectives.h"
+#include "comm/group/naming.h"
 #include "comm/group/work_executor.h"
 #include "comm/rendezvous/environment.h"
 #include "comm/trace/trace_internal.h"
@@ -43,32 +44,6 @@ struct Called {
   uint64_t seq = 0;
 };
 
-// The group as traces name it; `global` empty: its ranks are the world's.
-std::shared_ptr<const trace::GroupInfo> groupInfo(const std::string& name, int rank, int size, std::vector<int> global) {
-  static std::atomic<uint64_t> unnamed{0};
-  auto info = std::make_shared<trace::GroupInfo>();
-  info->name = name.empty() ? fmt::format("group{}", unnamed++) : name;
-  info->rank = rank;
-  info->size = size;
-  if (global.empty())
-    for (int r = 0; r < size; ++r) global.push_back(r);
-  info->global_ranks = std::move(global);
-  return info;
-}
-
-// "allreduce seq=41 f32 x 1024 sum": every op's label (its Work's describe() and every error about
-// it). Built by hand, once per op on the issuing thread: a general formatter costs several times more.
-std::string opLabel(const char* op, uint64_t seq, const char* dtype, size_t count, const std::string& extra) {
-  char num[2][24];
-  const size_t seq_n = static_cast<size_t>(std::to_chars(num[0], num[0] + 24, seq).ptr - num[0]);
-  const size_t count_n = static_cast<size_t>(std::to_chars(num[1], num[1] + 24, count).ptr - num[1]);
-  const size_t op_n = std::strlen(op), dtype_n = std::strlen(dtype);
-  std::string s;
-  s.reserve(op_n + dtype_n + extra.size() + seq_n + count_n + 9);
-  s.append(op, op_n).append(" seq=", 5).append(num[0], seq_n).append(" ", 1).append(dtype, dtype_n);
-  s.append(" x ", 3).append(num[1], count_n).append(extra);
-  return s;
-}
 
 }  // namespace
 
@@ -226,6 +201,8 @@ struct ProcessGroup::Impl {
   std::exception_ptr broken;  // the first failure; later ops fail with it
   std::shared_ptr<OpQueue> ops;
   std::shared_ptr<const trace::GroupInfo> info;
+  std::mutex attach_mu;  // attachment()
+  std::map<std::string, std::shared_ptr<void>> attached;
 
   ~Impl() {
     if (ops) ops->stop(rank);
@@ -555,18 +532,29 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
 }
 
 WorkPtr ProcessGroup::abort(const std::string& reason) {
+  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
+  return localStep("abort", [msg = fmt::format("[rank {}] {}", impl_->rank, reason)]() -> void { throw Error(msg); });
+}
+
+WorkPtr ProcessGroup::localStep(std::string what, std::function<void()> fn) {
   Impl& m = *impl_;
   Task t;
   t.collective = false;
   t.label.op = OpCode::none;
-  t.label.what = "abort";
-  t.rec->op = "abort";
+  t.label.what = std::move(what);
+  t.rec->op = "local";
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
-  std::string msg = fmt::format("[rank {}] {}", m.rank, reason);
-  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
-  t.fn = [msg](algo::Context&) -> void { throw Error(msg); };
+  t.fn = [fn = std::move(fn)](algo::Context&) { fn(); };
   return m.submit(std::move(t));
+}
+
+std::shared_ptr<void> ProcessGroup::attachment(const std::string& key,
+                                               const std::function<std::shared_ptr<void>()>& make) {
+  std::lock_guard<std::mutex> g(impl_->attach_mu);
+  auto& slot = impl_->attached[key];
+  if (!slot) slot = make();
+  return slot;
 }
 
 std::shared_ptr<ProcessGroup> ProcessGroup::newGroup(const std::vector<int>& ranks) {

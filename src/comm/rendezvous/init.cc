@@ -46,6 +46,9 @@ GroupOptions groupOptions(const Environment& env) {
                  "DTRAIN_TIMEOUT='{}' is not a positive number of seconds", t);
     o.timeout = std::chrono::milliseconds(static_cast<int64_t>(secs * 1000));
   }
+  if (const char* c = env.get("DTRAIN_CUDA_COMM")) o.cuda_path = c;
+  DTRAIN_CHECK(o.cuda_path == "auto" || o.cuda_path == "nccl" || o.cuda_path == "staged", InvalidArgument,
+               "DTRAIN_CUDA_COMM='{}' (expected auto, nccl or staged)", o.cuda_path);
   if (const char* t = env.get("DTRAIN_TRANSPORT")) o.transport = t;
   DTRAIN_CHECK(o.transport == "auto" || o.transport == "tcp" || o.transport == "shm" || o.transport == "mpi",
                InvalidArgument, "DTRAIN_TRANSPORT='{}' (expected auto, tcp, shm or mpi)", o.transport);

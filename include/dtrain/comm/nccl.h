@@ -1,0 +1,69 @@
+// NCCL for CUDA buffers: one communicator per process group, each rank on a GPU of its own.
+//
+// \code
+//   auto nccl = dtrain::comm::NcclComm::create(*pg, /*device=*/local_rank);   // collective over pg
+//   nccl->allreduce(d_buf, d_buf, n, DType::f32, ReduceOp::sum, stream)->wait();
+// \endcode
+//
+// The torch layer (dtrain/device.h) picks this path by itself for CUDA tensors; this header is for code
+// that holds raw device pointers. Like the rest of the comm layer it sees no libtorch and no CUDA
+// header: a device buffer is a pointer, a count and a dtype, a stream is a cudaStream_t passed as void*.
+//
+// - Made from a unique id that rank 0 draws and sends to the others over pg (which the store set up), as
+//   a non-blocking communicator (NCCL >= 2.14) on `device`, with the group's deadline (GroupOptions::timeout).
+// - Ops run on the communicator's own stream, after what was issued on the caller's `stream` before the
+//   call. Each returns a Work that completes when the GPU has finished the op (a watchdog thread polls
+//   its event and NCCL's asynchronous error); wait() blocks the host until then, so work queued on any
+//   stream afterwards sees the result. Buffers must stay valid until the Work completes.
+// - Every op first compares its fingerprint (op, dtype, count, reduce op, root, sequence number) with
+//   the other ranks' over pg: ranks that disagree all fail with a ProtocolError naming both calls, and a
+//   dead peer is named by pg's transport before any kernel waits for it.
+// - Past the deadline (a peer stuck inside a kernel), or on an asynchronous NCCL error, the communicator
+//   is aborted (ncclCommAbort) and the op fails with an error naming it, its sequence number, the GPU and
+//   the group's ranks; later ops fail at once.
+#pragma once
+#include <cstddef>
+#include <memory>
+#include <string>
+
+#include "dtrain/comm/types.h"
+#include "dtrain/comm/work.h"
+
+namespace dtrain::comm {
+
+class ProcessGroup;
+
+// True when dtrain was built with NCCL (a CUDA build: DTRAIN_CUDA). Says nothing about GPUs being there.
+bool ncclBuilt();
+// NCCL's version as loaded ("2.30.7"), or "" when not built with it.
+std::string ncclVersionText();
+
+class NcclComm {
+ public:
+  // Collective over pg's ranks. InvalidArgument without NCCL in this build; an Error naming CUDA's
+  // or NCCL's reason when the device or the communicator cannot be set up (two ranks on one GPU:
+  // NCCL's "Duplicate GPU detected"); TimeoutError past pg's deadline.
+  static std::shared_ptr<NcclComm> create(ProcessGroup& pg, int device);
+  ~NcclComm();
+  NcclComm(const NcclComm&) = delete;
+  NcclComm& operator=(const NcclComm&) = delete;
+
+  WorkPtr allreduce(const void* in, void* out, size_t count, DType t, ReduceOp op, void* stream);
+  WorkPtr broadcast(void* buf, size_t count, DType t, int root, void* stream);
+  // out holds size() * count elements, rank r's block at r * count.
+  WorkPtr allgather(const void* in, void* out, size_t count, DType t, void* stream);
+  // in holds size() * count elements; out gets this rank's reduced block.
+  WorkPtr reduceScatter(const void* in, void* out, size_t count, DType t, ReduceOp op, void* stream);
+
+  int device() const;
+  int rank() const;
+  int size() const;
+
+  struct Impl;
+
+ private:
+  explicit NcclComm(std::unique_ptr<Impl> impl);
+  std::unique_ptr<Impl> impl_;
+};
+
+}  // namespace dtrain::comm

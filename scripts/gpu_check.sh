@@ -1,0 +1,185 @@
+#!/usr/bin/env bash
+# gpu_check.sh: builds the CUDA variant of dtrain on a GPU machine and runs what only a GPU can check,
+# writing logs and a summary to OUT_DIR (summary.txt: one PASS / FAIL / NOT RUN line per point).
+#
+#   bash scripts/gpu_check.sh OUT_DIR [DEBS_DIR]
+#   bash scripts/gpu_check.sh --fetch-debs DEBS_DIR     # on a Debian machine with its archive: the .debs
+#
+# The machine it is made for (../shared/REFERENCE-wave3.md, section 7): Ubuntu 24.04, GCC 13, CMake 4,
+# 16 cores, one GPU, PyTorch 2.x with CUDA in a virtual environment (PYTHON, default: the first of
+# /opt/torch/.venv/bin/python and python3 whose torch has CUDA), no network. The build dependencies it
+# lacks (nlohmann-json, CLI11, GoogleTest, fmt) come as Debian .debs in DEBS_DIR (default
+# <repo>/.gpu-debs, which git ignores; --fetch-debs fills it), unpacked with dpkg -x into OUT_DIR/prefix,
+# never into /. Everything is bounded: about 2-3 minutes to build with every core, then the checks:
+#   1. gpu_test (tests/gpu): DDP on the MLP and on the MIL-NCE model with CUDA tensors equal to one process
+#      (2 ranks sharing the GPU: staged; NCCL at world 1; NCCL on 2 GPUs where 2 exist), FSDP stage 3,
+#      PowerSGD and SyncBatchNorm on CUDA equal to the CPU, a peer killed mid-collective on the staged path,
+#      a checkpoint saved from CUDA tensors loaded on the CPU. Skipped tests are listed as NOT RUN.
+#   2. device_test, local_step_test: the device layer's CPU-side tests in the CUDA build, on this machine.
+#   3. dtrain-bench ddp --device cuda against PyTorch DDP on the same GPU in the same run (world 1: NCCL on
+#      both sides; world 2: dtrain staged, PyTorch Gloo with CUDA tensors): the step-time ratio.
+#   4. milnce train --device cuda (one process) against the README job on the CPU (2 ranks) on the same
+#      generated data, MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point
+#      and the wall time of each.
+# Env: PYTHON, JOBS (default: every core), MILNCE_EPOCHS, BUILD_DIR (default OUT_DIR/build).
+set -uo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+debs_list=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev googletest)
+
+if [[ ${1:-} == --fetch-debs ]]; then
+  dir=${2:?usage: gpu_check.sh --fetch-debs DEBS_DIR}
+  mkdir -p "$dir" && cd "$dir" && apt-get download "${debs_list[@]}"
+  exit $?
+fi
+out=${1:?usage: gpu_check.sh OUT_DIR [DEBS_DIR]}
+mkdir -p "$out"
+out=$(cd "$out" && pwd)
+debs=${2:-$root/.gpu-debs}
+build=${BUILD_DIR:-$out/build}
+jobs=${JOBS:-$(nproc)}
+epochs=${MILNCE_EPOCHS:-8}
+summary=$out/summary.txt
+: >"$summary"
+log() { echo "gpu_check: $*" | tee -a "$out/gpu_check.log"; }
+result() { echo "$1  $2" | tee -a "$summary"; }   # result PASS|FAIL|NOT RUN  what
+started=$SECONDS
+
+# ---- the Python with a CUDA torch ----
+python=${PYTHON:-}
+if [[ -z $python ]]; then
+  for p in /opt/torch/.venv/bin/python "$root/.venv/bin/python" python3; do
+    if "$p" -c 'import torch, sys; sys.exit(0 if torch.version.cuda else 1)' 2>/dev/null; then python=$p; break; fi
+  done
+fi
+if [[ -z $python ]]; then
+  result "FAIL" "no Python with a CUDA build of torch (set PYTHON)"
+  exit 1
+fi
+torch_root=$("$python" -c 'import torch; print(torch.__path__[0])')
+{
+  echo "date: $(date -u +%FT%TZ)"
+  echo "host: $(uname -srm), $(nproc) cores"
+  "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
+      *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))'
+  nvidia-smi -L 2>/dev/null || true
+} | tee "$out/machine.txt"
+
+# ---- build dependencies from .debs, unpacked into a prefix ----
+prefix=$out/prefix
+mkdir -p "$prefix"
+shopt -s nullglob
+for d in "$debs"/*.deb; do dpkg -x "$d" "$prefix" || log "could not unpack $d"; done
+shopt -u nullglob
+prefixes="$torch_root;$prefix/usr"
+
+# ---- build the CUDA variant ----
+log "configuring in $build (torch at $torch_root)"
+if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefixes" \
+     -DDTRAIN_CUDA=ON -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_TEST_PYTHON="$python" \
+     -DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" >"$out/configure.log" 2>&1; then
+  result "FAIL" "configure (configure.log)"
+  tail -30 "$out/configure.log"
+  exit 1
+fi
+targets=(gpu_test device_test local_step_test dtrain-bench dtrain-run milnce example-ddp)
+if ! cmake --build "$build" -j"$jobs" --target "${targets[@]}" >"$out/build.log" 2>&1; then
+  result "FAIL" "build (build.log)"
+  grep -m20 -B2 -A6 "error" "$out/build.log"
+  exit 1
+fi
+result "PASS" "CUDA build with DTRAIN_CUDA=ON: ${targets[*]} ($((SECONDS - started)) s so far)"
+bin=$build/bin
+
+# ---- 1, 2: the tests (gtest's JSON says which ran, passed, failed or skipped) ----
+run_tests() {  # run_tests NAME SECONDS
+  local name=$1 limit=$2
+  timeout "$limit" "$bin/$name" --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1
+  local rc=$?
+  "$python" - "$out/$name.json" "$name" "$rc" <<'PY' | tee -a "$summary"
+import json, sys
+path, name, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+try:
+    doc = json.load(open(path))
+except Exception as e:
+    print(f"FAIL  {name}: exit {rc}, no results ({e})"); sys.exit()
+for suite in doc["testsuites"]:
+    for t in suite["testsuite"]:
+        full = f"{suite['name']}.{t['name']}"
+        if t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
+            msg = " ".join(s.get("message", "") for s in t.get("skipped", [])) if isinstance(t.get("skipped"), list) else ""
+            print(f"NOT RUN  {name} {full} {msg.strip()[:200]}")
+        elif t.get("failures"):
+            print(f"FAIL  {name} {full}: {t['failures'][0]['failure'].splitlines()[0][:200]}")
+        else:
+            print(f"PASS  {name} {full} ({t.get('time', '?')})")
+PY
+}
+run_tests gpu_test 300
+run_tests device_test 120
+run_tests local_step_test 120
+
+# ---- 3: DDP step time against PyTorch on the same GPU ----
+export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+bench() {  # bench LABEL COMMAND...: the last line of the command's output, into bench.txt
+  local label=$1
+  shift
+  local line
+  line=$(timeout 180 "$@" 2>>"$out/bench.err" | tail -1)
+  echo "$label: ${line:-(no output, see bench.err)}" | tee -a "$out/bench.txt"
+}
+: >"$out/bench.txt"
+bench "dtrain world=1" "$bin/dtrain-bench" ddp --device cuda --steps 50
+bench "torch world=1" "$python" "$root/benches/peers/torch_ddp.py" 1 50 --device cuda
+bench "dtrain world=2" "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/dtrain-bench" ddp --device cuda --steps 50
+bench "torch world=2" "$python" "$root/benches/peers/torch_ddp.py" 2 50 --device cuda
+"$python" - "$out/bench.txt" <<'PY' | tee -a "$summary"
+import re, sys
+ms = {}
+for line in open(sys.argv[1]):
+    label, _, rest = line.partition(": ")
+    m = re.search(r"ms_per_step=([0-9.]+)", rest)
+    if m:
+        ms[label] = float(m.group(1))
+    if label.startswith("dtrain") and "wrong=" in rest and "wrong=0/" not in rest:
+        print(f"FAIL  {label}: the benchmark's parameters differ from its one-process reference: {rest.strip()}")
+for w in (1, 2):
+    d, t = ms.get(f"dtrain world={w}"), ms.get(f"torch world={w}")
+    if d and t:
+        print(f"PASS  ddp --device cuda world={w}: dtrain {d:.2f} ms/step, PyTorch {t:.2f} ms/step, "
+              f"PyTorch/dtrain = {t / d:.2f}x")
+    else:
+        print(f"FAIL  ddp --device cuda world={w}: no step time (dtrain {d}, torch {t}; bench.txt, bench.err)")
+PY
+
+# ---- 4: MIL-NCE on the GPU against the README job on the CPU ----
+data=$out/milnce-data
+"$bin/milnce" gen-data --out "$data" >"$out/milnce-gen.log" 2>&1
+t0=$SECONDS
+timeout 240 "$bin/milnce" train --data "$data" --out "$out/milnce-gpu" --epochs "$epochs" --device cuda --no-progress \
+  >"$out/milnce-gpu.log" 2>&1
+gpu_rc=$? gpu_s=$((SECONDS - t0))
+t0=$SECONDS
+timeout 300 "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/milnce" train --data "$data" --out "$out/milnce-cpu" \
+  --epochs "$epochs" --no-progress >"$out/milnce-cpu.log" 2>&1
+cpu_rc=$? cpu_s=$((SECONDS - t0))
+"$python" - "$out" "$gpu_rc" "$gpu_s" "$cpu_rc" "$cpu_s" "$epochs" <<'PY' | tee -a "$summary"
+import json, os, sys
+out, gpu_rc, gpu_s, cpu_rc, cpu_s, epochs = sys.argv[1], *map(int, sys.argv[2:])
+def r10(run):  # the last epoch's evaluation in the run's eval.json (fractions)
+    try:
+        return json.load(open(os.path.join(out, run, "eval.json")))["after"]["R@10"]
+    except Exception:
+        return None
+g, c = r10("milnce-gpu"), r10("milnce-cpu")
+if gpu_rc or cpu_rc or g is None or c is None:
+    print(f"FAIL  milnce --device cuda: exit {gpu_rc} (gpu), {cpu_rc} (cpu); R@10 {g} / {c} (milnce-*.log)")
+else:
+    ok = abs(g - c) <= 0.01 and gpu_s < cpu_s
+    print(f"{'PASS' if ok else 'FAIL'}  milnce train {epochs} epochs: GPU (1 process) R@10 {100 * g:.1f}% in {gpu_s} s, "
+          f"CPU (2 ranks) R@10 {100 * c:.1f}% in {cpu_s} s (within 1 point and faster: {ok})")
+PY
+
+log "done in $((SECONDS - started)) s"
+echo "---- summary ($summary)"
+cat "$summary"
+! grep -q "^FAIL" "$summary"

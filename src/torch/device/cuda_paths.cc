@@ -1,0 +1,200 @@
+// The CUDA paths of tensor collectives (tensor_comm.h): which one a group takes, NCCL on the device, and
+// staging through pinned host buffers. Compiled to a refusal in a build without CUDA.
+#include <ATen/ATen.h>
+
+#include <chrono>
+#include <string>
+#include <thread>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/nccl.h"
+#include "dtrain/tensor.h"
+#include "torch/device/call.h"
+
+#ifdef DTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <cuda_runtime.h>
+#include <unistd.h>
+
+#include <functional>
+#endif
+
+namespace dtrain::device::cuda {
+
+#ifdef DTRAIN_WITH_CUDA
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+// Staged copies go in chunks of about this size, at most kMaxChunks per call: the collective on one chunk
+// runs while the next is still being copied to the host, and each result is copied back at once.
+constexpr size_t kChunkBytes = size_t{4} << 20;
+constexpr int64_t kMaxChunks = 16;
+
+// A CUDA event without timing, destroyed with its owner.
+struct Event {
+  cudaEvent_t e = nullptr;
+  explicit Event(int rank) {
+    cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
+    DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] staging: cudaEventCreate: {}", rank, cudaGetErrorString(r));
+  }
+  ~Event() {
+    if (e) cudaEventDestroy(e);
+  }
+  Event(const Event&) = delete;
+  Event& operator=(const Event&) = delete;
+};
+
+// Polls the event until it fires; a deadline, never an unbounded cudaEventSynchronize.
+void waitFor(const Event& ev, Clock::time_point deadline, const std::string& what, int rank) {
+  for (;;) {
+    const cudaError_t q = cudaEventQuery(ev.e);
+    if (q == cudaSuccess) return;
+    if (q != cudaErrorNotReady)
+      throw Error(fmt::format("[rank {}] {}: CUDA error {} ({})", rank, what, static_cast<int>(q), cudaGetErrorString(q)));
+    if (Clock::now() > deadline)
+      throw TimeoutError(fmt::format("[rank {}] {}: the GPU did not finish the copy before the group's deadline", rank, what));
+    std::this_thread::sleep_for(std::chrono::microseconds(20));
+  }
+}
+
+// Where a GPU is, the same in every process that sees it: host name and PCI bus id (CUDA_VISIBLE_DEVICES
+// may give one GPU different indices in different processes).
+uint64_t placeOf(int device, int rank) {
+  char bus[64] = {0};
+  cudaError_t r = cudaDeviceGetPCIBusId(bus, sizeof(bus), device);
+  DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] cuda:{}: cudaDeviceGetPCIBusId: {}", rank, device, cudaGetErrorString(r));
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  return std::hash<std::string>{}(std::string(host) + "/" + bus);
+}
+
+std::shared_ptr<comm::NcclComm> ncclFor(comm::ProcessGroup& pg, int device) {
+  auto a = pg.attachment(fmt::format("dtrain.nccl.cuda:{}", device),
+                         [&] { return std::static_pointer_cast<void>(comm::NcclComm::create(pg, device)); });
+  return std::static_pointer_cast<comm::NcclComm>(a);
+}
+
+comm::WorkPtr viaNccl(comm::ProcessGroup& pg, const Call& c, const at::Tensor& in, const at::Tensor& out) {
+  const int dev = in.device().index();
+  auto nccl = ncclFor(pg, dev);
+  void* s = c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(dev)).stream();
+  const auto dt = toCommDType(in.scalar_type());
+  const auto n = static_cast<size_t>(in.numel());
+  comm::WorkPtr w;
+  switch (c.kind) {
+    case Call::allreduce: w = nccl->allreduce(in.data_ptr(), out.data_ptr(), n, dt, c.rop, s); break;
+    case Call::broadcast: w = nccl->broadcast(out.data_ptr(), n, dt, c.root, s); break;
+    case Call::allgather: w = nccl->allgather(in.data_ptr(), out.data_ptr(), n, dt, s); break;
+    case Call::reduce_scatter:
+      w = nccl->reduceScatter(in.data_ptr(), out.data_ptr(), static_cast<size_t>(out.numel()), dt, c.rop, s);
+      break;
+  }
+  w->onComplete([in, out] {});  // the tensors live until the GPU is done with them
+  return w;
+}
+
+}  // namespace
+
+comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor& out, bool chunkable, bool copy_in,
+                     const HostOp& op) {
+  const c10::Device dev = in.device();
+  c10::cuda::CUDAGuard guard(dev);
+  const c10::cuda::CUDAStream stream = c10::cuda::getCurrentCUDAStream(dev.index());
+  const int rank = pg.rank();
+  const auto pinned = at::TensorOptions().dtype(in.scalar_type()).pinned_memory(true);
+  const at::Tensor src = in.reshape({-1}), dst = out.reshape({-1});
+  const at::Tensor hin = at::empty({in.numel()}, pinned);
+  const at::Tensor hout = chunkable ? hin : at::empty({out.numel()}, pinned);
+  const auto deadline = Clock::now() + pg.options().timeout;
+  const int64_t n = in.numel();
+  const int64_t per = std::max<int64_t>(1, static_cast<int64_t>(kChunkBytes / in.element_size()));
+  const int64_t chunks = chunkable ? std::max<int64_t>(1, std::min(kMaxChunks, (n + per - 1) / per)) : 1;
+  const int64_t step = chunks == 1 ? n : (n + chunks - 1) / chunks;
+  std::vector<comm::WorkPtr> parts;
+  for (int64_t i = 0, off = 0; i < chunks; ++i, off += step) {
+    const int64_t len = std::max<int64_t>(0, std::min(step, n - off));
+    const at::Tensor d_in = chunks == 1 ? src : src.narrow(0, off, len), h_in = chunks == 1 ? hin : hin.narrow(0, off, len);
+    const at::Tensor d_out = chunks == 1 ? dst : dst.narrow(0, off, len), h_out = chunks == 1 ? hout : hout.narrow(0, off, len);
+    auto ready = std::make_shared<Event>(rank);
+    {
+      c10::cuda::CUDAStreamGuard sg(stream);
+      if (copy_in) h_in.copy_(d_in, /*non_blocking=*/true);
+    }
+    cudaError_t r = cudaEventRecord(ready->e, stream.stream());
+    DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] staging: cudaEventRecord: {}", rank, cudaGetErrorString(r));
+    const std::string what = fmt::format("staged copy to the host of {} elements (chunk {} of {})", len, i + 1, chunks);
+    pg.localStep(what, [ready, deadline, what, rank] { waitFor(*ready, deadline, what, rank); });
+    comm::WorkPtr w = op(h_in.data_ptr(), h_out.data_ptr(), static_cast<size_t>(chunks == 1 ? n : len));
+    // The result goes back on the caller's stream as soon as this chunk is done: work queued there after
+    // wait() returns is ordered after the copy. The host buffers live until the copy has been queued
+    // (pinned memory from libtorch's caching host allocator, which holds it until the copy is done).
+    parts.push_back(w->then([stream, dev, d_out, h_out, hin, hout]() -> comm::WorkPtr {
+      c10::cuda::CUDAGuard g(dev);
+      c10::cuda::CUDAStreamGuard sg(stream);
+      d_out.copy_(h_out, /*non_blocking=*/true);
+      return nullptr;
+    }));
+  }
+  // Done when every chunk's copy back has been queued.
+  comm::WorkPtr all = parts[0];
+  for (size_t i = 1; i < parts.size(); ++i) all = all->then([w = parts[i]] { return w; });
+  return all;
+}
+
+Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
+  const int dev = t.device().index();
+  auto a = pg.attachment(fmt::format("dtrain.cuda_path.cuda:{}", dev), [&] {
+    const std::string& mode = pg.options().cuda_path;
+    Path p = Path::staged;
+    if (mode != "staged") {
+      // A GPU of its own for every rank: compare where each rank's GPU is.
+      std::vector<uint64_t> places(static_cast<size_t>(pg.size()));
+      const uint64_t mine = placeOf(dev, pg.rank());
+      if (pg.size() > 1) pg.allgather(&mine, places.data(), 1, comm::DType::i64)->wait();
+      else places[0] = mine;
+      std::string shared;
+      for (int r = 0; r < pg.size() && shared.empty(); ++r)
+        for (int q = r + 1; q < pg.size(); ++q)
+          if (places[static_cast<size_t>(r)] == places[static_cast<size_t>(q)]) {
+            shared = fmt::format("ranks {} and {} share one GPU", r, q);
+            break;
+          }
+      DTRAIN_CHECK(shared.empty() || mode != "nccl", InvalidArgument,
+                   "[rank {}] DTRAIN_CUDA_COMM=nccl: {}, and NCCL refuses two ranks on one GPU (DTRAIN_CUDA_COMM=auto "
+                   "stages such tensors through the host)", pg.rank(), shared);
+      p = shared.empty() ? Path::nccl : Path::staged;
+    }
+    return std::static_pointer_cast<void>(std::make_shared<Path>(p));
+  });
+  return *std::static_pointer_cast<Path>(a);
+}
+
+comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Tensor& in, const at::Tensor& out) {
+  if (path == Path::nccl) return viaNccl(pg, c, in, out);
+  const auto dt = toCommDType(in.scalar_type());
+  return staged(pg, in, out, c.chunkable(), !(c.kind == Call::broadcast && pg.rank() != c.root),
+                [&pg, c, dt](const void* i, void* o, size_t count) { return hostCall(pg, c, i, o, count, dt); });
+}
+
+#else  // a build without CUDA: no CUDA tensor gets here (checkTensor refuses it first)
+
+Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
+  throw InvalidArgument(fmt::format("[rank {}] a tensor on {}: this dtrain was built without CUDA", pg.rank(), t.device().str()));
+}
+
+comm::WorkPtr run(comm::ProcessGroup& pg, Path, const Call&, const at::Tensor& in, const at::Tensor&) {
+  choose(pg, in);
+  return nullptr;
+}
+
+comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor&, bool, bool, const HostOp&) {
+  choose(pg, in);
+  return nullptr;
+}
+
+#endif
+
+}  // namespace dtrain::device::cuda

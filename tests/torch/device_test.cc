@@ -1,0 +1,102 @@
+// The device layer without a GPU: choosing a device (and the errors without one), the checks on tensors,
+// the host path of tensor collectives, and DTRAIN_CUDA_COMM. What needs a GPU is in tests/gpu/.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cstdlib>
+
+#include "dtrain/comm/error.h"
+#include "dtrain/comm/process_group.h"
+#include "dtrain/device.h"
+#include "harness.h"
+#include "torch/device/tensor_comm.h"
+
+namespace dtrain {
+namespace {
+
+TEST(SelectDevice, CpuAndMalformedSpecs) {
+  EXPECT_TRUE(selectDevice("cpu").is_cpu());
+  EXPECT_NE(test::errorOf([] { selectDevice("tpu"); }).find("device 'tpu' (expected cpu, cuda, cuda:N or auto)"),
+            std::string::npos);
+}
+
+// In a child: CUDA is initialised by the probe.
+TEST(SelectDevice, CudaWithoutAGpuSaysWhy) {
+  auto results = test::runRanks(1, [](int) {
+    if (cudaDeviceCount() > 0) {
+      std::printf("dtrain-test: a GPU is here\n");
+      return;
+    }
+    EXPECT_FALSE(cudaUnavailableReason().empty());
+    EXPECT_TRUE(selectDevice("auto", 3).is_cpu());
+    for (const char* spec : {"cuda", "cuda:1"}) {
+      const std::string err = test::errorOf([&] { selectDevice(spec, 0); });
+      EXPECT_NE(err.find(std::string("device '") + spec + "': no GPU can be used: " + cudaUnavailableReason()),
+                std::string::npos) << err;
+    }
+    if (!cudaBuilt()) EXPECT_NE(cudaUnavailableReason().find("built without CUDA"), std::string::npos);
+  });
+  test::expectAllOk(results);
+  if (results[0].output.find("dtrain-test: a GPU is here") != std::string::npos) GTEST_SKIP() << "a GPU is here";
+}
+
+TEST(DeviceTensors, ChecksNameTheProblem) {
+  EXPECT_NE(test::errorOf([] { device::checkTensor(at::Tensor(), "grad"); }).find("grad: undefined tensor"),
+            std::string::npos);
+  auto meta = torch::empty({4}, torch::TensorOptions().device(torch::kMeta));
+  const std::string err = test::errorOf([&] { device::checkTensor(meta, "DDP parameter w"); });
+  EXPECT_NE(err.find("DDP parameter w: tensor is on meta"), std::string::npos) << err;
+  EXPECT_NE(err.find(cudaBuilt() ? "CPU and CUDA tensors" : "built without CUDA"), std::string::npos) << err;
+  EXPECT_NE(test::errorOf([] { device::checkTensor(torch::zeros({4, 4}).t(), "x"); }).find("not contiguous"),
+            std::string::npos);
+  EXPECT_NE(test::errorOf([] { device::checkTensor(torch::zeros({2}, torch::kBool), "mask"); }).find("cannot be communicated"),
+            std::string::npos);
+}
+
+// CPU tensors go to the group as they are, in place and out of place, even and uneven.
+TEST(DeviceTensors, HostPathAtWorldThree) {
+  test::StoreServer server;
+  auto results = test::runRanks(3, [&](int rank) {
+    auto pg = comm::ProcessGroup::create(server.client(), rank, 3);
+    auto t = torch::full({5}, static_cast<float>(rank + 1));
+    EXPECT_EQ(device::pathFor(*pg, t), device::Path::host);
+    device::allreduce(*pg, t, comm::ReduceOp::sum)->wait();
+    EXPECT_TRUE(torch::equal(t, torch::full({5}, 6.0f)));
+    auto out = torch::empty({5});
+    device::allreduce(*pg, torch::full({5}, static_cast<float>(rank)), out, comm::ReduceOp::max)->wait();
+    EXPECT_TRUE(torch::equal(out, torch::full({5}, 2.0f)));
+    auto b = torch::full({3}, static_cast<double>(rank));
+    device::broadcast(*pg, b, 2)->wait();
+    EXPECT_TRUE(torch::equal(b, torch::full({3}, 2.0, torch::kDouble)));
+    auto all = torch::empty({6}, torch::kLong);
+    device::allgather(*pg, torch::full({2}, static_cast<int64_t>(rank), torch::kLong), all)->wait();
+    EXPECT_TRUE(torch::equal(all, torch::tensor({0, 0, 1, 1, 2, 2}, torch::kLong)));
+    auto part = torch::empty({2});
+    device::reduceScatter(*pg, torch::arange(6, torch::kFloat), part, comm::ReduceOp::sum)->wait();
+    EXPECT_TRUE(torch::equal(part, torch::tensor({3.0f * 2 * rank, 3.0f * (2 * rank + 1)})));
+    // Uneven: rank r sends r + 1 elements.
+    auto mine = torch::full({rank + 1}, static_cast<float>(rank));
+    auto gathered = torch::empty({6});
+    const std::vector<size_t> counts{1, 2, 3};
+    device::onHost(*pg, mine, gathered, [&](const void* in, void* o) {
+      return pg->allgatherv(in, o, counts, comm::DType::f32);
+    })->wait();
+    EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.0f, 1, 1, 2, 2, 2})));
+    EXPECT_NE(test::errorOf([&] { device::allgather(*pg, mine, torch::empty({5})); }).find("allgather: output elements"),
+              std::string::npos);
+  });
+  test::expectAllOk(results);
+}
+
+TEST(CudaComm, FromTheEnvironment) {
+  ::setenv("DTRAIN_CUDA_COMM", "staged", 1);
+  EXPECT_EQ(comm::GroupOptions::fromEnv().cuda_path, "staged");
+  ::setenv("DTRAIN_CUDA_COMM", "nvlink", 1);
+  EXPECT_NE(test::errorOf([] { comm::GroupOptions::fromEnv(); }).find("DTRAIN_CUDA_COMM='nvlink' (expected auto, nccl or staged)"),
+            std::string::npos);
+  ::unsetenv("DTRAIN_CUDA_COMM");
+  EXPECT_EQ(comm::GroupOptions::fromEnv().cuda_path, "auto");
+}
+
+}  // namespace
+}  // namespace dtrain
