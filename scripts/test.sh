@@ -6,8 +6,8 @@
 #      prefix (scripts/consumer_test.sh)
 #   2. libtorch 1.13, Debian's libtorch-dev (build-torch1): the library, the tools, the apps and the tests
 #      of the torch-layer code that differs between the generations (include/dtrain/compat.h: optimizer
-#      state, the autograd hooks of DDP and FSDP) and of every comparison with PyTorch (Debian's
-#      python3-torch 1.13); the consumer projects through the .deb, add_subdirectory and FetchContent
+#      state, the autograd hooks of DDP and FSDP), of the device layer's CPU side, and of the comparisons
+#      with PyTorch (Debian's python3-torch 1.13); the consumer projects through the .deb, add_subdirectory and FetchContent
 # and ends with the structural checks (scripts/check_structure.sh: file and function sizes, environment,
 # include paths, transports). Each part prints how long it took.
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
@@ -20,8 +20,7 @@ jobs=${JOBS:-2}
 generations=${TORCH_GENERATIONS:-2 1}
 
 # The test executables whose tests run against 1.13 too (labels: one per executable, tests/CMakeLists.txt).
-torch1_tests=(large_batch_test zero_test fsdp_test ddp_test local_sgd_test checkpoint_test checkpoint_per_rank_test
-              powersgd_test buckets_test ps_features_test data_test milnce_test)
+torch1_tests=(large_batch_test zero_test fsdp_test ddp_test checkpoint_test powersgd_test device_test milnce_test)
 timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
   local label=$1 start=$SECONDS
@@ -49,7 +48,16 @@ for gen in $generations; do
   if [[ $gen == 2 ]]; then
     timed "libtorch 2.x: build" cmake --build "$build" -j"$jobs"
     # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
-    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 ${CTEST_ARGS:-}
+    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 -LE '^gpu_test$' \
+      ${CTEST_ARGS:-}
+    # The GPU tests (tests/gpu) on their own, so that what did not run is seen: each is skipped with the
+    # reason where no GPU is (CTest: "Not Run", listed under "did not run"), never counted as passed.
+    echo; echo "== test.sh: GPU tests (tests/gpu) in the CUDA build"
+    ctest --test-dir "$build" --output-on-failure -L '^gpu_test$' ${CTEST_ARGS:-} | tee "$build/gpu_tests.txt"
+    gpu_total=$(grep -c "Test *#" "$build/gpu_tests.txt" || true)
+    gpu_skipped=$(grep -c "Test *#.*Skipped" "$build/gpu_tests.txt" || true)
+    timings+=("GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (no GPU here)")
+    echo "test.sh: GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (no GPU here)"
     # find_package(dtrain) against an install made with libtorch 2.x: a DDP step on 2 ranks.
     timed "libtorch 2.x: consumer project (installed)" env BUILD_DIR="$build" JOBS="$jobs" \
       bash "$root/scripts/consumer_test.sh" installed

@@ -142,6 +142,7 @@ struct Pipeline::Impl {
   int stage = 0, stages = 1;
   int64_t step_no = 0;
   c10::optional<c10::ScalarType> param_dtype;  // of the first floating parameter, to check inputs
+  c10::optional<c10::Device> device;           // of that parameter: where received activations go
   DistributedDataParallel* ddp = nullptr;
   FullyShardedDataParallel* fsdp = nullptr;
   PipelineStats stats;               // of the last step(), or of the forward() under way
@@ -214,6 +215,7 @@ struct Pipeline::Impl {
     p[5] = out.dim();
     for (int64_t d = 0; d < out.dim(); ++d) p[6 + d] = out.size(d);
     at::Tensor data = out.detach().contiguous();
+    if (data.device().is_cuda()) data = data.cpu();  // CUDA activations travel through the host
     checkCommTensor(data, "pipeline activation");
     queueSend(h, stage + 1, kTagHeader);
     queueSend(data, stage + 1, kTagActivation);
@@ -254,6 +256,9 @@ struct Pipeline::Impl {
 
   // The stage's modules one by one, so that the bytes of what they produce can be counted.
   at::Tensor runModules(at::Tensor x, int64_t& bytes) {
+    // A received activation arrives on the host: onto the stage's device, differentiably (its gradient
+    // then comes back to the host tensor, which is sent on).
+    if (device && x.device() != *device) x = x.to(*device);
     if (fsdp != nullptr) {  // the sharded stage gathers each unit's parameters as it runs it
       x = fsdp->forward(x);
       bytes += tensorBytes(x);
@@ -388,7 +393,7 @@ struct Pipeline::Impl {
           if (mb.output.requires_grad()) {
             auto run = [&] {
               if (last()) mb.output.backward();
-              else mb.output.backward(grad);
+              else mb.output.backward(grad.to(mb.output.device()));
             };
             if (ddp != nullptr && k != last_backward) {
               auto guard = ddp->noSync();
@@ -485,6 +490,7 @@ Pipeline::Pipeline(torch::nn::Sequential stage, std::shared_ptr<comm::ProcessGro
   for (const auto& p : m.seq->parameters()) {
     if (at::isFloatingType(p.scalar_type())) {
       m.param_dtype = p.scalar_type();
+      m.device = p.device();
       break;
     }
   }

@@ -410,6 +410,8 @@ std::vector<Spec> childSpecs(const Options& o, uint16_t master_port, const std::
     vars["WORLD_SIZE"] = std::to_string(world);
     vars["LOCAL_WORLD_SIZE"] = std::to_string(o.nproc_per_node);
     vars["DTRAIN_ROLE"] = "worker";
+    if (o.gpu_per_worker)
+      vars["CUDA_VISIBLE_DEVICES"] = o.gpu_ids.empty() ? std::to_string(local) : o.gpu_ids[local % o.gpu_ids.size()];
     if (hang)
       for (const auto& [name, value] : hang->envFor(rank)) vars[name] = value;
     if (o.num_servers > 0) {

@@ -36,6 +36,10 @@ struct Options {
   std::string secret;       // the job secret (the user's DTRAIN_SECRET(_FILE), or the one made); "": none
   int max_restarts = 0;
   int num_servers = 0;  // parameter-server processes, started on node 0 only
+  // --gpu-per-worker: each worker sees one GPU, CUDA_VISIBLE_DEVICES set to the LOCAL_RANK-th entry (modulo
+  // their number) of the launcher's own CUDA_VISIBLE_DEVICES, or to LOCAL_RANK when that is unset.
+  bool gpu_per_worker = false;
+  std::vector<std::string> gpu_ids;  // the launcher's CUDA_VISIBLE_DEVICES, split at commas (main.cc)
   bool prefix_output = true;
   // torchrun's --redirects and --tee: "0".."3" (none, stdout, stderr, both) for every local rank,
   // or per local rank ("0:3,1:2"). Redirected streams go to

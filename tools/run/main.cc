@@ -148,6 +148,9 @@ int main(int argc, char** argv) {
   app.add_option("--max-restarts,--max_restarts", opts.max_restarts,
                  "Restart the whole group up to this many times after a failure")
       ->capture_default_str();
+  app.add_flag("--gpu-per-worker", opts.gpu_per_worker,
+               "Each worker sees one GPU: CUDA_VISIBLE_DEVICES is the LOCAL_RANK-th of this launcher's "
+               "CUDA_VISIBLE_DEVICES (or LOCAL_RANK when unset); --device cuda then means that GPU");
   app.add_option("--servers", opts.num_servers, "Parameter-server processes to start on node 0")
       ->capture_default_str();
   app.add_option("--log-dir,--log_dir", opts.log_dir,
@@ -201,6 +204,18 @@ int main(int argc, char** argv) {
   }
 
   try {
+    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {  // --gpu-per-worker picks from these
+      std::string id;
+      for (const char* c = visible;; ++c) {
+        if (*c != ',' && *c != '\0') {
+          id += *c;
+          continue;
+        }
+        if (!id.empty()) opts.gpu_ids.push_back(id);
+        id.clear();
+        if (*c == '\0') break;
+      }
+    }
     // The job secret: the user's (workers inherit the variable), or with --job-secret one made here and
     // handed to the workers in their environment (never on a command line).
     opts.secret = dtrain::comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
