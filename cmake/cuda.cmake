@@ -38,7 +38,9 @@ if(DTRAIN_CUDA)
   target_sources(dtrain_comm PRIVATE ${PROJECT_SOURCE_DIR}/src/comm/nccl/nccl_comm.cc)
   target_include_directories(dtrain_comm SYSTEM PRIVATE ${DTRAIN_NCCL_INCLUDE_DIR} ${CUDAToolkit_INCLUDE_DIRS})
   target_link_libraries(dtrain_comm PRIVATE ${DTRAIN_NCCL_LIBRARY} ${DTRAIN_CUDART_LIBRARY})
-  target_compile_definitions(dtrain PRIVATE DTRAIN_WITH_CUDA)
+  # PUBLIC: what links dtrain compiles with it too (and may test it), and the targets that reuse dtrain's
+  # precompiled headers must be compiled with the same definitions, or gcc ignores the headers.
+  target_compile_definitions(dtrain PUBLIC DTRAIN_WITH_CUDA)
   target_include_directories(dtrain SYSTEM PRIVATE ${CUDAToolkit_INCLUDE_DIRS})
   target_link_libraries(dtrain PRIVATE ${DTRAIN_CUDART_LIBRARY})
   message(STATUS "dtrain: CUDA build (DTRAIN_CUDA=ON): NCCL ${DTRAIN_NCCL_LIBRARY}, CUDA runtime ${DTRAIN_CUDART_LIBRARY}")

@@ -111,10 +111,19 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
     m.units.push_back(std::move(u));
   }
   torch::NoGradGuard no_grad;
+  bool first_param = true;
+  for (auto& u : m.units)
+    for (auto& p : u.params) {
+      if (first_param) m.device = p.device();
+      first_param = false;
+      DTRAIN_CHECK(p.device() == m.device, InvalidArgument,
+                   "[rank {}] FSDP parameter {} is on {}, another on {}: FullyShardedDataParallel takes a model on "
+                   "one device", rank, name_of[p.unsafeGetTensorImpl()], p.device().str(), m.device.str());
+    }
   for (auto& u : m.units) {
     const auto dtype = u.params.empty() ? at::kFloat : u.params[0].scalar_type();
     u.chunk = std::max<int64_t>(1, (u.numel + world - 1) / world);
-    u.flat = at::zeros({u.chunk * world}, at::TensorOptions().dtype(dtype));
+    u.flat = at::zeros({u.chunk * world}, at::TensorOptions().dtype(dtype).device(m.device));
     u.bytes = u.flat.nbytes();
     for (size_t i = 0; i < u.params.size(); ++i) {
       auto view = u.flat.narrow(0, u.offsets[i], u.params[i].numel()).view(u.params[i].sizes());
@@ -247,7 +256,9 @@ void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
   for (auto& p : u.params) p.mutable_grad().reset();
   u.grads_in_buf = false;
   u.grad_part = at::empty({u.chunk}, u.grad_flat.options());  // becomes the shard's gradient if it has none
-  u.reducing = device::reduceScatter(*pg, u.grad_flat, u.grad_part, comm::ReduceOp::avg);
+  // (grad_flat may be longer than the unit's padded size: the first chunk x world elements are scattered.)
+  u.reducing = device::reduceScatter(*pg, u.grad_flat.narrow(0, 0, u.chunk * pg->size()), u.grad_part,
+                                     comm::ReduceOp::avg);
 }
 
 void FullyShardedDataParallel::Impl::finishPass() {

@@ -56,6 +56,7 @@ struct FullyShardedDataParallel::Impl {
 
   // Whole-unit buffers (gathered parameters, gradients) are lent from a pool and given back, so that a
   // step does not allocate, fault in and free tens of MB: the pool keeps what was needed at most at once.
+  at::Device device{at::kCPU};   // the parameters' (all on one device): where the pool's buffers live
   std::vector<at::Tensor> pool;  // free buffers
   int64_t pool_bytes = 0;        // every buffer the pool made (free or lent)
   at::Tensor borrow(size_t bytes) {
@@ -69,7 +70,7 @@ struct FullyShardedDataParallel::Impl {
     }
     pool_bytes += static_cast<int64_t>(bytes);
     transient_peak = std::max(transient_peak, pool_bytes);
-    return at::empty({static_cast<int64_t>(bytes)}, at::kByte);
+    return at::empty({static_cast<int64_t>(bytes)}, at::TensorOptions().dtype(at::kByte).device(device));
   }
   void giveBack(at::Tensor& t) {
     if (t.defined()) pool.push_back(t);
@@ -78,7 +79,7 @@ struct FullyShardedDataParallel::Impl {
   void allocate(Unit& u) {
     u.param_buf = borrow(u.bytes);
     auto* s = u.flat.storage().unsafeGetStorageImpl();
-    s->set_data_ptr_noswap(at::DataPtr(u.param_buf.data_ptr(), at::Device(at::kCPU)));
+    s->set_data_ptr_noswap(at::DataPtr(u.param_buf.data_ptr(), device));
     s->set_nbytes(u.bytes);
     gathered_now += static_cast<int64_t>(u.bytes);
     gathered_peak = std::max(gathered_peak, gathered_now);
@@ -98,7 +99,7 @@ struct FullyShardedDataParallel::Impl {
     allocate(u);
     u.gathered = true;
     u.version = u.shard._version();
-    u.gathering = device::allgather(*pg, u.shard, u.flat);
+    u.gathering = device::allgather(*pg, u.shard, u.flat.narrow(0, 0, u.chunk * pg->size()));
   }
   void ensure(Unit& u) {
     startGather(u);

@@ -14,6 +14,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/tensor.h"
+#include "torch/device/tensor_comm.h"
 #include "torch/sharding.h"
 #include "torch/zero_impl.h"
 
@@ -81,7 +82,10 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::optim::Optim
     numels.emplace_back();
     for (const auto& p : g.params()) {
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
-      checkCommTensor(p, fmt::format("ZeroRedundancyOptimizer parameter {}", m.params.size()).c_str());
+      device::checkTensor(p, fmt::format("ZeroRedundancyOptimizer parameter {}", m.params.size()).c_str());
+      DTRAIN_CHECK(m.params.empty() || p.device() == m.params[0].device(), InvalidArgument,
+                   "ZeroRedundancyOptimizer parameter {} is on {}, parameter 0 on {}: all on one device",
+                   m.params.size(), p.device().str(), m.params[0].device().str());
       kept.push_back(p);
       m.params.push_back(p);
       m.group_of.push_back(m.groups.size());
@@ -122,7 +126,9 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::optim::Optim
   // Groups without options take the optimizer's defaults, as the local ones did.
   for (size_t k = 0; k < m.groups.size(); ++k)
     if (!m.groups[k].has_options()) m.groups[k].set_options(m.local->param_groups()[k].options().clone());
-  m.staging = at::empty({static_cast<int64_t>(m.opts.broadcast_bucket_bytes)}, at::kByte);
+  // Batches of small parameters are packed here, on the parameters' device.
+  m.staging = at::empty({static_cast<int64_t>(m.opts.broadcast_bucket_bytes)},
+                        at::TensorOptions().dtype(at::kByte).device(m.params.empty() ? at::Device(at::kCPU) : m.params[0].device()));
 }
 
 ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<at::Tensor> params, MakeOptimizer make,
@@ -138,7 +144,27 @@ void ZeroRedundancyOptimizer::Impl::broadcastFrom(int root, const std::vector<si
   const bool mine = root == pg->rank();
   if (batch.size() == 1) {  // alone: in place
     auto& p = params[batch[0]];
-    pg->broadcast(p.data_ptr(), static_cast<size_t>(p.numel()), toCommDType(p.scalar_type()), root)->wait();
+    device::broadcast(*pg, p, root)->wait();
+    return;
+  }
+  if (!staging.is_cpu()) {  // on a GPU: packed and unpacked by the device, sent by the device path
+    at::NoGradGuard no_grad;
+    at::Tensor packed = staging.narrow(0, 0, static_cast<int64_t>(bytes));
+    int64_t off = 0;
+    if (mine)
+      for (size_t i : batch) {
+        const auto n = static_cast<int64_t>(params[i].nbytes());
+        packed.narrow(0, off, n).copy_(params[i].detach().reshape({-1}).view(at::kByte));
+        off += n;
+      }
+    device::broadcast(*pg, packed, root)->wait();
+    if (mine) return;
+    off = 0;
+    for (size_t i : batch) {
+      const auto n = static_cast<int64_t>(params[i].nbytes());
+      params[i].detach().reshape({-1}).view(at::kByte).copy_(packed.narrow(0, off, n));
+      off += n;
+    }
     return;
   }
   auto* buf = static_cast<char*>(staging.data_ptr());

@@ -20,6 +20,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/powersgd.h"
 #include "dtrain/sync_batch_norm.h"
+#include "dtrain/zero.h"
 #include "harness.h"
 #include "milnce/train.h"
 #include "torch/device/tensor_comm.h"
@@ -131,6 +132,15 @@ TEST(GpuDdp, NcclAtWorldOneEqualsOneProcess) {
     auto pg = group(server, 0, 1);
     const c10::Device gpu(c10::kCUDA, 0);
     EXPECT_EQ(device::pathFor(*pg, torch::zeros({1}, gpu)), device::Path::nccl);
+    // The communicator itself: every collective on CUDA tensors, checked by value.
+    auto x = torch::arange(12, torch::TensorOptions().dtype(torch::kFloat).device(gpu));
+    auto y = torch::empty({12}, x.options());
+    device::allreduce(*pg, x, y, comm::ReduceOp::avg)->wait();
+    EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat)));
+    device::allgather(*pg, x, y)->wait();
+    device::reduceScatter(*pg, x, y, comm::ReduceOp::sum)->wait();
+    device::broadcast(*pg, y, 0)->wait();
+    EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat)));
     expectClose(train(pg, gpu, 5), train(nullptr, gpu, 5), 1e-5);
   });
   test::expectAllOk(results);
@@ -236,6 +246,36 @@ TEST(GpuFsdp, StageThreeOnCudaEqualsCpu) {
     auto cpu = fsdpTrain(group(server_cpu, rank, 2), c10::Device(c10::kCPU));
     ASSERT_EQ(gpu.size(), cpu.size());
     for (const auto& [name, t] : cpu) EXPECT_LT((t - gpu.at(name)).abs().max().item<double>(), 1e-5) << name;
+  });
+  test::expectAllOk(results);
+}
+
+// ZeRO stage 1: DDP with the Adam state sharded, owners broadcasting their parameters (small ones packed).
+TEST(GpuZero, StageOneOnCudaEqualsCpu) {
+  DTRAIN_NEEDS_GPUS(1);
+  test::StoreServer server_gpu, server_cpu;
+  auto results = test::runRanks(2, [&](int rank) {
+    auto run = [&](test::StoreServer& s, const c10::Device& device) {
+      auto pg = group(s, rank, 2);
+      auto net = mlp();
+      net->to(device);
+      DistributedDataParallel ddp(net.ptr(), pg);
+      ZeroRedundancyOptimizer opt(net->parameters(), [](std::vector<torch::optim::OptimizerParamGroup> g) {
+        return std::make_unique<torch::optim::Adam>(std::move(g), torch::optim::AdamOptions(1e-2));
+      }, pg);
+      auto [x, y] = globalBatch();
+      x = x.narrow(0, rank * 8, 8).to(device);
+      y = y.narrow(0, rank * 8, 8).to(device);
+      for (int i = 0; i < 4; ++i) {
+        opt.zeroGrad();
+        torch::nn::functional::cross_entropy(net->forward(x), y).backward();
+        opt.step();
+      }
+      std::vector<at::Tensor> out;
+      for (const auto& p : net->parameters()) out.push_back(p.detach().cpu());
+      return out;
+    };
+    expectClose(run(server_gpu, c10::Device(c10::kCUDA, 0)), run(server_cpu, c10::Device(c10::kCPU)), 1e-5);
   });
   test::expectAllOk(results);
 }

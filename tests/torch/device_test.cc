@@ -34,7 +34,9 @@ TEST(SelectDevice, CudaWithoutAGpuSaysWhy) {
       EXPECT_NE(err.find(std::string("device '") + spec + "': no GPU can be used: " + cudaUnavailableReason()),
                 std::string::npos) << err;
     }
-    if (!cudaBuilt()) EXPECT_NE(cudaUnavailableReason().find("built without CUDA"), std::string::npos);
+    if (!cudaBuilt()) {
+      EXPECT_NE(cudaUnavailableReason().find("built without CUDA"), std::string::npos);
+    }
   });
   test::expectAllOk(results);
   if (results[0].output.find("dtrain-test: a GPU is here") != std::string::npos) GTEST_SKIP() << "a GPU is here";
@@ -81,7 +83,7 @@ TEST(DeviceTensors, HostPathAtWorldThree) {
     device::onHost(*pg, mine, gathered, [&](const void* in, void* o) {
       return pg->allgatherv(in, o, counts, comm::DType::f32);
     })->wait();
-    EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.0f, 1, 1, 2, 2, 2})));
+    EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.0f, 1.0f, 1.0f, 2.0f, 2.0f, 2.0f})));
     EXPECT_NE(test::errorOf([&] { device::allgather(*pg, mine, torch::empty({5})); }).find("allgather: output elements"),
               std::string::npos);
   });
