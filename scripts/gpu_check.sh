@@ -9,7 +9,7 @@
 # 16 cores, one GPU, PyTorch 2.x with CUDA in a virtual environment (PYTHON, default: the first of
 # /opt/torch/.venv/bin/python and python3 whose torch has CUDA), no network. The build dependencies it
 # lacks (nlohmann-json, CLI11, GoogleTest, fmt) come as Debian .debs in DEBS_DIR (default
-# <repo>/.gpu-debs, which git ignores; --fetch-debs fills it), unpacked with dpkg -x into OUT_DIR/prefix,
+# <repo>/.gpu-debs, which git ignores; --fetch-debs fills it), unpacked with dpkg -x into BUILD_DIR/deps-prefix,
 # never into /. Everything is bounded: about 2-3 minutes to build with every core, then the checks:
 #   1. gpu_test (tests/gpu): DDP on the MLP and on the MIL-NCE model with CUDA tensors equal to one process
 #      (2 ranks sharing the GPU: staged; NCCL at world 1; NCCL on 2 GPUs where 2 exist), FSDP stage 3,
@@ -21,7 +21,9 @@
 #   4. milnce train --device cuda (one process) against the README job on the CPU (2 ranks) on the same
 #      generated data, MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point
 #      and the wall time of each.
-# Env: PYTHON, JOBS (default: every core), MILNCE_EPOCHS, BUILD_DIR (default OUT_DIR/build).
+# Env: PYTHON, JOBS (default: every core), MILNCE_EPOCHS, DTRAIN_WITH_MPI (OFF: the GPU machine has no MPI),
+# BUILD_DIR (default <repo>/build-gpu; the data and runs of check 4 go there too, and only their logs and
+# eval.json to OUT_DIR).
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 debs_list=(libfmt-dev libfmt9 nlohmann-json3-dev libcli11-dev libgtest-dev googletest)
@@ -35,7 +37,7 @@ out=${1:?usage: gpu_check.sh OUT_DIR [DEBS_DIR]}
 mkdir -p "$out"
 out=$(cd "$out" && pwd)
 debs=${2:-$root/.gpu-debs}
-build=${BUILD_DIR:-$out/build}
+build=${BUILD_DIR:-$root/build-gpu}  # not under OUT_DIR: only logs and results go there
 jobs=${JOBS:-$(nproc)}
 epochs=${MILNCE_EPOCHS:-8}
 summary=$out/summary.txt
@@ -65,8 +67,8 @@ torch_root=$("$python" -c 'import torch; print(torch.__path__[0])')
 } | tee "$out/machine.txt"
 
 # ---- build dependencies from .debs, unpacked into a prefix ----
-prefix=$out/prefix
-mkdir -p "$prefix"
+prefix=$build/deps-prefix
+mkdir -p "$build" "$prefix"
 shopt -s nullglob
 for d in "$debs"/*.deb; do dpkg -x "$d" "$prefix" || log "could not unpack $d"; done
 shopt -u nullglob
@@ -75,7 +77,7 @@ prefixes="$torch_root;$prefix/usr"
 # ---- build the CUDA variant ----
 log "configuring in $build (torch at $torch_root)"
 if ! cmake -S "$root" -B "$build" -G Ninja -DCMAKE_BUILD_TYPE=Release -DCMAKE_PREFIX_PATH="$prefixes" \
-     -DDTRAIN_CUDA=ON -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_TEST_PYTHON="$python" \
+     -DDTRAIN_CUDA=ON -DDTRAIN_WITH_MPI="${DTRAIN_WITH_MPI:-OFF}" -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_TEST_PYTHON="$python" \
      -DTORCH_CUDA_ARCH_LIST="${TORCH_CUDA_ARCH_LIST:-9.0}" >"$out/configure.log" 2>&1; then
   result "FAIL" "configure (configure.log)"
   tail -30 "$out/configure.log"
@@ -152,22 +154,23 @@ for w in (1, 2):
 PY
 
 # ---- 4: MIL-NCE on the GPU against the README job on the CPU ----
-data=$out/milnce-data
+data=$build/milnce-data
 "$bin/milnce" gen-data --out "$data" >"$out/milnce-gen.log" 2>&1
 t0=$SECONDS
-timeout 240 "$bin/milnce" train --data "$data" --out "$out/milnce-gpu" --epochs "$epochs" --device cuda --no-progress \
+timeout 240 "$bin/milnce" train --data "$data" --out "$build/milnce-gpu" --epochs "$epochs" --device cuda --no-progress \
   >"$out/milnce-gpu.log" 2>&1
 gpu_rc=$? gpu_s=$((SECONDS - t0))
 t0=$SECONDS
-timeout 300 "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/milnce" train --data "$data" --out "$out/milnce-cpu" \
+timeout 300 "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/milnce" train --data "$data" --out "$build/milnce-cpu" \
   --epochs "$epochs" --no-progress >"$out/milnce-cpu.log" 2>&1
 cpu_rc=$? cpu_s=$((SECONDS - t0))
+for r in milnce-gpu milnce-cpu; do cp "$build/$r/eval.json" "$out/$r-eval.json" 2>/dev/null; done
 "$python" - "$out" "$gpu_rc" "$gpu_s" "$cpu_rc" "$cpu_s" "$epochs" <<'PY' | tee -a "$summary"
 import json, os, sys
 out, gpu_rc, gpu_s, cpu_rc, cpu_s, epochs = sys.argv[1], *map(int, sys.argv[2:])
 def r10(run):  # the last epoch's evaluation in the run's eval.json (fractions)
     try:
-        return json.load(open(os.path.join(out, run, "eval.json")))["after"]["R@10"]
+        return json.load(open(os.path.join(out, run + "-eval.json")))["after"]["R@10"]
     except Exception:
         return None
 g, c = r10("milnce-gpu"), r10("milnce-cpu")

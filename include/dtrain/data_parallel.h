@@ -32,6 +32,11 @@
 //    when several throw) after every thread finished; the main module's gradients are then
 //    unspecified (zero them before the next step).
 //
+// Across GPUs: DataParallel(module, {cuda:0, cuda:1, ...}) puts replica k on device k (the main module is
+// moved to the first), moves each slice of input and target to its replica's device, and sums the
+// gradients on the first device; the returned loss is on the first device too. Devices may repeat (two
+// replicas on one GPU) and may be the CPU.
+//
 // Replica 0 is the main module itself, run by the calling thread; replicas 1..n-1 are clone()s run
 // by a pool of n-1 threads that lives as long as the DataParallel. As in PyTorch, buffer updates
 // (e.g. BatchNorm running statistics) persist from replica 0 only, computed on its slice only.
@@ -47,6 +52,7 @@
 // A DataParallel is not itself thread-safe: one step() at a time.
 #pragma once
 #include <ATen/core/Tensor.h>
+#include <c10/core/Device.h>
 #include <torch/nn/module.h>
 #include <torch/nn/pimpl.h>
 
@@ -62,8 +68,11 @@ class DataParallel {
   // forward with replica.as<Net>() (Net being the holder or the module class).
   using LossFn = std::function<at::Tensor(torch::nn::Module& replica, const at::Tensor& input, const at::Tensor& target)>;
 
-  // num_replicas >= 1 (InvalidArgument otherwise); 1 runs everything on the calling thread.
+  // num_replicas >= 1 (InvalidArgument otherwise); 1 runs everything on the calling thread. Every replica on
+  // the main module's device.
   DataParallel(std::shared_ptr<torch::nn::Module> module, int num_replicas);
+  // One replica per entry of devices (at least one), replica k on devices[k] (see above).
+  DataParallel(std::shared_ptr<torch::nn::Module> module, std::vector<c10::Device> devices);
   template <typename M>
   DataParallel(const torch::nn::ModuleHolder<M>& module, int num_replicas) : DataParallel(module.ptr(), num_replicas) {}
   ~DataParallel();

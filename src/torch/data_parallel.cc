@@ -114,23 +114,29 @@ class WorkerPool {
   std::vector<std::thread> threads_;  // last: joined before the state above is destroyed
 };
 
-// dst <- src without autograd. Keeps dst's storage when the layout matches; otherwise (the main
-// module was moved with to() after the replicas were made) dst takes a copy of src's type.
-void copyInto(at::Tensor& dst, const at::Tensor& src) {
+// dst <- src without autograd, onto `device` (the replica's; unset: wherever src is). Keeps dst's storage
+// when the layout matches; otherwise (the main module was moved with to() after the replicas were made)
+// dst takes a copy of src's type.
+void copyInto(at::Tensor& dst, const at::Tensor& src, const c10::optional<c10::Device>& device) {
   if (!src.defined() || !dst.defined()) return;
-  if (dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type() && dst.device() == src.device())
+  const c10::Device where = device ? *device : src.device();
+  if (dst.sizes() == src.sizes() && dst.scalar_type() == src.scalar_type() && dst.device() == where)
     dst.copy_(src);
   else
-    dst.set_data(src.detach().clone());
+    dst.set_data(src.detach().to(where, src.scalar_type(), /*non_blocking=*/false, /*copy=*/true));
   if (dst.is_leaf() && dst.requires_grad() != src.requires_grad()) dst.set_requires_grad(src.requires_grad());
 }
 
 }  // namespace
 
 struct DataParallel::Impl {
-  Impl(std::shared_ptr<torch::nn::Module> main, int n) {
+  Impl(std::shared_ptr<torch::nn::Module> main, int n, std::vector<c10::Device> on = {}) : devices(std::move(on)) {
     replicas.push_back(std::move(main));
-    for (int k = 1; k < n; ++k) replicas.push_back(replicas[0]->clone());
+    if (!devices.empty()) replicas[0]->to(devices[0]);
+    for (int k = 1; k < n; ++k) {
+      replicas.push_back(replicas[0]->clone());
+      if (!devices.empty()) replicas.back()->to(devices[static_cast<size_t>(k)]);
+    }
     for (auto& r : replicas) {
       params.push_back(r->parameters());
       buffers.push_back(r->buffers());
@@ -167,10 +173,10 @@ struct DataParallel::Impl {
     torch::NoGradGuard no_grad;
     replicas[k]->train(replicas[0]->is_training());
     for (size_t j = 0; j < params[0].size(); ++j) {
-      copyInto(params[k][j], params[0][j]);
+      copyInto(params[k][j], params[0][j], deviceOf(k));
       params[k][j].mutable_grad().reset();
     }
-    for (size_t j = 0; j < buffers[0].size(); ++j) copyInto(buffers[k][j], buffers[0][j]);
+    for (size_t j = 0; j < buffers[0].size(); ++j) copyInto(buffers[k][j], buffers[0][j], deviceOf(k));
   }
 
   // main.grad += sum of the replicas' gradients, for the parameters thread t owns.
@@ -182,14 +188,21 @@ struct DataParallel::Impl {
         at::Tensor& g = params[k][j].mutable_grad();
         if (!g.defined()) continue;  // unused by that replica's slice
         if (acc.defined())
-          acc.add_(g);
+          acc.add_(g.to(acc.device()));
         else
-          acc = g.clone();
+          acc = g.to(params[0][j].device(), g.scalar_type(), /*non_blocking=*/false, /*copy=*/true);
         g.reset();  // frees the memory now rather than at the next sync
       }
     }
   }
 
+  // Replica k's device when DataParallel was given devices, else unset (each replica where the main is).
+  c10::optional<c10::Device> deviceOf(int k) const {
+    if (devices.empty()) return c10::nullopt;
+    return devices[static_cast<size_t>(k)];
+  }
+
+  std::vector<c10::Device> devices;                          // empty: every replica on the main's device
   std::vector<std::shared_ptr<torch::nn::Module>> replicas;  // [0] is the main module
   std::vector<std::vector<at::Tensor>> params;               // params[k][j]: parameter j of replica k
   std::vector<std::vector<at::Tensor>> buffers;
@@ -201,6 +214,13 @@ DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, int num_re
   DTRAIN_CHECK(module != nullptr, InvalidArgument, "DataParallel: null module");
   DTRAIN_CHECK_GE(num_replicas, 1, "DataParallel: num_replicas");
   impl_ = std::make_unique<Impl>(std::move(module), num_replicas);
+}
+
+DataParallel::DataParallel(std::shared_ptr<torch::nn::Module> module, std::vector<c10::Device> devices) {
+  DTRAIN_CHECK(module != nullptr, InvalidArgument, "DataParallel: null module");
+  DTRAIN_CHECK(!devices.empty(), InvalidArgument, "DataParallel: no devices");
+  const int n = static_cast<int>(devices.size());
+  impl_ = std::make_unique<Impl>(std::move(module), n, std::move(devices));
 }
 
 DataParallel::~DataParallel() = default;
@@ -251,6 +271,10 @@ at::Tensor DataParallel::step(const at::Tensor& input, const at::Tensor& target,
     if (sizes[ks] == 0) return;
     at::Tensor x = input.narrow(0, offsets[ks], sizes[ks]);
     at::Tensor y = target.defined() ? target.narrow(0, offsets[ks], sizes[ks]) : at::Tensor();
+    if (auto device = impl_->deviceOf(k)) {  // the slice goes to its replica's device
+      x = x.to(*device);
+      if (y.defined()) y = y.to(*device);
+    }
     at::Tensor loss = loss_fn(*impl_->replicas[ks], x, y);
     DTRAIN_CHECK(loss.defined() && loss.numel() == 1, InvalidArgument,
                  "DataParallel::step: the loss function must return a scalar (the mean loss of its slice), "
@@ -268,7 +292,7 @@ at::Tensor DataParallel::step(const at::Tensor& input, const at::Tensor& target,
 
   at::Tensor total;
   for (auto& l : losses)
-    if (l.defined()) total = total.defined() ? total + l : l;
+    if (l.defined()) total = total.defined() ? total + l.to(total.device()) : l;
   return total;
 }
 

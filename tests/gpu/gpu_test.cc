@@ -14,6 +14,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/device.h"
 #include "dtrain/distributed.h"
@@ -246,6 +247,37 @@ TEST(GpuFsdp, StageThreeOnCudaEqualsCpu) {
     auto cpu = fsdpTrain(group(server_cpu, rank, 2), c10::Device(c10::kCPU));
     ASSERT_EQ(gpu.size(), cpu.size());
     for (const auto& [name, t] : cpu) EXPECT_LT((t - gpu.at(name)).abs().max().item<double>(), 1e-5) << name;
+  });
+  test::expectAllOk(results);
+}
+
+// DataParallel with replicas on GPUs (two on one GPU here; one per GPU where there are more) equals one
+// model on the CPU.
+TEST(GpuDataParallel, ReplicasOnGpusEqualOneModel) {
+  DTRAIN_NEEDS_GPUS(1);
+  auto results = test::runRanks(1, [&](int) {
+    const int gpus = cudaDeviceCount();
+    std::vector<c10::Device> devices{c10::Device(c10::kCUDA, 0),
+                                     c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(gpus > 1 ? 1 : 0))};
+    auto ref = mlp(), net = mlp();
+    DataParallel dp(net, devices);
+    torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.05)), opt(net->parameters(), torch::optim::SGDOptions(0.05));
+    auto [x, y] = globalBatch();
+    auto loss_fn = [](torch::nn::Module& r, const at::Tensor& xs, const at::Tensor& ys) {
+      return torch::nn::functional::cross_entropy(r.as<torch::nn::Sequential>()->forward(xs), ys);
+    };
+    for (int i = 0; i < 4; ++i) {
+      ref_opt.zero_grad();
+      torch::nn::functional::cross_entropy(ref->forward(x), y).backward();
+      ref_opt.step();
+      opt.zero_grad();
+      dp.step(x, y, loss_fn);
+      opt.step();
+    }
+    std::vector<at::Tensor> a, b;
+    for (const auto& p : net->parameters()) a.push_back(p.detach().cpu());
+    for (const auto& p : ref->parameters()) b.push_back(p.detach());
+    expectClose(a, b, 1e-5);
   });
   test::expectAllOk(results);
 }

@@ -6,6 +6,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/data_parallel.h"
+#include "harness.h"
 
 namespace dtrain::test {
 namespace {
@@ -106,6 +107,30 @@ INSTANTIATE_TEST_SUITE_P(
       return std::to_string(p.param.replicas) + "replicas_" + std::to_string(p.param.rows) + "rows_" +
              p.param.optimizer;
     });
+
+// Replicas on given devices (here all the CPU: the GPU case is tests/gpu): the path that moves slices and
+// sums gradients across devices gives the same training as one model.
+TEST(DataParallel, OnListedDevicesMatchesOneReplica) {
+  Sequential ref = makeMlp(), net = makeMlp();
+  auto ref_opt = makeOpt("sgd", ref);
+  auto opt = makeOpt("sgd", net);
+  DataParallel dp(net, std::vector<c10::Device>(3, c10::Device(c10::kCPU)));
+  ASSERT_EQ(dp.numReplicas(), 3);
+  for (int s = 0; s < 5; ++s) {
+    auto [x, y] = batch(s, 10);
+    ref_opt->zero_grad();
+    at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
+    ref_loss.backward();
+    ref_opt->step();
+    opt->zero_grad();
+    at::Tensor loss = dp.step(x, y, mseOf);
+    opt->step();
+    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-12) << "step " << s;
+  }
+  expectSameParameters(net, ref, 1e-10, "after 5 steps");
+  EXPECT_NE(dtrain::test::errorOf([&] { DataParallel(makeMlp().ptr(), std::vector<c10::Device>{}); }).find("no devices"),
+            std::string::npos);
+}
 
 TEST(DataParallel, AccumulatesIntoExistingGradients) {
   Sequential ref = makeMlp(), net = makeMlp();

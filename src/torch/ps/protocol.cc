@@ -30,10 +30,10 @@ const char* opName(uint16_t op) {
 
 at::Tensor floatCpu(const at::Tensor& t, const char* what) {
   DTRAIN_CHECK(t.defined(), InvalidArgument, "ps: {} is undefined", what);
-  DTRAIN_CHECK(t.device().is_cpu() && t.scalar_type() == at::kFloat, InvalidArgument,
-               "ps: {} must be a float32 CPU tensor (got {} on {})", what, c10::toString(t.scalar_type()),
+  DTRAIN_CHECK((t.device().is_cpu() || t.device().is_cuda()) && t.scalar_type() == at::kFloat, InvalidArgument,
+               "ps: {} must be a float32 CPU or CUDA tensor (got {} on {})", what, c10::toString(t.scalar_type()),
                t.device().str());
-  return t.contiguous();
+  return t.device().is_cpu() ? t.contiguous() : t.to(at::kCPU).contiguous();  // CUDA: through the host
 }
 
 comm::GroupOptions groupOptions(std::chrono::milliseconds timeout) {

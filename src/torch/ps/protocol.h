@@ -75,7 +75,8 @@ const char* opName(uint16_t op);
 inline int64_t partLimit(const PSOptions& o) { return std::max<int64_t>(1, static_cast<int64_t>(o.partition_bytes / 4)); }
 inline int64_t maxRowsPerMessage(const PSOptions& o, int64_t dim) { return std::max<int64_t>(1, partLimit(o) / dim); }
 
-// t as a contiguous float32 CPU tensor; InvalidArgument naming `what` otherwise.
+// t as a contiguous float32 CPU tensor (a CUDA one copied to the host); InvalidArgument naming `what` for
+// another dtype or device.
 at::Tensor floatCpu(const at::Tensor& t, const char* what);
 
 comm::GroupOptions groupOptions(std::chrono::milliseconds timeout);

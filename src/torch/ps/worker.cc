@@ -200,15 +200,25 @@ void Worker::Impl::declareRows(const std::string& name, int64_t num_rows, int64_
   })->wait();
 }
 
-void checkRows(const at::Tensor& rows, const Entry& e, const std::string& name) {
-  DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && rows.device().is_cpu(),
-               InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU tensor", name);
-  auto r = rows.contiguous();
+// Where a pull lands: `out` itself on the CPU; for a CUDA `out`, a host tensor copied into it once the pull
+// is done (the parameter server's messages travel through the host).
+static at::Tensor hostFor(const at::Tensor& out) {
+  return out.device().is_cpu() ? out : at::empty(out.sizes(), out.options().device(at::kCPU));
+}
+
+static bool cpuOrCuda(const at::Tensor& t) { return t.device().is_cpu() || t.device().is_cuda(); }
+
+// The row ids on the host, checked against the table.
+at::Tensor checkRows(const at::Tensor& rows, const Entry& e, const std::string& name) {
+  DTRAIN_CHECK(rows.defined() && rows.dim() == 1 && rows.scalar_type() == at::kLong && cpuOrCuda(rows),
+               InvalidArgument, "ps: rows of '{}' must be a 1-d int64 CPU or CUDA tensor", name);
+  auto r = rows.to(at::kCPU).contiguous();
   const int64_t* ids = r.data_ptr<int64_t>();
   for (int64_t i = 0; i < r.numel(); ++i) {
     DTRAIN_CHECK(ids[i] >= 0 && ids[i] < e.num_rows, InvalidArgument, "ps: row {} of '{}' out of range [0, {})",
                  ids[i], name, e.num_rows);
   }
+  return r;
 }
 
 comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor& grad) {
@@ -226,14 +236,15 @@ comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor&
 
 comm::WorkPtr Worker::Impl::pullAsync(const std::string& name, at::Tensor out) {
   const auto& e = entry(name, false);
-  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
-               InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK(out.defined() && cpuOrCuda(out) && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pull '{}': out must be a contiguous float32 CPU or CUDA tensor", name);
   DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pull '{}': numel", name));
   const int c = clock_;
-  return submit(fmt::format("pull '{}'", name), [this, &e, out, c] {
+  return submit(fmt::format("pull '{}'", name), [this, &e, out, host = hostFor(out), c] {
     DTRAIN_SPAN("ps pull", "ps");
-    if (connected()) netPull(e, nullptr, out, c);
-    if (local_) local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+    if (connected()) netPull(e, nullptr, host, c);
+    if (local_) local_->broadcast(host.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+    if (!host.is_same(out)) out.copy_(host);
   });
 }
 
@@ -241,16 +252,20 @@ comm::WorkPtr Worker::Impl::pushPullAsync(const std::string& name, const at::Ten
   const auto& e = entry(name, false);
   auto g = floatCpu(grad, "gradient");
   DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
-  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous(),
-               InvalidArgument, "ps: pushPull '{}': out must be a contiguous float32 CPU tensor", name);
+  DTRAIN_CHECK(out.defined() && cpuOrCuda(out) && out.scalar_type() == at::kFloat && out.is_contiguous(),
+               InvalidArgument, "ps: pushPull '{}': out must be a contiguous float32 CPU or CUDA tensor", name);
   DTRAIN_CHECK_EQ(out.numel(), e.numel, fmt::format("ps: pushPull '{}': numel", name));
   const int c = clock_;
-  return submit(fmt::format("pushPull '{}'", name), [this, &e, g, out, c] {
+  return submit(fmt::format("pushPull '{}'", name), [this, &e, g, out, host = hostFor(out), c] {
     DTRAIN_SPAN("ps pushpull", "ps");
-    if (!local_) return netPull(e, &g, out, c);
-    auto sum = localSum(*local_, g, opts_);
-    if (connected()) netPull(e, &sum, out, c);
-    local_->broadcast(out.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+    if (!local_) {
+      netPull(e, &g, host, c);
+    } else {
+      auto sum = localSum(*local_, g, opts_);
+      if (connected()) netPull(e, &sum, host, c);
+      local_->broadcast(host.data_ptr<float>(), static_cast<size_t>(e.numel), DType::f32, 0)->wait();
+    }
+    if (!host.is_same(out)) out.copy_(host);
   });
 }
 
@@ -264,11 +279,10 @@ comm::WorkPtr Worker::Impl::clockAsync() {
 
 comm::WorkPtr Worker::Impl::pushRowsAsync(const std::string& name, const at::Tensor& rows, const at::Tensor& grads) {
   const auto& e = entry(name, true);
-  checkRows(rows, e, name);
+  auto ids = checkRows(rows, e, name);
   auto g = floatCpu(grads, "row gradients");
   DTRAIN_CHECK(g.dim() == 2 && g.size(0) == rows.numel() && g.size(1) == e.dim, InvalidArgument,
                "ps: pushRows '{}': grads must be [{}, {}]", name, rows.numel(), e.dim);
-  auto ids = rows.contiguous();
   const int c = clock_;
   return submit(fmt::format("pushRows '{}'", name), [this, &e, ids, g, c] {
     DTRAIN_SPAN("ps push", "ps");
@@ -281,29 +295,32 @@ comm::WorkPtr Worker::Impl::pushRowsAsync(const std::string& name, const at::Ten
 
 at::Tensor Worker::Impl::pullRows(const std::string& name, const at::Tensor& rows) {
   const auto& e = entry(name, true);
-  auto out = at::empty({rows.numel(), e.dim}, at::kFloat);
+  auto out = at::empty({rows.numel(), e.dim}, at::TensorOptions().dtype(at::kFloat).device(rows.device()));
   pullRowsAsync(name, rows, out)->wait();
   return out;
 }
 
 comm::WorkPtr Worker::Impl::pullRowsAsync(const std::string& name, const at::Tensor& rows, at::Tensor out) {
   const auto& e = entry(name, true);
-  checkRows(rows, e, name);
-  DTRAIN_CHECK(out.defined() && out.device().is_cpu() && out.scalar_type() == at::kFloat && out.is_contiguous() &&
+  auto ids = checkRows(rows, e, name);
+  DTRAIN_CHECK(out.defined() && cpuOrCuda(out) && out.scalar_type() == at::kFloat && out.is_contiguous() &&
                    out.dim() == 2 && out.size(0) == rows.numel() && out.size(1) == e.dim,
-               InvalidArgument, "ps: pullRows '{}': out must be a contiguous float32 CPU tensor [{}, {}]", name,
+               InvalidArgument, "ps: pullRows '{}': out must be a contiguous float32 CPU or CUDA tensor [{}, {}]", name,
                rows.numel(), e.dim);
-  auto ids = rows.contiguous();
   const int c = clock_;
-  return submit(fmt::format("pullRows '{}'", name), [this, &e, ids, out, c] {
+  return submit(fmt::format("pullRows '{}'", name), [this, &e, ids, out, host = hostFor(out), c] {
     DTRAIN_SPAN("ps pull", "ps");
-    if (!local_) return netPullRows(e, ids, out, c);
-    at::Tensor all_ids;
-    int64_t offset = localRows(*local_, ids, nullptr, e.dim, all_ids, nullptr);
-    auto values = at::empty({all_ids.numel(), e.dim}, at::kFloat);
-    if (connected()) netPullRows(e, all_ids, values, c);
-    local_->broadcast(values.data_ptr<float>(), static_cast<size_t>(values.numel()), DType::f32, 0)->wait();
-    out.copy_(values.narrow(0, offset, ids.numel()));
+    if (!local_) {
+      netPullRows(e, ids, host, c);
+    } else {
+      at::Tensor all_ids;
+      int64_t offset = localRows(*local_, ids, nullptr, e.dim, all_ids, nullptr);
+      auto values = at::empty({all_ids.numel(), e.dim}, at::kFloat);
+      if (connected()) netPullRows(e, all_ids, values, c);
+      local_->broadcast(values.data_ptr<float>(), static_cast<size_t>(values.numel()), DType::f32, 0)->wait();
+      host.copy_(values.narrow(0, offset, ids.numel()));
+    }
+    if (!host.is_same(out)) out.copy_(host);
   });
 }
 

@@ -190,7 +190,8 @@ at::Tensor localSum(comm::ProcessGroup& local, const at::Tensor& g, const PSOpti
 int64_t localRows(comm::ProcessGroup& local, const at::Tensor& ids, const at::Tensor* grads, int64_t dim,
                   at::Tensor& all_ids, at::Tensor* all_grads);
 
-// InvalidArgument unless rows is a 1-d int64 CPU tensor of ids in the table's range.
-void checkRows(const at::Tensor& rows, const Entry& e, const std::string& name);
+// The ids on the host (contiguous); InvalidArgument unless rows is a 1-d int64 CPU or CUDA tensor of ids in
+// the table's range.
+at::Tensor checkRows(const at::Tensor& rows, const Entry& e, const std::string& name);
 
 }  // namespace dtrain::ps
