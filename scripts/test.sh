@@ -56,8 +56,9 @@ for gen in $generations; do
     ctest --test-dir "$build" --output-on-failure -L '^gpu_test$' ${CTEST_ARGS:-} | tee "$build/gpu_tests.txt"
     gpu_total=$(grep -c "Test *#" "$build/gpu_tests.txt" || true)
     gpu_skipped=$(grep -c "Test *#.*Skipped" "$build/gpu_tests.txt" || true)
-    timings+=("GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (no GPU here)")
-    echo "test.sh: GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (no GPU here)"
+    gpu_why=$("$build/bin/gpu_test" --gtest_filter='GpuDdp.NcclAtWorldOne*' 2>&1 | grep -m1 -o "not run: .*" || true)
+    timings+=("GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (${gpu_why:-a GPU is here})")
+    echo "test.sh: GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (${gpu_why:-a GPU is here})"
     # find_package(dtrain) against an install made with libtorch 2.x: a DDP step on 2 ranks.
     timed "libtorch 2.x: consumer project (installed)" env BUILD_DIR="$build" JOBS="$jobs" \
       bash "$root/scripts/consumer_test.sh" installed

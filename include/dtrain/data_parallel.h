@@ -74,6 +74,9 @@ class DataParallel {
   // One replica per entry of devices (at least one), replica k on devices[k] (see above).
   DataParallel(std::shared_ptr<torch::nn::Module> module, std::vector<c10::Device> devices);
   template <typename M>
+  DataParallel(const torch::nn::ModuleHolder<M>& module, std::vector<c10::Device> devices)
+      : DataParallel(module.ptr(), std::move(devices)) {}
+  template <typename M>
   DataParallel(const torch::nn::ModuleHolder<M>& module, int num_replicas) : DataParallel(module.ptr(), num_replicas) {}
   ~DataParallel();
   DataParallel(const DataParallel&) = delete;

@@ -531,22 +531,29 @@ WorkPtr ProcessGroup::sendRecv(std::vector<P2POp> ops) {
   return m.submit(std::move(t));
 }
 
-WorkPtr ProcessGroup::abort(const std::string& reason) {
-  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
-  return localStep("abort", [msg = fmt::format("[rank {}] {}", impl_->rank, reason)]() -> void { throw Error(msg); });
-}
-
-WorkPtr ProcessGroup::localStep(std::string what, std::function<void()> fn) {
-  Impl& m = *impl_;
+namespace {
+// A step of this rank alone in the group's issue order; `op` is its name in traces and dumps.
+WorkPtr submitLocal(ProcessGroup::Impl& m, std::string what, const char* op, std::function<void()> fn) {
   Task t;
   t.collective = false;
   t.label.op = OpCode::none;
   t.label.what = std::move(what);
-  t.rec->op = "local";
+  t.rec->op = op;
   t.label.timeout = m.opts.timeout;
   t.deadline = Clock::now() + m.opts.timeout;
   t.fn = [fn = std::move(fn)](algo::Context&) { fn(); };
   return m.submit(std::move(t));
+}
+}  // namespace
+
+WorkPtr ProcessGroup::abort(const std::string& reason) {
+  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
+  return submitLocal(*impl_, "abort", "abort",
+                     [msg = fmt::format("[rank {}] {}", impl_->rank, reason)]() -> void { throw Error(msg); });
+}
+
+WorkPtr ProcessGroup::localStep(std::string what, std::function<void()> fn) {
+  return submitLocal(*impl_, std::move(what), "local", std::move(fn));
 }
 
 std::shared_ptr<void> ProcessGroup::attachment(const std::string& key,

@@ -1,5 +1,6 @@
 // A consumer of dtrain::dtrain (the torch layer): one DDP training step on every rank, checked.
-//   dtrain-run --standalone --nproc-per-node 2 consumer-ddp 2     (the argument: the expected world size)
+//   dtrain-run --standalone --nproc-per-node 2 consumer-ddp 2 [DEVICE]   (the expected world size; DEVICE
+//   for dtrain::selectDevice, default auto: a GPU where there is one, else the CPU)
 //
 // Linear(4 -> 1) on a batch of 2 rows filled with rank + 1, loss = sum of the outputs: a rank's weight
 // gradient is 2 * (rank + 1) in every element and its bias gradient 2, so DDP's average over the ranks is
@@ -13,6 +14,7 @@
 #include "dtrain/build_info.h"
 #include "dtrain/compat.h"
 #include "dtrain/ddp.h"
+#include "dtrain/device.h"
 #include "dtrain/distributed.h"
 
 namespace {
@@ -49,10 +51,14 @@ int main(int argc, char** argv) try {
     return 1;
   }
 
+  const torch::Device dev = dtrain::selectDevice(argc > 2 ? argv[2] : "auto", dist.localRank());
+  if (rank == 0)
+    std::printf("consumer-ddp: on %s (dtrain %s CUDA)\n", dev.str().c_str(), dtrain::cudaBuilt() ? "with" : "without");
   torch::manual_seed(100 + rank);  // different weights on every rank before DDP
   torch::nn::Linear model(4, 1);
+  model->to(dev);
   dtrain::DistributedDataParallel ddp(model.ptr(), dist.world());
-  auto w0 = model->weight.detach().clone(), b0 = model->bias.detach().clone();
+  auto w0 = model->weight.detach().cpu().clone(), b0 = model->bias.detach().cpu().clone();
 
   // The same weights everywhere: the sum over the ranks is size times one's own.
   auto w_sum = w0.clone();
@@ -62,12 +68,12 @@ int main(int argc, char** argv) try {
 
   torch::optim::SGD opt(model->parameters(), 0.5);
   opt.zero_grad();
-  model->forward(torch::full({2, 4}, static_cast<float>(rank + 1))).sum().backward();
-  ok &= same("averaged weight gradient", rank, model->weight.grad(), torch::full({1, 4}, float(size + 1)));
-  ok &= same("averaged bias gradient", rank, model->bias.grad(), torch::full({1}, 2.0f));
+  model->forward(torch::full({2, 4}, static_cast<float>(rank + 1), torch::TensorOptions().device(dev))).sum().backward();
+  ok &= same("averaged weight gradient", rank, model->weight.grad().cpu(), torch::full({1, 4}, float(size + 1)));
+  ok &= same("averaged bias gradient", rank, model->bias.grad().cpu(), torch::full({1}, 2.0f));
   opt.step();
-  ok &= same("weight after the step", rank, model->weight.detach(), w0 - 0.5f * float(size + 1));
-  ok &= same("bias after the step", rank, model->bias.detach(), b0 - 0.5f * 2.0f);
+  ok &= same("weight after the step", rank, model->weight.detach().cpu(), w0 - 0.5f * float(size + 1));
+  ok &= same("bias after the step", rank, model->bias.detach().cpu(), b0 - 0.5f * 2.0f);
   if (ok) std::printf("[rank %d] consumer DDP step of %d ranks: ok\n", rank, size);
   return ok ? 0 : 1;
 } catch (const std::exception& e) {
