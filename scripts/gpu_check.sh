@@ -97,9 +97,16 @@ run_tests() {  # run_tests NAME SECONDS
   local name=$1 limit=$2
   timeout "$limit" "$bin/$name" --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1
   local rc=$?
-  "$python" - "$out/$name.json" "$name" "$rc" <<'PY' | tee -a "$summary"
-import json, sys
-path, name, rc = sys.argv[1], sys.argv[2], int(sys.argv[3])
+  "$python" - "$out/$name.json" "$name" "$rc" "$out/$name.log" <<'PY' | tee -a "$summary"
+import json, re, sys
+path, name, rc, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+why, last = {}, ""  # a skipped test's reason, from the log (gtest's JSON does not keep it)
+for line in open(log, errors="replace"):
+    if "not run:" in line:
+        last = line.strip()
+    m = re.match(r"\[  SKIPPED \] (\S+) \(", line)
+    if m:
+        why[m.group(1)] = last
 try:
     doc = json.load(open(path))
 except Exception as e:
@@ -108,8 +115,7 @@ for suite in doc["testsuites"]:
     for t in suite["testsuite"]:
         full = f"{suite['name']}.{t['name']}"
         if t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
-            msg = " ".join(s.get("message", "") for s in t.get("skipped", [])) if isinstance(t.get("skipped"), list) else ""
-            print(f"NOT RUN  {name} {full} {msg.strip()[:200]}")
+            print(f"NOT RUN  {name} {full} {why.get(full, '')[:200]}")
         elif t.get("failures"):
             print(f"FAIL  {name} {full}: {t['failures'][0]['failure'].splitlines()[0][:200]}")
         else:

@@ -239,6 +239,20 @@ TEST(Launcher, KeepsTheUsersOmpNumThreads) {
   for (auto& [rank, fields] : by_rank) EXPECT_EQ(fields.at(8), "3") << r.describe();
 }
 
+// --gpu-per-worker: each worker sees the LOCAL_RANK-th of the launcher's GPUs (cycling), or its LOCAL_RANK.
+TEST(Launcher, GpuPerWorkerGivesEachWorkerOneGpu) {
+  const char* print = "echo \"gpu $LOCAL_RANK=${CUDA_VISIBLE_DEVICES-unset}\"";
+  auto r = run({"--nproc-per-node", "3", "--standalone", "--gpu-per-worker", "bash", "-c", print},
+               {{"CUDA_VISIBLE_DEVICES", "3,5"}});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  for (const char* want : {"gpu 0=3", "gpu 1=5", "gpu 2=3"}) EXPECT_NE(r.out.find(want), std::string::npos) << r.describe();
+  r = run({"--nproc-per-node", "2", "--standalone", "--gpu-per-worker", "bash", "-c", print}, {{"CUDA_VISIBLE_DEVICES", ""}});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  for (const char* want : {"gpu 0=0", "gpu 1=1"}) EXPECT_NE(r.out.find(want), std::string::npos) << r.describe();
+  r = run({"--nproc-per-node", "1", "--standalone", "bash", "-c", print}, {{"CUDA_VISIBLE_DEVICES", "7"}});
+  EXPECT_NE(r.out.find("gpu 0=7"), std::string::npos) << r.describe();  // without the flag: inherited as it is
+}
+
 TEST(Launcher, NodeRankOffsetsRanks) {
   // Node 1 hosts no store, so nothing needs to listen on this port.
   auto r = run({"--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",

@@ -110,6 +110,22 @@ std::optional<std::string> applyNnodes(const std::string& text, const ElasticSec
   return std::nullopt;
 }
 
+// The launcher's CUDA_VISIBLE_DEVICES, split at commas (empty when unset).
+static std::vector<std::string> visibleGpus() {
+  std::vector<std::string> ids;
+  const char* visible = std::getenv("CUDA_VISIBLE_DEVICES");
+  std::string id;
+  for (const char* c = visible ? visible : "";; ++c) {
+    if (*c != ',' && *c != '\0') {
+      id += *c;
+      continue;
+    }
+    if (!id.empty()) ids.push_back(id);
+    id.clear();
+    if (*c == '\0') return ids;
+  }
+}
+
 int main(int argc, char** argv) {
   dtrain::run::Options opts;
   double grace_seconds = 5.0;
@@ -204,18 +220,7 @@ int main(int argc, char** argv) {
   }
 
   try {
-    if (const char* visible = std::getenv("CUDA_VISIBLE_DEVICES")) {  // --gpu-per-worker picks from these
-      std::string id;
-      for (const char* c = visible;; ++c) {
-        if (*c != ',' && *c != '\0') {
-          id += *c;
-          continue;
-        }
-        if (!id.empty()) opts.gpu_ids.push_back(id);
-        id.clear();
-        if (*c == '\0') break;
-      }
-    }
+    opts.gpu_ids = visibleGpus();  // --gpu-per-worker picks from these
     // The job secret: the user's (workers inherit the variable), or with --job-secret one made here and
     // handed to the workers in their environment (never on a command line).
     opts.secret = dtrain::comm::jobSecretFrom(std::getenv("DTRAIN_SECRET"), std::getenv("DTRAIN_SECRET_FILE"));
