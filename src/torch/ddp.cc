@@ -58,7 +58,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
     bk.gb.params = groups[k];
     bk.gb.flat = at::zeros({numel}, params[groups[k][0]].options().requires_grad(false));
     bk.gb.last = k + 1 == groups.size();
-    bk.dtype = toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");
+    toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");  // refuses a dtype that cannot travel
     buckets.push_back(std::move(bk));
     for (size_t i : groups[k]) {
       adoptGrad(i);
@@ -326,9 +326,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   for (const auto& [name, p] : uniqueParameters(*m.module)) {
     if (!p.requires_grad()) continue;
     device::checkTensor(p, fmt::format("DDP parameter {}", name).c_str());
-    DTRAIN_CHECK(m.params.empty() || p.device() == m.params[0].device(), InvalidArgument,
-                 "DDP parameter {} is on {}, {} on {}: DistributedDataParallel takes a module on one device", name,
-                 p.device().str(), m.names.empty() ? "" : m.names[0], m.params.empty() ? "" : m.params[0].device().str());
+    if (!m.params.empty()) device::checkSameDevice(m.params[0], m.names[0], p, name, "DistributedDataParallel");
     m.params.push_back(p);
     m.names.push_back(name);
   }

@@ -21,7 +21,6 @@ using Clock = std::chrono::steady_clock;
 
 struct Bucket {
   GradBucket gb;
-  comm::DType dtype = comm::DType::f32;
   size_t pending = 0;  // parameters of this bucket without a gradient yet in this pass
   comm::WorkPtr work;  // the allreduce, or the Work the comm hook returned (perhaps a chain)
   // The timeline's (DTRAIN_TIMELINE): when the bucket's last gradient arrived and when it was launched

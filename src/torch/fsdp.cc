@@ -88,6 +88,7 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
   std::unordered_map<const c10::TensorImpl*, std::string> name_of;
   for (const auto& item : model->named_parameters(/*recurse=*/true)) name_of.emplace(item.value().unsafeGetTensorImpl(), item.key());
   std::unordered_map<const c10::TensorImpl*, bool> taken;
+  at::Tensor first_param;  // every parameter on its device (m.device)
   int first = 0;
   for (int children : childrenPerUnit(model, o)) {
     Unit u;
@@ -98,6 +99,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
         if (p.requires_grad() && !taken[p.unsafeGetTensorImpl()]) {
           taken[p.unsafeGetTensorImpl()] = true;
           device::checkTensor(p, fmt::format("FSDP parameter {}", name_of[p.unsafeGetTensorImpl()]).c_str());
+          if (!first_param.defined()) first_param = p;
+          device::checkSameDevice(first_param, name_of[first_param.unsafeGetTensorImpl()], p,
+                                  name_of[p.unsafeGetTensorImpl()], "FullyShardedDataParallel");
           DTRAIN_CHECK(u.params.empty() || p.scalar_type() == u.params[0].scalar_type(), InvalidArgument,
                        "FSDP: unit {} mixes dtypes ({} is {}, {} is {}); keep one dtype per unit", m.units.size(),
                        u.names[0], c10::toString(u.params[0].scalar_type()), name_of[p.unsafeGetTensorImpl()],
@@ -110,16 +114,8 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
     first += children;
     m.units.push_back(std::move(u));
   }
+  if (first_param.defined()) m.device = first_param.device();
   torch::NoGradGuard no_grad;
-  bool first_param = true;
-  for (auto& u : m.units)
-    for (auto& p : u.params) {
-      if (first_param) m.device = p.device();
-      first_param = false;
-      DTRAIN_CHECK(p.device() == m.device, InvalidArgument,
-                   "[rank {}] FSDP parameter {} is on {}, another on {}: FullyShardedDataParallel takes a model on "
-                   "one device", rank, name_of[p.unsafeGetTensorImpl()], p.device().str(), m.device.str());
-    }
   for (auto& u : m.units) {
     const auto dtype = u.params.empty() ? at::kFloat : u.params[0].scalar_type();
     u.chunk = std::max<int64_t>(1, (u.numel + world - 1) / world);

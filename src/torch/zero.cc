@@ -83,9 +83,8 @@ ZeroRedundancyOptimizer::ZeroRedundancyOptimizer(std::vector<torch::optim::Optim
     for (const auto& p : g.params()) {
       if (!seen.insert(p.unsafeGetTensorImpl()).second) continue;
       device::checkTensor(p, fmt::format("ZeroRedundancyOptimizer parameter {}", m.params.size()).c_str());
-      DTRAIN_CHECK(m.params.empty() || p.device() == m.params[0].device(), InvalidArgument,
-                   "ZeroRedundancyOptimizer parameter {} is on {}, parameter 0 on {}: all on one device",
-                   m.params.size(), p.device().str(), m.params[0].device().str());
+      if (!m.params.empty())
+        device::checkSameDevice(m.params[0], "0", p, std::to_string(m.params.size()), "ZeroRedundancyOptimizer");
       kept.push_back(p);
       m.params.push_back(p);
       m.group_of.push_back(m.groups.size());

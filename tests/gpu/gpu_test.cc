@@ -81,6 +81,13 @@ std::pair<at::Tensor, at::Tensor> globalBatch() {
   return {torch::randn({16, 32}), torch::randint(0, 4, {16})};
 }
 
+// The module's parameters, copied to the CPU.
+std::vector<at::Tensor> cpuParams(torch::nn::Module& m) {
+  std::vector<at::Tensor> out;
+  for (const auto& p : m.parameters()) out.push_back(p.detach().cpu());
+  return out;
+}
+
 // `steps` SGD steps of mlp() on `device` on this rank's share of the global batch, with DDP over pg when
 // given (else plain libtorch on the whole batch); the parameters on the CPU.
 std::vector<at::Tensor> train(const std::shared_ptr<comm::ProcessGroup>& pg, const c10::Device& device, int steps,
@@ -104,9 +111,7 @@ std::vector<at::Tensor> train(const std::shared_ptr<comm::ProcessGroup>& pg, con
     torch::nn::functional::cross_entropy(net->forward(x), y).backward();
     opt.step();
   }
-  std::vector<at::Tensor> out;
-  for (const auto& p : net->parameters()) out.push_back(p.detach().cpu());
-  return out;
+  return cpuParams(*net);
 }
 
 void expectClose(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, double tol) {
@@ -274,10 +279,7 @@ TEST(GpuDataParallel, ReplicasOnGpusEqualOneModel) {
       dp.step(x, y, loss_fn);
       opt.step();
     }
-    std::vector<at::Tensor> a, b;
-    for (const auto& p : net->parameters()) a.push_back(p.detach().cpu());
-    for (const auto& p : ref->parameters()) b.push_back(p.detach());
-    expectClose(a, b, 1e-5);
+    expectClose(cpuParams(*net), cpuParams(*ref), 1e-5);
   });
   test::expectAllOk(results);
 }
@@ -303,9 +305,7 @@ TEST(GpuZero, StageOneOnCudaEqualsCpu) {
         torch::nn::functional::cross_entropy(net->forward(x), y).backward();
         opt.step();
       }
-      std::vector<at::Tensor> out;
-      for (const auto& p : net->parameters()) out.push_back(p.detach().cpu());
-      return out;
+      return cpuParams(*net);
     };
     expectClose(run(server_gpu, c10::Device(c10::kCUDA, 0)), run(server_cpu, c10::Device(c10::kCPU)), 1e-5);
   });

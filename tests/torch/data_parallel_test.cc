@@ -66,16 +66,14 @@ void PrintTo(const Case& c, std::ostream* os) { *os << c.replicas << " replicas,
 class MatchesOneReplica : public ::testing::TestWithParam<Case> {};
 
 // 5 optimizer steps through DataParallel equal 5 steps of one model on the whole batch.
-TEST_P(MatchesOneReplica, AfterFiveSteps) {
-  const Case c = GetParam();
-  Sequential ref = makeMlp(), net = makeMlp();
-  auto ref_opt = makeOpt(c.optimizer, ref);
-  auto opt = makeOpt(c.optimizer, net);
-  DataParallel dp(net, c.replicas);
-  ASSERT_EQ(dp.numReplicas(), c.replicas);
-
+// Five steps of `optimizer` on net through dp and on one model, batches of `rows`: the same losses and
+// parameters.
+void expectFiveStepsMatchOneModel(DataParallel& dp, Sequential& net, const std::string& optimizer, int64_t rows) {
+  Sequential ref = makeMlp();
+  auto ref_opt = makeOpt(optimizer, ref);
+  auto opt = makeOpt(optimizer, net);
   for (int s = 0; s < 5; ++s) {
-    auto [x, y] = batch(s, c.rows);
+    auto [x, y] = batch(s, rows);
     ref_opt->zero_grad();
     at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
     ref_loss.backward();
@@ -89,6 +87,14 @@ TEST_P(MatchesOneReplica, AfterFiveSteps) {
     EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-12) << "step " << s;
   }
   expectSameParameters(net, ref, 1e-10, "after 5 steps");
+}
+
+TEST_P(MatchesOneReplica, AfterFiveSteps) {
+  const Case c = GetParam();
+  Sequential net = makeMlp();
+  DataParallel dp(net, c.replicas);
+  ASSERT_EQ(dp.numReplicas(), c.replicas);
+  expectFiveStepsMatchOneModel(dp, net, c.optimizer, c.rows);
 
   // The replicas catch up with the optimizer's last update.
   dp.syncReplicas();
@@ -111,23 +117,10 @@ INSTANTIATE_TEST_SUITE_P(
 // Replicas on given devices (here all the CPU: the GPU case is tests/gpu): the path that moves slices and
 // sums gradients across devices gives the same training as one model.
 TEST(DataParallel, OnListedDevicesMatchesOneReplica) {
-  Sequential ref = makeMlp(), net = makeMlp();
-  auto ref_opt = makeOpt("sgd", ref);
-  auto opt = makeOpt("sgd", net);
+  Sequential net = makeMlp();
   DataParallel dp(net, std::vector<c10::Device>(3, c10::Device(c10::kCPU)));
   ASSERT_EQ(dp.numReplicas(), 3);
-  for (int s = 0; s < 5; ++s) {
-    auto [x, y] = batch(s, 10);
-    ref_opt->zero_grad();
-    at::Tensor ref_loss = torch::mse_loss(ref->forward(x), y);
-    ref_loss.backward();
-    ref_opt->step();
-    opt->zero_grad();
-    at::Tensor loss = dp.step(x, y, mseOf);
-    opt->step();
-    EXPECT_NEAR(loss.item<double>(), ref_loss.item<double>(), 1e-12) << "step " << s;
-  }
-  expectSameParameters(net, ref, 1e-10, "after 5 steps");
+  expectFiveStepsMatchOneModel(dp, net, "sgd", 10);
   EXPECT_NE(dtrain::test::errorOf([&] { DataParallel(makeMlp().ptr(), std::vector<c10::Device>{}); }).find("no devices"),
             std::string::npos);
 }

@@ -35,6 +35,12 @@ void checkTensor(const at::Tensor& t, const char* what) {
   toCommDType(t.scalar_type(), what);
 }
 
+void checkSameDevice(const at::Tensor& first, const std::string& first_name, const at::Tensor& t,
+                     const std::string& name, const char* who) {
+  DTRAIN_CHECK(t.device() == first.device(), InvalidArgument, "{} parameter {} is on {}, {} on {}: {} takes a model on "
+               "one device", who, name, t.device().str(), first_name, first.device().str(), who);
+}
+
 Path pathFor(comm::ProcessGroup& pg, const at::Tensor& t) {
   return t.device().is_cuda() ? cuda::choose(pg, t) : Path::host;
 }
@@ -52,11 +58,16 @@ comm::WorkPtr hostCall(comm::ProcessGroup& pg, const Call& c, const void* in, vo
 
 namespace {
 
-comm::WorkPtr run(comm::ProcessGroup& pg, const Call& c, const at::Tensor& in, const at::Tensor& out) {
+// What every collective on tensors checks first: both communicable, on one device.
+void checkPair(const at::Tensor& in, const at::Tensor& out) {
   checkTensor(in, "collective input");
   checkTensor(out, "collective output");
   DTRAIN_CHECK(in.device() == out.device(), InvalidArgument, "collective: input on {}, output on {}",
                in.device().str(), out.device().str());
+}
+
+comm::WorkPtr run(comm::ProcessGroup& pg, const Call& c, const at::Tensor& in, const at::Tensor& out) {
+  checkPair(in, out);
   const Path path = pathFor(pg, in);
   if (path != Path::host) return cuda::run(pg, path, c, in, out);
   auto w = hostCall(pg, c, in.data_ptr(), out.data_ptr(), static_cast<size_t>(in.numel()),
@@ -92,8 +103,7 @@ comm::WorkPtr reduceScatter(comm::ProcessGroup& pg, const at::Tensor& in, const 
 
 comm::WorkPtr onHost(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor& out,
                      const std::function<comm::WorkPtr(const void* in, void* out)>& op) {
-  checkTensor(in, "collective input");
-  checkTensor(out, "collective output");
+  checkPair(in, out);
   if (in.device().is_cuda())
     return cuda::staged(pg, in, out, /*chunkable=*/false, /*copy_in=*/true,
                         [op](const void* i, void* o, size_t) { return op(i, o); });

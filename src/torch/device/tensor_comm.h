@@ -17,6 +17,7 @@
 #include <ATen/core/Tensor.h>
 
 #include <functional>
+#include <string>
 
 #include "dtrain/comm/process_group.h"
 
@@ -32,6 +33,11 @@ Path pathFor(comm::ProcessGroup& pg, const at::Tensor& t);
 // InvalidArgument naming `what` unless t is defined, contiguous, of a dtype dtrain communicates and on
 // the CPU or (in a CUDA build) on a CUDA device.
 void checkTensor(const at::Tensor& t, const char* what);
+
+// InvalidArgument unless t is on first's device: `who` (DDP, FSDP, ZeRO) takes a model on one device. The
+// names are the two tensors'.
+void checkSameDevice(const at::Tensor& first, const std::string& first_name, const at::Tensor& t,
+                     const std::string& name, const char* who);
 
 // In place: every rank's t becomes the reduction.
 comm::WorkPtr allreduce(comm::ProcessGroup& pg, const at::Tensor& t, comm::ReduceOp op);
