@@ -17,6 +17,16 @@
 // that fails sends its error on a second tag to every peer (abort()); a persistent receive on that tag
 // raises it on the others, so everyone names the root cause. A process that dies makes OpenMPI abort
 // the whole job: the fault-tolerance guarantees of tcp and shm do not hold here (docs/CLUSTER.md).
+//
+// The failure path never leaves MPI a buffer the caller may free. MPI cannot cancel a send, and a
+// receive that matched already is delivered, not cancelled; a peer that has not yet seen the failure may
+// still post the receive that matches a send of ours, and then MPI reads our buffer. So a failed run
+// returns only when nothing can touch its buffers (settle()): it withdraws its receives and waits for the
+// ones that had matched; then it tells every peer "closed" (on the abort tag: this rank posts no receive
+// on this group again); then it waits until each of its sends has completed or its peer said "closed".
+// A peer that sees an abort and has no receive from that rank pending says "closed" at once. The wait is
+// bounded by the op's timeout (at most kMaxSettle); a peer that never answers (stopped) leaves the
+// requests to MPI and their headers alive for the life of the process, with a warning.
 // The C API only: OpenMPI's mpi.h would otherwise pull in the deprecated C++ bindings (libmpi_cxx).
 #define OMPI_SKIP_MPICXX 1
 #define MPICH_SKIP_MPICXX 1
@@ -34,6 +44,7 @@
 #include <random>
 #include <thread>
 
+#include "comm/transport/mpi/setup.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
 
@@ -43,53 +54,16 @@ namespace {
 constexpr size_t kDefaultChunk = 1u << 20;
 constexpr size_t kMaxChunk = 256u << 20;  // an MPI count is an int
 constexpr size_t kWindow = 4;             // chunk receives in flight per peer
-
-std::mutex& mpiMutex() {
-  static std::mutex m;
-  return m;
-}
-
-std::string mpiError(int rc) {
-  char msg[MPI_MAX_ERROR_STRING];
-  int len = 0;
-  if (MPI_Error_string(rc, msg, &len) != MPI_SUCCESS) return fmt::format("MPI error {}", rc);
-  return std::string(msg, static_cast<size_t>(len));
-}
-
-// Initialises MPI once per process unless the program did, and finalises it at exit if dtrain did.
-void ensureMpi() {
-  static std::once_flag once;
-  std::call_once(once, [] {
-    std::lock_guard<std::mutex> g(mpiMutex());
-    int inited = 0;
-    MPI_Initialized(&inited);
-    int provided = 0;
-    if (!inited) {
-      int rc = MPI_Init_thread(nullptr, nullptr, MPI_THREAD_MULTIPLE, &provided);
-      if (rc != MPI_SUCCESS) throw IoError("mpi transport: MPI_Init_thread failed: " + mpiError(rc));
-      std::atexit([] {
-        std::lock_guard<std::mutex> g2(mpiMutex());
-        int done = 0;
-        MPI_Finalized(&done);
-        if (!done) MPI_Finalize();
-      });
-    } else {
-      MPI_Query_thread(&provided);
-    }
-    // Collectives run on each group's own thread: calls from several threads, one at a time.
-    if (provided < MPI_THREAD_SERIALIZED) {
-      throw InvalidArgument(fmt::format(
-          "mpi transport: MPI provides thread level {} but dtrain calls MPI from its groups' threads: "
-          "initialise MPI with MPI_Init_thread(..., MPI_THREAD_SERIALIZED or MPI_THREAD_MULTIPLE, ...)",
-          provided));
-    }
-  });
-}
+// The control message "closed" on the abort tag (settle()): an abort frame's header with this opcode.
+constexpr uint16_t kClosedOpcode = 0xACu;
+constexpr Clock::duration kMaxSettle = std::chrono::seconds(30);
+constexpr Clock::duration kCloseWait = std::chrono::seconds(2);  // for the peers' "closed" at destruction
 
 class MpiTransport : public Transport {
  public:
   MpiTransport(Store& store, int rank, int size, const TransportOptions& opts)
-      : Transport(rank, size), peers_(size), world_(size), names_(size) {
+      : Transport(rank, size), peers_(size), failures_(size), closed_by_(size, 0), closed_to_(size, 0), world_(size),
+        names_(size) {
     ensureMpi();
     chunk_ = opts.segment_bytes ? std::clamp<size_t>(opts.segment_bytes / 8 * 8, 64, kMaxChunk) : kDefaultChunk;
     int wr = 0, ws = 0;
@@ -116,7 +90,7 @@ class MpiTransport : public Transport {
       store.set("mpi/tags", toBytes(fmt::format("{} {}", rd() % 30000 + 100, rd() % (tag_ub / 2 - 1) * 2)));
     }
     store.set(fmt::format("mpi/world/{}", rank), toBytes(fmt::format("{} {} {}", wr, ws, host)));
-    findMembers(store, ws);
+    findMembers(store, rank, size, ws, world_, names_);
     int tag = 0;
     if (std::sscanf(toString(store.get("mpi/tags")).c_str(), "%d %d", &tag, &frame_tag_) != 2) {
       throw ProtocolError(fmt::format("[rank {}] mpi transport: bad tags from rank 0", rank));
@@ -137,31 +111,21 @@ class MpiTransport : public Transport {
     postAbortRecv();
   }
 
+  // Frees the communicator only once every peer said "closed" (its last message on it): OpenMPI puts a
+  // message that arrives for a freed communicator into the next one given the same id, where it breaks
+  // the matching order. A peer that is not done within kCloseWait leaves the communicator kept.
   ~MpiTransport() override {
-    std::lock_guard<std::mutex> g(mpiMutex());
+    std::unique_lock<std::mutex> g(mpiMutex());
     int done = 0;
     MPI_Finalized(&done);
     if (done) return;
-    cancelAll();
-    // The abort receive may have matched a frame already (the peers of a failed group all send theirs):
-    // then it is delivered, not cancelled, and MPI writes abort_in_ until it completes.
-    if (abort_in_req_ != MPI_REQUEST_NULL) MPI_Cancel(&abort_in_req_);
-    // Abort frames and the sends of a failed run still leaving: give them a moment, then keep their
-    // buffers for the life of the process (MPI may still read them after the requests are freed).
-    std::vector<MPI_Request*> pending = {&abort_in_req_};
-    for (auto& r : abort_out_reqs_) pending.push_back(&r);
-    for (auto& u : unsent_)
-      for (auto& r : u.reqs) pending.push_back(&r);
-    if (!completeWithin(pending, std::chrono::seconds(2))) {
-      for (MPI_Request* r : pending)
-        if (*r != MPI_REQUEST_NULL) MPI_Request_free(r);
-      static std::vector<std::vector<char>> kept_aborts;
-      static std::deque<SendState> kept_sends;
-      kept_aborts.push_back(std::move(abort_out_));
-      kept_aborts.push_back(std::move(abort_in_));
-      for (auto& u : unsent_) kept_sends.push_back(std::move(u));
+    if (!settle(g, kCloseWait, /*all_closed=*/true)) {
+      kept().buffers.push_back(std::move(abort_in_));  // its receive stays posted on the kept communicator
+      return;
     }
-    if (comm_ != MPI_COMM_NULL) MPI_Comm_free(&comm_);
+    MPI_Cancel(&abort_in_req_);
+    MPI_Wait(&abort_in_req_, MPI_STATUS_IGNORE);  // nothing can match it now: it completes as cancelled
+    MPI_Comm_free(&comm_);
   }
 
   const char* name() const override { return "mpi"; }
@@ -176,10 +140,12 @@ class MpiTransport : public Transport {
       throw IoError(fmt::format("[rank {}] {}: the mpi transport failed earlier and cannot be used again", rank_,
                                 label.what));
     }
-    if (deferred_) raiseDeferred(label);
+    patience_ = std::min<Clock::duration>(label.timeout, kMaxSettle);
     try {
       {
         std::lock_guard<std::mutex> g(mpiMutex());
+        pollControl();
+        if (deferred_) raiseDeferred(label);  // a peer failed: nothing of this run is posted
         for (auto& op : ops) {
           if (op.peer < 0 || op.peer >= size_ || op.peer == rank_) {
             throw InvalidArgument(fmt::format("[rank {}] {}: op to peer {} in a group of {}", rank_, label.what,
@@ -190,40 +156,26 @@ class MpiTransport : public Transport {
         }
       }
       progress(deadline, label);
-    } catch (...) {
-      std::lock_guard<std::mutex> g(mpiMutex());
-      cancelAll();
-      broken_ = true;
+    } catch (const std::exception& e) {
+      abort(e);  // tells the peers, and returns once no transfer of this run can touch the caller's buffers
       throw;
     }
   }
 
   void abort(const std::exception& why) noexcept override {
     try {
-      std::string msg;
-      const Header h = abortHeader(why, msg);
-      std::lock_guard<std::mutex> g(mpiMutex());
-      if (comm_ == MPI_COMM_NULL || !abort_out_.empty()) return;  // told them already
-      abort_out_.resize(sizeof h + msg.size());
-      std::memcpy(abort_out_.data(), &h, sizeof h);
-      std::memcpy(abort_out_.data() + sizeof h, msg.data(), msg.size());
-      abort_out_reqs_.assign(static_cast<size_t>(size_), MPI_REQUEST_NULL);
-      for (int i = 0; i < size_; ++i) {
-        if (i == rank_) continue;
-        MPI_Isend(abort_out_.data(), static_cast<int>(abort_out_.size()), MPI_BYTE, i, abort_tag_, comm_,
-                  &abort_out_reqs_[static_cast<size_t>(i)]);
-      }
-      // Small messages go eagerly; give them a moment to leave before the caller moves on.
-      std::vector<MPI_Request*> reqs;
-      for (auto& r : abort_out_reqs_) reqs.push_back(&r);
-      completeWithin(reqs, std::chrono::milliseconds(500));
+      std::unique_lock<std::mutex> g(mpiMutex());
+      if (comm_ == MPI_COMM_NULL) return;
+      sendAbort(why);
+      broken_ = true;
+      settle(g, patience_);
     } catch (...) {
     }
   }
 
  private:
   // The headers live on the heap: MPI reads a send's and writes a receive's header until its request
-  // completes, which may be after the state moved (a failed run's sends are kept; see cancelAll).
+  // completes, which may be after the state moved (see settle).
   struct SendState {
     std::unique_ptr<Header> h = std::make_unique<Header>();
     std::vector<MPI_Request> reqs;
@@ -244,35 +196,23 @@ class MpiTransport : public Transport {
     size_t done = 0;    // payload bytes delivered (and reduced)
     std::deque<Chunk> inflight;
   };
+  // What MPI may still use after its owner went: kept past MPI_Finalize (which may touch it), so never
+  // destroyed, unlike a function-local static (destroyed before the atexit handler that finalizes MPI).
+  struct Kept {
+    std::deque<SendState> sends;
+    std::deque<RecvState> recvs;
+    std::deque<std::vector<char>> buffers;
+  };
+  static Kept& kept() {
+    static Kept* k = new Kept;  // NOLINT(cppcoreguidelines-owning-memory): deliberately never freed
+    return *k;
+  }
   struct Peer {
     std::deque<SendState> sends;
     std::deque<RecvState> recvs;
     std::vector<char> staging;  // kWindow chunks, for reducing receives
     size_t next_slot = 0;
   };
-
-  // Reads every member's "world-rank world-size host" and checks they are distinct processes of one job.
-  void findMembers(Store& store, int ws) {
-    for (int p = 0; p < size_; ++p) {
-      std::string v = toString(store.get(fmt::format("mpi/world/{}", p)));
-      int wr = -1, their_ws = -1;
-      char host[MPI_MAX_PROCESSOR_NAME + 1] = {0};
-      if (std::sscanf(v.c_str(), "%d %d %256s", &wr, &their_ws, host) < 2) {
-        throw ProtocolError(fmt::format("[rank {}] mpi transport: rank {} published '{}'", rank_, p, v));
-      }
-      world_[p] = wr;
-      names_[p] = host;
-      for (int q = 0; q < p; ++q) {
-        if (world_[q] == wr || their_ws != ws) {
-          throw InvalidArgument(fmt::format(
-              "[rank {}] mpi transport: ranks {} and {} are not distinct processes of one MPI job (MPI_COMM_WORLD "
-              "rank {} of {} and rank {} of {}): DTRAIN_TRANSPORT=mpi needs every rank started by one mpirun "
-              "(or srun --mpi=pmix), not by dtrain-run or by hand",
-              rank_, q, p, world_[q], ws, wr, their_ws));
-        }
-      }
-    }
-  }
 
   // Tests the requests until all completed (true) or `patience` passed (false). mpiMutex() held.
   static bool completeWithin(const std::vector<MPI_Request*>& reqs, Clock::duration patience) {
@@ -416,36 +356,56 @@ class MpiTransport : public Transport {
     }
   }
 
-  // An abort frame from any peer: raised now when this run needs that peer (receives from it, with
-  // `receiving_only`), otherwise kept and raised when the run times out or at the next run (the peer
-  // may have finished its part of this one).
-  void checkAbort(const Label& label, bool receiving_only = false) {
-    if (abort_in_req_ == MPI_REQUEST_NULL) return;
-    int flag = 0;
-    MPI_Status st;
-    if (MPI_Test(&abort_in_req_, &flag, &st) != MPI_SUCCESS || !flag) return;
-    int n = 0;
-    MPI_Get_count(&st, MPI_BYTE, &n);
-    Header h;
-    std::string msg = "(message lost)";
-    ErrorKind kind = ErrorKind::other;
-    if (n >= static_cast<int>(sizeof h)) {
-      std::memcpy(&h, abort_in_.data(), sizeof h);
-      if (h.magic == kFrameMagic && h.opcode == static_cast<uint16_t>(OpCode::abort) &&
-          h.length == static_cast<uint64_t>(n) - sizeof h) {
-        msg.assign(abort_in_.data() + sizeof h, h.length);
-        kind = static_cast<ErrorKind>(h.tag);
+  // Takes the control messages that arrived on the abort tag: a peer's abort (its failure, kept per peer;
+  // with no receive from that peer pending this rank says "closed" to it at once: it never posts one
+  // again, since every later run raises the failure first) and a peer's "closed" (see settle()).
+  void pollControl() {
+    while (abort_in_req_ != MPI_REQUEST_NULL) {
+      int flag = 0;
+      MPI_Status st;
+      if (MPI_Test(&abort_in_req_, &flag, &st) != MPI_SUCCESS || !flag) return;
+      int n = 0;
+      MPI_Get_count(&st, MPI_BYTE, &n);
+      Header h;
+      std::string msg = "(message lost)";
+      ErrorKind kind = ErrorKind::other;
+      bool closed = false;
+      if (n >= static_cast<int>(sizeof h)) {
+        std::memcpy(&h, abort_in_.data(), sizeof h);
+        if (h.magic == kFrameMagic && h.length == static_cast<uint64_t>(n) - sizeof h) {
+          closed = h.opcode == kClosedOpcode;
+          if (h.opcode == static_cast<uint16_t>(OpCode::abort)) {
+            msg.assign(abort_in_.data() + sizeof h, h.length);
+            kind = static_cast<ErrorKind>(h.tag);
+          }
+        }
       }
+      const int peer = st.MPI_SOURCE;
+      postAbortRecv();  // the next one: a peer this run needs may fail after this one
+      if (peer < 0 || peer >= size_ || peer == rank_) continue;
+      const auto i = static_cast<size_t>(peer);
+      if (closed) {
+        closed_by_[i] = 1;
+        continue;
+      }
+      if (failures_[i]) continue;
+      failures_[i] = PeerFailure{peer, kind, std::move(msg)};
+      if (!deferred_) deferred_ = failures_[i];
+      if (peers_[i].recvs.empty()) closeToward(peer);
     }
-    const int peer = st.MPI_SOURCE;
-    PeerFailure d{peer, kind, std::move(msg)};
-    postAbortRecv();  // the next one: a peer this run needs may fail after this one
-    const auto& p = peers_[static_cast<size_t>(peer)];
-    if ((!receiving_only && !p.sends.empty()) || !p.recvs.empty()) {
-      deferred_ = std::move(d);
-      raiseDeferred(label);
+  }
+
+  // A failed peer's abort: raised now when this run needs that peer (receives from it, with
+  // `receiving_only`), otherwise kept and raised at the next run (the peer may have finished its part of
+  // this one).
+  void checkAbort(const Label& label, bool receiving_only = false) {
+    pollControl();
+    for (size_t i = 0; i < failures_.size(); ++i) {
+      const auto& p = peers_[i];
+      if (!failures_[i] || ((receiving_only || p.sends.empty()) && p.recvs.empty())) continue;
+      const PeerFailure d = *failures_[i];
+      throwPeerFailed(rank_, label, d.peer, d.kind, d.msg, waitingFor(*this, peers_));
     }
-    if (!deferred_) deferred_ = std::move(d);
   }
 
   [[noreturn]] void throwTimeout(const Label& label) {
@@ -453,7 +413,10 @@ class MpiTransport : public Transport {
                                   label.timeout.count() / 1000.0, waitingFor(*this, peers_));
     // Ranks waiting on each other time out together. Tell the others at once, then wait a moment for
     // the peers this rank receives from: the one that waited for the stuck rank names it.
-    abort(TimeoutError(msg));
+    {
+      std::lock_guard<std::mutex> g(mpiMutex());
+      sendAbort(TimeoutError(msg));
+    }
     const auto until = Clock::now() + std::chrono::milliseconds(500);
     while (Clock::now() < until) {
       {
@@ -471,55 +434,122 @@ class MpiTransport : public Transport {
     throwPeerFailed(rank_, label, d.peer, d.kind, d.msg, waitingFor(*this, peers_));
   }
 
-  // After a failure: withdraws every pending receive and forgets every send (MPI cannot cancel a send;
-  // the group is broken from here on, as with every transport). Called with mpiMutex() held.
-  // A cancelled receive whose message had matched already is delivered, not cancelled: MPI writes its
-  // buffer (a header here, or the caller's memory) until it completes. So the receives are given a
-  // moment to complete; any still pending then keeps its header alive for the life of the process.
-  // Sends stay posted (their headers with them) and the destructor gives them a moment to leave, as it
-  // does the abort frames.
-  void cancelAll() {
-    std::vector<MPI_Request*> pending;
-    for (auto& p : peers_)
-      for (auto& r : p.recvs) {
-        pending.push_back(&r.hreq);
-        for (auto& c : r.inflight) pending.push_back(&c.req);
-      }
-    for (MPI_Request* q : pending)
-      if (*q != MPI_REQUEST_NULL) MPI_Cancel(q);
-    const bool delivering = !completeWithin(pending, std::chrono::seconds(1));
-    for (auto& p : peers_) {
-      if (delivering) {
-        static std::deque<RecvState> kept;
-        for (auto& r : p.recvs) {
-          if (r.hreq != MPI_REQUEST_NULL) MPI_Request_free(&r.hreq);
-          for (auto& c : r.inflight)
-            if (c.req != MPI_REQUEST_NULL) MPI_Request_free(&c.req);
-          kept.push_back(std::move(r));
-        }
-      }
-      p.recvs.clear();
-      for (auto& s : p.sends) unsent_.push_back(std::move(s));
-      p.sends.clear();
-    }
-    if (delivering) {
-      std::fprintf(stderr, "[rank %d] mpi transport: receives of a failed collective still pending 1 s after "
-                   "being cancelled; MPI may yet write into their buffers\n", rank_);
+  // Sends `why` to every peer still open once (the first failure is the one they name). mpiMutex() held.
+  void sendAbort(const std::exception& why) {
+    if (comm_ == MPI_COMM_NULL || told_) return;  // told them already
+    told_ = true;
+    std::string msg;
+    const Header h = abortHeader(why, msg);
+    abort_out_.resize(sizeof h + msg.size());
+    std::memcpy(abort_out_.data(), &h, sizeof h);
+    std::memcpy(abort_out_.data() + sizeof h, msg.data(), msg.size());
+    for (int i = 0; i < size_; ++i) {
+      if (i == rank_ || closed_to_[static_cast<size_t>(i)]) continue;  // "closed" is the last message
+      abort_out_reqs_.push_back(MPI_REQUEST_NULL);
+      MPI_Isend(abort_out_.data(), static_cast<int>(abort_out_.size()), MPI_BYTE, i, abort_tag_, comm_,
+                &abort_out_reqs_.back());
     }
   }
 
-  std::optional<PeerFailure> deferred_;
+  // Tells `peer` that this rank posts no receive on this group again: its last message to that peer here
+  // (every later run raises a failure before it posts). mpiMutex() held.
+  void closeToward(int peer) {
+    auto& flag = closed_to_[static_cast<size_t>(peer)];
+    if (peer == rank_ || flag) return;
+    flag = 1;
+    auto& s = control_.emplace_back();
+    s.h->opcode = kClosedOpcode;
+    s.reqs.push_back(MPI_REQUEST_NULL);
+    MPI_Isend(s.h.get(), sizeof(Header), MPI_BYTE, peer, abort_tag_, comm_, &s.reqs.back());
+  }
+
+  // After a failure, and when the group closes: withdraws every receive and waits for the ones that had
+  // matched (MPI delivers those into the caller's buffers), says "closed" to every peer, then waits until
+  // every send completed or its peer said "closed" (no receive will match it then, so MPI never reads its
+  // buffer again), and for the abort and "closed" messages to leave; with `all_closed`, also for every
+  // peer's "closed". Bounded by `patience`: what is pending then stays with MPI (requests freed, headers
+  // kept for the life of the process; a warning names the peers). Returns whether all of it happened.
+  // Called with mpiMutex() held through `g`, which is released while idle.
+  bool settle(std::unique_lock<std::mutex>& g, Clock::duration patience, bool all_closed = false) {
+    std::vector<MPI_Request*> recvs, sends;
+    for (auto& p : peers_)
+      for (auto& r : p.recvs) {
+        recvs.push_back(&r.hreq);
+        for (auto& c : r.inflight) recvs.push_back(&c.req);
+      }
+    for (MPI_Request* q : recvs)
+      if (*q != MPI_REQUEST_NULL) MPI_Cancel(q);
+    const auto until = Clock::now() + patience;
+    bool closed = false, transfers = false, peers_closed = false;
+    for (;;) {
+      pollControl();
+      if (!closed && completeWithin(recvs, Clock::duration::zero())) {
+        for (int i = 0; i < size_; ++i) closeToward(i);
+        closed = true;
+      }
+      sends.clear();
+      for (auto& r : abort_out_reqs_) sends.push_back(&r);
+      for (auto& s : control_)
+        for (auto& r : s.reqs) sends.push_back(&r);
+      peers_closed = true;
+      for (size_t i = 0; i < peers_.size(); ++i) {
+        peers_closed = peers_closed && (closed_by_[i] || static_cast<int>(i) == rank_);
+        if (closed_by_[i]) continue;
+        for (auto& s : peers_[i].sends)
+          for (auto& r : s.reqs) sends.push_back(&r);
+      }
+      transfers = closed && completeWithin(sends, Clock::duration::zero());
+      if ((transfers && (peers_closed || !all_closed)) || Clock::now() >= until) break;
+      g.unlock();
+      std::this_thread::sleep_for(std::chrono::microseconds(100));
+      g.lock();
+    }
+    if (!transfers) {
+      std::fprintf(stderr, "[rank %d] mpi transport: transfers with %s still pending %.1f s after the group %s; "
+                   "MPI may yet touch their buffers\n", rank_, waitingFor(*this, peers_).c_str(),
+                   std::chrono::duration<double>(patience).count(), broken_ ? "failed" : "closed");
+    }
+    for (auto& p : peers_) {
+      for (auto& r : p.recvs) {
+        if (r.hreq != MPI_REQUEST_NULL) MPI_Request_free(&r.hreq);
+        for (auto& c : r.inflight)
+          if (c.req != MPI_REQUEST_NULL) MPI_Request_free(&c.req);
+        if (!transfers) kept().recvs.push_back(std::move(r));
+      }
+      p.recvs.clear();
+      for (auto& s : p.sends) control_.push_back(std::move(s));
+      p.sends.clear();
+    }
+    // Sends to a peer that said "closed" never match: their requests are freed, their headers kept.
+    for (auto& s : control_) {
+      for (auto& r : s.reqs)
+        if (r != MPI_REQUEST_NULL) MPI_Request_free(&r);
+      kept().sends.push_back(std::move(s));
+    }
+    control_.clear();
+    bool aborts_pending = false;
+    for (auto& r : abort_out_reqs_)
+      if (r != MPI_REQUEST_NULL) aborts_pending = MPI_Request_free(&r) == MPI_SUCCESS;
+    if (aborts_pending) kept().buffers.push_back(std::move(abort_out_));
+    return transfers && peers_closed;
+  }
+
+  std::optional<PeerFailure> deferred_;  // the first peer failure not raised yet
   std::vector<Peer> peers_;
-  std::vector<int> world_;          // each group rank's MPI_COMM_WORLD rank
-  std::vector<std::string> names_;  // and its processor name
+  std::vector<std::optional<PeerFailure>> failures_;  // each peer's abort, once it came
+  std::vector<char> closed_by_, closed_to_;           // "closed" received from / sent to each peer
+  std::vector<int> world_;                            // each group rank's MPI_COMM_WORLD rank
+  std::vector<std::string> names_;                    // and its processor name
   MPI_Comm comm_ = MPI_COMM_NULL;
   int frame_tag_ = 0, abort_tag_ = 1;  // this group's (see the constructor); frames use one tag, aborts the next
   size_t chunk_ = kDefaultChunk;
   bool broken_ = false;
-  std::deque<SendState> unsent_;  // sends of a failed run (see cancelAll)
+  Clock::duration patience_ = kMaxSettle;  // settle()'s bound after a failure: the last op's timeout
+  std::deque<SendState> control_;          // "closed" messages sent
   std::vector<char> abort_in_;
   MPI_Request abort_in_req_ = MPI_REQUEST_NULL;
   std::vector<char> abort_out_;
+  bool told_ = false;  // abort sent
   std::vector<MPI_Request> abort_out_reqs_;
 };
 
