@@ -7,6 +7,7 @@
 #include <algorithm>
 
 #if defined(__x86_64__)
+#include <cpuid.h>
 #include <immintrin.h>
 #define DTRAIN_X86_SIMD 1
 #endif
@@ -54,7 +55,11 @@ void reduce16(uint16_t* out, const uint16_t* a, const uint16_t* b, size_t n, Red
 
 #if DTRAIN_X86_SIMD
 bool haveAvx2F16c() {
-  static const bool ok = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  // F16C through cpuid: clang (14) does not know __builtin_cpu_supports("f16c").
+  static const bool ok = [] {
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __builtin_cpu_supports("avx2") && __get_cpuid(1, &a, &b, &c, &d) && (c & bit_F16C);
+  }();
   return ok;
 }
 

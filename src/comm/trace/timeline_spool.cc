@@ -166,11 +166,16 @@ void SpoolWriter::event(std::string& out, const Event& e, const Chunk& c, uint64
 
 // ---- reading ----
 
+namespace {
+bool plausibleUs(int64_t us) { return us > -(int64_t{1} << 52) && us < (int64_t{1} << 52); }
+}  // namespace
+
 size_t SpoolReader::header(const char* data, size_t n) {
   if (n < kSpoolHeader || std::memcmp(data, kSpoolMagic, sizeof kSpoolMagic) != 0)
     throw InvalidArgument("not a timeline spool (no DTSPOOL1 header)");
   std::memcpy(&pid_, data + 8, sizeof pid_);
   std::memcpy(&skew_us_, data + 12, sizeof skew_us_);
+  if (!plausibleUs(skew_us_)) throw InvalidArgument(fmt::format("timeline spool: clock skew {} us: corrupt", skew_us_));
   return kSpoolHeader;
 }
 
@@ -227,7 +232,7 @@ size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
       const size_t pb = sizeof(int) * static_cast<size_t>(s.npeers);
       if (static_cast<size_t>(in.end - in.p) < pb) break;
       std::vector<int> peers(static_cast<size_t>(s.npeers));
-      std::memcpy(peers.data(), in.p, pb);
+      if (pb) std::memcpy(peers.data(), in.p, pb);  // no peers: data() may be null, which memcpy may not get
       in.p += pb;
       const char *group = nullptr, *dtype = nullptr, *algorithm = nullptr, *name = nullptr, *cat = nullptr;
       if (!ref(group) || !ref(dtype) || !ref(algorithm) || !ref(name) || !ref(cat)) break;
@@ -245,6 +250,12 @@ size_t SpoolReader::read(const char* data, size_t n, std::string& out) {
       e.failed = in.get<uint8_t>() != 0;
       e.ts = in.get<int64_t>();
       e.dur = in.get<int64_t>();
+      // Times are microseconds on the trace clock: beyond 2^52 (~140 years) the spool is corrupt (and the
+      // sums made when formatting, ts + skew, ts + dur, could overflow).
+      if (in.good && (!plausibleUs(e.ts) || !plausibleUs(e.dur))) {
+        throw InvalidArgument(fmt::format("timeline spool: event time {} us, duration {} us at byte {}: corrupt",
+                                          e.ts, e.dur, done));
+      }
       if (e.kind == Event::kOp) {
         const auto id = in.get<uint32_t>();
         e.o.seq = in.get<uint64_t>();
