@@ -16,6 +16,7 @@
 #include <filesystem>
 #include <fstream>
 
+#include "comm/util/digest.h"
 #include "dtrain/comm/error.h"
 #include "errors.h"
 
@@ -23,6 +24,55 @@ namespace dtrain::detail {
 namespace fs = std::filesystem;
 
 namespace {
+
+// The key of a checkpoint dict's content digest (comm/util/digest.h): every other value, in order.
+constexpr const char* kDigestKey = "checksum";
+
+// Feeds a value to the digest with its kind, so that equal bytes of different shapes differ.
+void digestValue(Digest& d, const c10::IValue& v) {
+  const std::string kind = v.tagKind();
+  d.update(kind.data(), kind.size());
+  if (v.isTensor()) {
+    const at::Tensor t = v.toTensor().cpu().contiguous();
+    const auto dtype = std::string(c10::toString(t.scalar_type()));
+    d.update(dtype.data(), dtype.size());
+    for (int64_t s : t.sizes()) d.update(&s, sizeof s);
+    d.update(t.data_ptr(), t.numel() * t.element_size());
+  } else if (v.isString()) {
+    const auto& s = v.toStringRef();
+    const uint64_t n = s.size();
+    d.update(&n, sizeof n);
+    d.update(s.data(), s.size());
+  } else if (v.isInt()) {
+    const int64_t x = v.toInt();
+    d.update(&x, sizeof x);
+  } else if (v.isDouble()) {
+    const double x = v.toDouble();
+    d.update(&x, sizeof x);
+  } else if (v.isBool()) {
+    const char x = v.toBool() ? 1 : 0;
+    d.update(&x, 1);
+  } else if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict()) {
+      if (e.key().isString() && e.key().toStringRef() == kDigestKey) continue;
+      digestValue(d, e.key());
+      digestValue(d, e.value());
+    }
+  } else if (v.isList()) {
+    for (const auto& x : v.toListRef()) digestValue(d, x);
+  } else if (v.isTuple()) {
+    for (const auto& x : v.toTupleRef().elements()) digestValue(d, x);
+  } else if (!v.isNone()) {
+    throw Error(fmt::format("checkpoint digest: a value of kind {} in a checkpoint dict", v.tagKind()));
+  }
+}
+
+std::string digestOf(const c10::impl::GenericDict& dict) {
+  Digest d;
+  digestValue(d, c10::IValue(dict));
+  return d.text();
+}
+
 
 constexpr const char* kFormat = kCheckpointFormat;
 
@@ -210,6 +260,7 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
     dict.insert("rank", int64_t{rank});
     dict.insert("world_size", int64_t{world_size});
   }
+  dict.insert(kDigestKey, digestOf(dict));  // last: what a load recomputes (loadCheckpointDict)
   return torch::pickle_save(dict);
 }
 
@@ -251,6 +302,18 @@ c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::ve
   const std::string found = it->value().isString() ? it->value().toStringRef() : it->value().tagKind();
   if (found != format)
     throw Error(fmt::format("checkpoint {} has format '{}'; this build reads '{}'", path, found, format));
+  // The content digest (files written before it existed have none): torch's archive reader does not check
+  // its records' CRCs, so a flipped bit in a tensor would otherwise load as a different model.
+  auto digest = dict.find(kDigestKey);
+  if (digest != dict.end()) {
+    const std::string stored = digest->value().isString() ? digest->value().toStringRef() : "(not a string)";
+    const std::string computed = digestOf(dict);
+    if (stored != computed)
+      throw Error(fmt::format("checkpoint {} is corrupt: its content does not match the checksum written with it "
+                              "(stored {}, computed {}): the file changed on disk or in transit; remove it to resume "
+                              "from an older checkpoint",
+                              path, stored, computed));
+  }
   return dict;
 }
 

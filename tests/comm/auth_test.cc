@@ -108,6 +108,18 @@ TEST(Auth, StoreRefusesWrongMissingAndReplayedSecrets) {
   for (const std::string& text : {log, wrong, none}) EXPECT_EQ(text.find(kSecret), std::string::npos) << text;
 }
 
+// A clone (the parameter server's store connections, the etcd lease's) carries the secret: it used to
+// connect without it and fail to authenticate.
+TEST(Auth, AStoreCloneProvesTheSecretToo) {
+  TcpStoreServer server("127.0.0.1", 0, kSecret);
+  TcpStore store("127.0.0.1", server.port(), 5s, kSecret);
+  store.set("k", toBytes("v"));
+  auto clone = store.clone();
+  EXPECT_EQ(toString(clone->get("k")), "v");
+  clone->set("k2", toBytes("w"));
+  EXPECT_EQ(toString(store.get("k2")), "w");
+}
+
 TEST(Auth, WithoutSecretsNothingChangesAndOneSidedSecretsFail) {
   TcpStoreServer open_server("127.0.0.1", 0);
   TcpStore plain("127.0.0.1", open_server.port(), 5s);

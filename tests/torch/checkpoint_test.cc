@@ -286,6 +286,43 @@ TEST(Checkpoint, CorruptOrTruncatedFileIsANamedError) {
       << msg;
 }
 
+// A bit flipped inside a tensor's bytes: torch's archive reader does not check its records' CRCs, so the
+// file loads; the content checksum written with it makes that an error naming the file (the soak found a
+// flipped checkpoint resuming silently). Every byte of the model's largest tensor is tried in turn.
+TEST(Checkpoint, AFlippedBitIsANamedErrorNotADifferentModel) {
+  TempDir dir;
+  Checkpointer ckpt(dir.path(), 0);
+  const CheckpointState st = stateAt(1, 1);
+  const std::string path = ckpt.save(st);
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  // The largest tensor's bytes are found in the file by content (torch stores them as they are).
+  const at::Tensor* big = nullptr;
+  for (const auto& [name, t] : st.model)
+    if (!big || t.numel() > big->numel()) big = &t;
+  const at::Tensor c = big->contiguous();
+  const std::string needle(static_cast<const char*>(c.data_ptr()), static_cast<size_t>(c.numel() * c.element_size()));
+  const size_t at = bytes.find(needle);
+  ASSERT_NE(at, std::string::npos);
+  int detected = 0, tried = 0;
+  for (size_t i = at; i < at + needle.size(); i += std::max<size_t>(1, needle.size() / 64), ++tried) {
+    std::string flipped = bytes;
+    flipped[i] = static_cast<char>(flipped[i] ^ (1 << (i % 8)));
+    std::ofstream(path, std::ios::binary | std::ios::trunc) << flipped;
+    const std::string msg = errorOf([&] { Checkpointer::load(path); });
+    if (msg.find("checkpoint " + path + " is corrupt: its content does not match the checksum") != std::string::npos)
+      ++detected;
+    else
+      ADD_FAILURE() << "byte " << i << ": " << (msg.empty() ? "loaded without an error" : msg);
+  }
+  EXPECT_EQ(detected, tried);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
+  EXPECT_EQ(Checkpointer::load(path).epoch, 1);  // the intact file still loads
+}
+
 // What users point a Checkpointer at by mistake: a PyTorch state_dict, some other zip file.
 TEST(Checkpoint, ForeignFilesSayWhatTheyAre) {
   TempDir dir;
@@ -467,7 +504,7 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
     std::getline(lines, line);
     return line;
   };
-  EXPECT_EQ(next(), "['epoch', 'format', 'metrics', 'model', 'optimizer', 'parameter_server', 'rng', 'samples', 'scheduler', 'step', 'user_rng']");
+  EXPECT_EQ(next(), "['checksum', 'epoch', 'format', 'metrics', 'model', 'optimizer', 'parameter_server', 'rng', 'samples', 'scheduler', 'step', 'user_rng']");
   EXPECT_EQ(next(), "dtrain-checkpoint-v1 3 77 mt state");
   EXPECT_EQ(next(), "['bn.bias', 'bn.num_batches_tracked', 'bn.running_mean', 'bn.running_var', 'bn.weight', "
                     "'fc.bias', 'fc.weight', 'head.bias', 'head.weight']");

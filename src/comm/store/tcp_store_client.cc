@@ -247,5 +247,8 @@ int64_t TcpStore::numKeys() {
 }  // namespace dtrain::comm
 
 namespace dtrain::comm {
-std::shared_ptr<Store> TcpStore::clone() const { return std::make_shared<TcpStore>(impl_->host, impl_->port, timeout()); }
+// With the job secret: a clone of a store that proves it must prove it too.
+std::shared_ptr<Store> TcpStore::clone() const {
+  return std::make_shared<TcpStore>(impl_->host, impl_->port, timeout(), impl_->secret);
+}
 }  // namespace dtrain::comm
