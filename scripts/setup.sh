@@ -29,7 +29,7 @@ test_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
   openmpi-bin libopenmpi-dev python3-torch python3-numpy python3-venv
   iproute2 procps
-  clang-tidy-14
+  clang-tidy-14 clang-14 libclang-rt-14-dev
   chromium
   munge slurmctld slurmd slurm-client
   etcd-server

@@ -8,8 +8,9 @@
 #      of the torch-layer code that differs between the generations (include/dtrain/compat.h: optimizer
 #      state, the autograd hooks of DDP and FSDP), of the device layer's CPU side, and of the comparisons
 #      with PyTorch (Debian's python3-torch 1.13); the consumer projects through the .deb, add_subdirectory and FetchContent
-# and ends with the structural checks (scripts/check_structure.sh: file and function sizes, environment,
-# include paths, transports). Each part prints how long it took.
+# then runs the fuzzing harnesses and the sanitizer builds of the comm layer (scripts/sanitize.sh), and ends
+# with the structural checks (scripts/check_structure.sh: file and function sizes, environment, include
+# paths, transports). Each part prints how long it took.
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
 # Env: BUILD_DIR (default build: the two builds are BUILD_DIR-torch2 and BUILD_DIR-torch1), JOBS (default
 # 2), CTEST_ARGS (extra ctest arguments, both builds), TORCH_GENERATIONS ("2 1" by default; "2" or "1" for one).
@@ -78,6 +79,10 @@ for gen in $generations; do
       bash "$root/scripts/consumer_test.sh" deb subdirectory
   fi
 done
+# The fuzzing harnesses (each over its seed corpus, then 20 s) and the comm layer's tests under ASan + UBSan
+# and under TSan, in clang builds of their own (scripts/sanitize.sh says which tests and why).
+timed "fuzzing and sanitizers (clang: ASan + UBSan, TSan)" env BUILD_DIR="$base" JOBS="$jobs" \
+  bash "$root/scripts/sanitize.sh"
 # The structural checks read one build: the 1.13 one (C++17, what clang-tidy-14 has always read here).
 tidy_build=$base-torch1
 [[ " $generations " == *" 1 "* ]] || tidy_build=$base-torch2

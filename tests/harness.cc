@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <gtest/gtest.h>
 #include <signal.h>
+#include <sys/prctl.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -15,6 +16,8 @@
 #include <fstream>
 #include <iostream>
 #include <sstream>
+#include <stdexcept>
+#include <tuple>
 #include <thread>
 
 #include "dtrain/comm/error.h"
@@ -150,7 +153,44 @@ void expectAllOk(const std::vector<ChildResult>& results) {
   for (const auto& c : results) EXPECT_TRUE(c.ok()) << c.describe();
 }
 
+namespace {
+#if defined(__has_feature)
+#if __has_feature(address_sanitizer) || __has_feature(thread_sanitizer)
+constexpr bool kSanitized = true;
+#else
+constexpr bool kSanitized = false;
+#endif
+#else
+constexpr bool kSanitized = false;
+#endif
+
+// Starts a TcpStoreServer in a child process (killed with its parent); returns its pid and port.
+std::pair<int, uint16_t> serverProcess() {
+  int fds[2];
+  if (pipe(fds) != 0) throw std::runtime_error("harness: pipe failed");
+  const pid_t pid = fork();
+  if (pid == 0) {
+    prctl(PR_SET_PDEATHSIG, SIGKILL);
+    close(fds[0]);
+    comm::TcpStoreServer server("127.0.0.1", 0);
+    const uint16_t port = server.port();
+    if (write(fds[1], &port, sizeof port) != sizeof port) _exit(1);
+    for (;;) pause();
+  }
+  close(fds[1]);
+  uint16_t port = 0;
+  const bool ok = pid > 0 && read(fds[0], &port, sizeof port) == sizeof port;
+  close(fds[0]);
+  if (!ok) throw std::runtime_error("harness: the store server process did not start");
+  return {pid, port};
+}
+}  // namespace
+
 StoreServer::StoreServer() {
+  if (!mpiRunner() && kSanitized) {
+    std::tie(server_pid_, port_) = serverProcess();
+    return;
+  }
   if (!mpiRunner()) {
     server_ = std::make_unique<comm::TcpStoreServer>("127.0.0.1", 0);
     return;
@@ -159,9 +199,15 @@ StoreServer::StoreServer() {
   static int made = 0;
   file_ = std::string(std::getenv("DTRAIN_TEST_MPI_DIR")) + "/store-" + std::to_string(made++);
 }
-StoreServer::~StoreServer() = default;
-uint16_t StoreServer::port() const { return server_ ? server_->port() : 0; }
+StoreServer::~StoreServer() {
+  if (server_pid_ > 0) {
+    kill(server_pid_, SIGKILL);
+    waitpid(server_pid_, nullptr, 0);
+  }
+}
+uint16_t StoreServer::port() const { return server_ ? server_->port() : port_; }
 std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeout) const {
+  if (server_pid_ > 0) return std::make_shared<comm::TcpStore>("127.0.0.1", port_, timeout);
   if (!server_) return std::make_shared<comm::FileStore>(file_, timeout);
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
 }

@@ -52,6 +52,11 @@ class StoreServer {
  private:
   std::unique_ptr<comm::TcpStoreServer> server_;
   std::string file_;
+  // Sanitizer builds: the server runs in a process of its own (its pid here), so that the test process has
+  // no thread of its own when it forks ranks (clang 14's ASan and TSan runtimes do not make fork safe
+  // from a process whose other threads may hold their locks: a child could hang in its first malloc).
+  int server_pid_ = -1;
+  uint16_t port_ = 0;
 };
 
 // The Python whose torch the parity tests compare with: $DTRAIN_TEST_PYTHON, else the one CMake chose

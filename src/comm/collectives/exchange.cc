@@ -17,7 +17,7 @@ void alltoall(Context& c, const void* in, void* out, size_t count, DType t) {
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   // In-place alltoall: stage the input, since blocks sent and received alias.
-  if (in == out && c.size > 1) {
+  if (in == out && c.size > 1 && bytes) {  // (no bytes: nothing to stage, and scratch may be null)
     char* tmp = static_cast<char*>(c.scratch(bytes * c.size));
     std::memcpy(tmp, in, bytes * c.size);
     src = tmp;

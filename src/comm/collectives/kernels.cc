@@ -5,6 +5,7 @@
 #include "comm/collectives/kernels.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #if defined(__x86_64__)
 #include <cpuid.h>
@@ -18,15 +19,30 @@ namespace dtrain::comm {
 
 namespace {
 
+// Integer sums and products wrap around (two's complement), as NCCL's and PyTorch's do: computed in unsigned
+// arithmetic of at least int's width, since signed overflow (and a promoted uint16 product) is undefined.
+template <typename T>
+using Wrapping = std::conditional_t<(sizeof(T) < sizeof(unsigned)), unsigned, std::make_unsigned_t<T>>;
+template <typename T>
+T add(T a, T b) {
+  if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wrapping<T>>(a) + static_cast<Wrapping<T>>(b));
+  else return static_cast<T>(a + b);
+}
+template <typename T>
+T mul(T a, T b) {
+  if constexpr (std::is_integral_v<T>) return static_cast<T>(static_cast<Wrapping<T>>(a) * static_cast<Wrapping<T>>(b));
+  else return static_cast<T>(a * b);
+}
+
 template <typename T>
 void reduceT(T* out, const T* a, const T* b, size_t n, ReduceOp op) {
   switch (op) {
     case ReduceOp::sum:
     case ReduceOp::avg:
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(a[i] + b[i]);
+      for (size_t i = 0; i < n; ++i) out[i] = add(a[i], b[i]);
       break;
     case ReduceOp::prod:
-      for (size_t i = 0; i < n; ++i) out[i] = static_cast<T>(a[i] * b[i]);
+      for (size_t i = 0; i < n; ++i) out[i] = mul(a[i], b[i]);
       break;
     case ReduceOp::min:
       for (size_t i = 0; i < n; ++i) out[i] = b[i] < a[i] ? b[i] : a[i];

@@ -1,0 +1,118 @@
+#!/usr/bin/env bash
+# sanitize.sh: the fuzzing harnesses and the sanitizer runs (issue 27), run by scripts/test.sh (so by CI).
+# Both builds are of the comm layer only (DTRAIN_TORCH=OFF) with clang-14: libtorch is not built with
+# sanitizers, and a clang build of the torch layer would cost CI some 25 minutes more.
+#
+#   fuzz   build-asan (ASan + UBSan + libFuzzer coverage): every harness of tests/fuzz runs over its seed
+#          corpus and then FUZZ_SECONDS more; any crash, sanitizer report, leak, slow unit (FUZZ_TIMEOUT s)
+#          or out-of-memory fails it, and the input is kept under BUILD_DIR-asan/fuzz/<harness>/ (crash-*).
+#          Prints each harness's executions per second and the coverage it reached (edges, features).
+#   asan   the tests of ASAN_TESTS (CTest labels: whole executables) in build-asan: ASan with UBSan, every
+#          report fatal (-fno-sanitize-recover), leaks checked at exit.
+#   tsan   the tests of TSAN_TESTS in build-tsan (ThreadSanitizer), with tests/sanitize/tsan.supp.
+#
+# Usage: scripts/sanitize.sh [fuzz] [asan] [tsan]     (all three by default)
+# Env: BUILD_DIR (default <repo>/build: the builds are BUILD_DIR-asan and BUILD_DIR-tsan), JOBS (default 2),
+#      FUZZ_SECONDS (default 20 a harness), FUZZ_TIMEOUT (default 10), ASAN_TESTS, TSAN_TESTS (below).
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+base=${BUILD_DIR:-$root/build}
+jobs=${JOBS:-2}
+fuzz_seconds=${FUZZ_SECONDS:-20}
+fuzz_timeout=${FUZZ_TIMEOUT:-10}
+# The comm layer's tests whose code is threads and bytes from peers: stores, the process group and its
+# Work executor, the collectives over tcp and shm (the fault and mismatch paths included), rendezvous,
+# the flight recorder and the timeline writer, and the fuzzers' regression inputs.
+asan_tests=${ASAN_TESTS:-store_test auth_test work_test local_step_test collectives_test mismatch_test fault_test rendezvous_test flight_recorder_test timeline_test decoder_regression_test}
+# ThreadSanitizer: the multi-threaded parts of the comm layer (the store server's thread and parked
+# requests, the Work executor and its continuations, the group's thread with abort from others, the
+# timeline's writer thread, the collectives' ranks).
+tsan_tests=${TSAN_TESTS:-store_test work_test local_step_test timeline_test flight_recorder_test collectives_test}
+parts=("$@")
+((${#parts[@]})) || parts=(fuzz asan tsan)
+supp=$root/tests/sanitize
+export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
+export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
+
+# Optimisation: compile time is most of these builds' cost in CI (the sanitizers' instrumentation, UBSan's
+# above all, makes an optimised translation unit take ~2x longer), so ASan + UBSan are built at -O0 and TSan
+# at -O1 (as its manual advises); -g1: line tables for the reports' stacks.
+configure() {  # configure DIR SANITIZER FUZZ OPT
+  CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
+    -DCMAKE_C_FLAGS_SANITIZE="$4 -g1" -DCMAKE_CXX_FLAGS_SANITIZE="$4 -g1" -DDTRAIN_TORCH=OFF \
+    -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON >/dev/null
+}
+
+# ctest over whole test executables (labels), each test under its CTest deadline.
+run_tests() {  # run_tests DIR TESTS...
+  local dir=$1
+  shift
+  local re
+  re=$(IFS='|'; echo "^($*)\$")
+  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re"
+}
+
+fuzz() {
+  local dir=$base-asan
+  configure "$dir" address ON -O0
+  local harnesses=()
+  for src in "$root"/tests/fuzz/*_fuzz.cc; do harnesses+=("$(basename "$src" .cc)"); done
+  cmake --build "$dir" -j"$jobs" --target "${harnesses[@]}"
+  local failed=0 summary=()
+  for h in "${harnesses[@]}"; do
+    local work=$dir/fuzz/$h
+    rm -rf "$work" && mkdir -p "$work/corpus"
+    cp "$root/tests/fuzz/corpus/$h"/* "$work/corpus/"
+    echo "== sanitize.sh: fuzzing $h for ${fuzz_seconds}s"
+    # -timeout: a unit slower than that is a hang; -rss_limit_mb: a leak or a runaway allocation.
+    if (cd "$work" && "$dir/bin/$h" -max_total_time="$fuzz_seconds" -timeout="$fuzz_timeout" -rss_limit_mb=2048 \
+          -print_final_stats=1 corpus >log.txt 2>&1); then
+      local stat
+      stat=$(grep -E '^#[0-9]+.*(DONE|pulse|NEW|REDUCE)' "$work/log.txt" | tail -1 || true)
+      local execs cov ft
+      execs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "$work/log.txt" | grep -o '[0-9]*$' || echo 0)
+      cov=$(sed -n 's/.*cov: \([0-9]*\).*/\1/p' <<<"$stat")
+      ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$stat")
+      summary+=("$(printf '%-22s %8s runs %6s/s  cov %5s edges  ft %5s' "$h" "$execs" "$((execs / fuzz_seconds))" "$cov" "$ft")")
+    else
+      failed=1
+      summary+=("$h: FAILED (input and log in $work)")
+      grep -E 'ERROR|runtime error|SUMMARY|Test unit written' "$work/log.txt" | head -8 || true
+    fi
+  done
+  echo "== sanitize.sh: fuzzing, ${fuzz_seconds}s a harness (ASan + UBSan)"
+  printf '  %s\n' "${summary[@]}"
+  return "$failed"
+}
+
+asan() {
+  local dir=$base-asan
+  configure "$dir" address ON -O0
+  # shellcheck disable=SC2086  # a list of targets
+  cmake --build "$dir" -j"$jobs" --target $asan_tests
+  echo "== sanitize.sh: ASan + UBSan: $asan_tests"
+  # shellcheck disable=SC2086
+  run_tests "$dir" $asan_tests
+}
+
+tsan() {
+  local dir=$base-tsan
+  configure "$dir" thread OFF -O1
+  # shellcheck disable=SC2086
+  cmake --build "$dir" -j"$jobs" --target $tsan_tests
+  echo "== sanitize.sh: ThreadSanitizer: $tsan_tests"
+  # die_after_fork=0: the tests fork their ranks from a process that has threads (the store server's);
+  # each child is single-threaded until it starts its own.
+  # shellcheck disable=SC2086
+  TSAN_OPTIONS="suppressions=$supp/tsan.supp:halt_on_error=1:second_deadlock_stack=1:die_after_fork=0" \
+    run_tests "$dir" $tsan_tests
+}
+
+status=0
+for part in "${parts[@]}"; do
+  case $part in
+    fuzz|asan|tsan) "$part" || status=1 ;;
+    *) echo "sanitize.sh: unknown part '$part' (fuzz, asan or tsan)" >&2; exit 2 ;;
+  esac
+done
+exit "$status"
