@@ -44,20 +44,20 @@ class Rig:
 
 def workload(rig, name, out):
     """(program and arguments, extra dtrain-run arguments, environment) of a workload writing to `out`."""
-    env = {"DTRAIN_TIMEOUT": str(rig.timeout), "OMP_NUM_THREADS": "1"}
+    env = {"DTRAIN_TIMEOUT": f"{rig.timeout:g}", "OMP_NUM_THREADS": "1"}
     b = rig.bin
     if name in ("collectives-tcp", "collectives-shm"):
         env["DTRAIN_TRANSPORT"] = name.split("-")[1]
         return [f"{b}/dtrain-bench", "allreduce", "--min-bytes", "4", "--max-bytes", "4M", "--factor", "4",
-                "--iters", "0", "--seconds", "0.5", "--progress", "off"], [], env
+                "--iters", "0", "--seconds", "1.5", "--progress", "off"], [], env
     if name == "ddp":
-        return [f"{b}/example-ddp", "--batch", "8"], [], env  # 5 epochs of small steps: some 10 s
+        return [f"{b}/example-ddp", "--batch", "2"], [], env  # 5 epochs of small steps: some 20 s
     if name == "ps":
         return [f"{b}/example-ps-ctr", "6"], ["--servers", "1"], env
     if name == "pipeline":
-        return [f"{b}/dtrain-bench", "pipeline", "--layers", "8", "--width", "256", "--batch", "64", "--steps", "200",
+        return [f"{b}/dtrain-bench", "pipeline", "--layers", "8", "--width", "256", "--batch", "64", "--steps", "600",
                 "--warmup", "2", "--micro", "4", "--progress", "off"], [], env
-    args = [f"{b}/milnce", "train", "--data", rig.data, "--out", out, "--epochs", "4", "--checkpoint-every", "4",
+    args = [f"{b}/milnce", "train", "--data", rig.data, "--out", out, "--epochs", "10", "--checkpoint-every", "4",
             "--keep", "3", "--progress", "lines", "--resume"]
     if name == "zero2":
         args += ["--zero", "2", "--optimizer", "adam", "--comm-hook", "none"]
@@ -104,7 +104,7 @@ def named(output, rank, fault):
     """Whether the launcher's output names `rank` and the fault's cause."""
     causes = {
         "sigkill": r"SIGKILL|signal 9|killed",
-        "sigstop": r"timed out|not respond|hang",
+        "sigstop": r"timed out|not respond|hang|has not joined",
         "cut-link": r"timed out|connection|reset|unreachable|peer .* failed",
         "disk-full": r"No space left|ENOSPC|space",
         "corrupt-checkpoint": r"checksum|corrupt|truncat|cannot (read|load)|invalid|not a checkpoint",
@@ -162,12 +162,12 @@ def fill_disk(mount):
     """Takes every free byte of the tmpfs at `mount`."""
     st = os.statvfs(mount)
     free = st.f_bavail * st.f_frsize
-    with open(os.path.join(mount, "filler"), "wb") as f:
-        try:
+    try:
+        with open(os.path.join(mount, "filler"), "wb") as f:
             f.write(b"\0" * max(free - 4096, 0))
             f.write(b"\0" * 8192)
-        except OSError:
-            pass
+    except OSError:  # full: what was meant
+        pass
 
 
 def standalone_trial(rig, t, tdir):
@@ -229,7 +229,7 @@ def standalone_trial(rig, t, tdir):
             t["survivor_stop_s"] = {str(r): round(stopped.get(r, end) - fault_at, 2) for r in survivors}
         t["named"] = named(output, t["rank"], t["fault"])
         t["tail"] = output.strip().splitlines()[-3:]
-        if t["workload"] in CHECKPOINTING:
+        if t["workload"] in CHECKPOINTING and t["fault"] != "corrupt-checkpoint":  # (there: damaged on purpose)
             t["loadable"] = loadable(rig, out)
             if t["restarts"] and t["rc"] == 0:
                 t["equal"] = final_metrics(out) == reference(rig, t["workload"])
@@ -283,9 +283,11 @@ def cut_trial(rig, t, tdir):
                     "--bin-dir", rig.bin, "--owner", str(os.getpid())], check=True, capture_output=True)
     try:
         for h in (0, 1):
+            # (no pipes: the launcher left in the background would hold them open until it ends)
             subprocess.run(["bash", cluster, "run-host", name, str(h), "--bg"] + envs + ["--"] + prog, check=True,
-                           capture_output=True)
-        time.sleep(3 + t["moment"])
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        # Into the training: MIL-NCE loads its data set first.
+        time.sleep((8 if t["workload"] == "milnce" else 3) + t["moment"])
         fault_at = time.time()
         subprocess.run(["bash", cluster, "cut", name, "1"], check=True, capture_output=True)
         limit = 2 * rig.timeout + rig.grace + 30
@@ -301,9 +303,9 @@ def cut_trial(rig, t, tdir):
         subprocess.run(["bash", cluster, "down", name], capture_output=True)
 
 
-def choose(rng, i):
+def choose(rng, i, only=None):
     """Trial i: faults in turn (so each gets its share), the rest at random."""
-    fault = FAULTS[i % len(FAULTS)]
+    fault = only or FAULTS[i % len(FAULTS)]
     if fault in ("disk-full", "corrupt-checkpoint"):
         wl = rng.choice(sorted(CHECKPOINTING))
     elif fault == "cut-link":
@@ -347,9 +349,7 @@ def main():
     rng = random.Random(args.seed)
     trials = []
     for i in range(args.trials):
-        t = choose(rng, i)
-        if args.only_fault:
-            t["fault"] = args.only_fault
+        t = choose(rng, i, args.only_fault)
         tdir = os.path.join(args.work_dir, f"trial{i:03d}")
         os.makedirs(tdir)
         start = time.time()

@@ -272,6 +272,15 @@ c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::ve
   if (bytes.size() < 4 || !std::equal(kZipMagic, kZipMagic + 4, bytes.begin()))
     throw Error(fmt::format("{} is not a dtrain checkpoint: not a zip archive as torch.save writes (it starts with {})",
                             path, leadingBytes(bytes)));
+  // A zip archive ends with its end-of-central-directory record ("PK\5\6", within the last 64 KiB + 22
+  // bytes): without it the file was cut short, whatever else it holds.
+  static const std::string kZipEnd("PK\x05\x06", 4);
+  const size_t tail = std::min<size_t>(bytes.size(), 65536 + 22);
+  if (std::search(bytes.end() - static_cast<std::ptrdiff_t>(tail), bytes.end(), kZipEnd.begin(), kZipEnd.end()) ==
+      bytes.end())
+    throw Error(fmt::format("checkpoint {} is corrupt or truncated: its zip archive has no end record (the file "
+                            "was cut short)",
+                            path));
   if (!contains(bytes, "data.pkl"))
     throw Error(fmt::format("{} is not a dtrain checkpoint: a zip archive without a torch pickle (no data.pkl entry)",
                             path));

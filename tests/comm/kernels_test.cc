@@ -4,7 +4,9 @@
 // a NaN (the vector f16 conversion keeps a NaN's payload).
 #include <gtest/gtest.h>
 
+#include <climits>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -107,6 +109,34 @@ TEST_P(Kernels16, BulkConversionsEqualElementByElement) {
 
 INSTANTIATE_TEST_SUITE_P(Types, Kernels16, ::testing::Values(0, 1),
                          [](const auto& p) { return p.param == 0 ? std::string("f16") : std::string("bf16"); });
+
+// Integer sums and products wrap around (two's complement), as NCCL's and PyTorch's do; they used to
+// overflow as signed ints (undefined behaviour, found by UBSan in collectives_test: a sum doubled 300
+// times). u8 wraps modulo 256.
+TEST(Kernels, IntegerSumsAndProductsWrapAround) {
+  const int32_t a32[] = {INT32_MAX, INT32_MIN, 1 << 30, -7}, b32[] = {1, -1, 1 << 30, 3};
+  int32_t o32[4];
+  reduceTo(o32, a32, b32, 4, DType::i32, ReduceOp::sum);
+  EXPECT_EQ(o32[0], INT32_MIN);
+  EXPECT_EQ(o32[1], INT32_MAX);
+  EXPECT_EQ(o32[2], INT32_MIN);
+  EXPECT_EQ(o32[3], -4);
+  reduceTo(o32, a32, b32, 4, DType::i32, ReduceOp::prod);
+  EXPECT_EQ(o32[0], INT32_MAX);
+  EXPECT_EQ(o32[2], 0);  // 2^60 mod 2^32
+  EXPECT_EQ(o32[3], -21);
+  const int64_t a64[] = {INT64_MAX, INT64_MIN}, b64[] = {1, -1};
+  int64_t o64[2];
+  reduceTo(o64, a64, b64, 2, DType::i64, ReduceOp::sum);
+  EXPECT_EQ(o64[0], INT64_MIN);
+  EXPECT_EQ(o64[1], INT64_MAX);
+  const uint8_t a8[] = {250, 16}, b8[] = {10, 17};
+  uint8_t o8[2];
+  reduceTo(o8, a8, b8, 2, DType::u8, ReduceOp::sum);
+  EXPECT_EQ(o8[0], 4);
+  reduceTo(o8, a8, b8, 2, DType::u8, ReduceOp::prod);
+  EXPECT_EQ(o8[1], static_cast<uint8_t>(16 * 17));
+}
 
 }  // namespace
 }  // namespace dtrain::comm
