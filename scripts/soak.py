@@ -111,8 +111,8 @@ def named(output, rank, fault):
     }
     if not re.search(causes[fault], output, re.I):
         return False
-    if fault == "corrupt-checkpoint":
-        return True  # the cause is a file, named in the message; no rank is at fault
+    if fault in ("corrupt-checkpoint", "disk-full"):
+        return True  # the cause is a file or the disk, named in the message; no rank is at fault
     return re.search(rf"rank {rank}\b", output) is not None
 
 
@@ -130,9 +130,12 @@ def loadable(rig, out):
     ck = os.path.join(out, "checkpoints")
     if not os.path.isdir(ck) or not os.listdir(ck):
         return None
+    # (its JSON beside the run, not in it: the run may be on the full disk)
     r = subprocess.run([f"{rig.bin}/milnce", "eval", "--data", rig.data, "--run", out, "--json",
-                        os.path.join(out, "soak-eval.json"), "--progress", "off"], capture_output=True, text=True,
-                       timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+                        os.path.join(os.path.dirname(os.path.dirname(out)), "soak-eval.json"), "--progress", "off"],
+                       capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    if "no checkpoint found" in r.stdout + r.stderr:
+        return None  # none complete yet (a failed first save leaves its directory without a manifest)
     return r.returncode == 0
 
 
@@ -286,8 +289,13 @@ def cut_trial(rig, t, tdir):
             # (no pipes: the launcher left in the background would hold them open until it ends)
             subprocess.run(["bash", cluster, "run-host", name, str(h), "--bg"] + envs + ["--"] + prog, check=True,
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        # Into the training: MIL-NCE loads its data set first.
-        time.sleep((8 if t["workload"] == "milnce" else 3) + t["moment"])
+        # Into the work: once host 0's launcher printed a worker's first line (MIL-NCE loads its data first).
+        log = os.path.join(os.environ.get("DTRAIN_CLUSTER_DIR", "/tmp/dtrain-cluster"), name, "host-0.log")
+        until = time.time() + 60
+        while time.time() < until and not re.search(r"\[rank \d+\]", open(log, errors="replace").read()
+                                                     if os.path.exists(log) else ""):
+            time.sleep(0.1)
+        time.sleep(t["moment"])
         fault_at = time.time()
         subprocess.run(["bash", cluster, "cut", name, "1"], check=True, capture_output=True)
         limit = 2 * rig.timeout + rig.grace + 30

@@ -260,6 +260,10 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
     dict.insert("rank", int64_t{rank});
     dict.insert("world_size", int64_t{world_size});
   }
+  return pickleWithDigest(dict);
+}
+
+std::vector<char> pickleWithDigest(c10::impl::GenericDict dict) {
   dict.insert(kDigestKey, digestOf(dict));  // last: what a load recomputes (loadCheckpointDict)
   return torch::pickle_save(dict);
 }

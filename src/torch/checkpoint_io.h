@@ -36,6 +36,10 @@ void checkCheckpointDir(const std::string& dir, bool writer);
 // torch::pickle_save of the state's dict; rank >= 0 adds the keys "rank" and "world_size" (per-rank files).
 std::vector<char> pickleState(const CheckpointState& state, int rank = -1, int world_size = 0);
 
+// torch::pickle_save of `dict` with its content digest added under "checksum" (comm/util/digest.h), which
+// loadCheckpointDict checks: checkpoints, manifests and peer snapshots are written so.
+std::vector<char> pickleWithDigest(c10::impl::GenericDict dict);
+
 // The dict a checkpoint file (or manifest) holds. Error naming path: "is not a dtrain checkpoint: ..."
 // with what was found (not a zip archive, a zip without a torch pickle, not a dict, no 'format' key,
 // another format) or "is corrupt or truncated" for a torch archive that does not load.

@@ -151,7 +151,7 @@ std::vector<char> manifestBytes(const CheckpointState& s, const std::vector<Repo
   dict.insert("files", files);
   dict.insert("bytes", bytes);
   dict.insert("parameter_server", int64_t{s.parameter_server.empty() ? 0 : 1});
-  return torch::pickle_save(dict);
+  return detail::pickleWithDigest(dict);
 }
 
 }  // namespace
