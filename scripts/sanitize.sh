@@ -43,13 +43,15 @@ configure() {  # configure DIR SANITIZER FUZZ OPT
     -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON >/dev/null
 }
 
-# ctest over whole test executables (labels), each test under its CTest deadline.
+# ctest over whole test executables (labels), each test under its CTest deadline. The sweeps' cases at 4
+# and 5 ranks are left out (the same code as at 2 and 3, with more processes: most of the time under a
+# sanitizer on 2 cores); the normal build runs them.
 run_tests() {  # run_tests DIR TESTS...
   local dir=$1
   shift
   local re
   re=$(IFS='|'; echo "^($*)\$")
-  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re"
+  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re" -E '_world[45]( |$)'
 }
 
 fuzz() {

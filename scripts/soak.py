@@ -64,6 +64,12 @@ def workload(rig, name, out):
     return args, [], env
 
 
+def timeout_of(rig, workload):
+    """The deadline that bounds a workload's waits: DTRAIN_TIMEOUT, but the parameter server's own
+    (PSOptions::timeout, 60 s in example-ps-ctr; the PS takes no environment variable for it)."""
+    return 60.0 if workload == "ps" else rig.timeout
+
+
 def children(pid):
     """The processes whose parent is `pid`."""
     out = []
@@ -104,7 +110,7 @@ def named(output, rank, fault):
     """Whether the launcher's output names `rank` and the fault's cause."""
     causes = {
         "sigkill": r"SIGKILL|signal 9|killed",
-        "sigstop": r"timed out|not respond|hang|has not joined",
+        "sigstop": r"timed out|not respond|hang|has not joined|misses pushes .* after \d+ ms",
         "cut-link": r"timed out|connection|reset|unreachable|peer .* failed",
         "disk-full": r"No space left|ENOSPC|space",
         "corrupt-checkpoint": r"checksum|corrupt|truncat|cannot (read|load)|invalid|not a checkpoint",
@@ -113,15 +119,17 @@ def named(output, rank, fault):
         return False
     if fault in ("corrupt-checkpoint", "disk-full"):
         return True  # the cause is a file or the disk, named in the message; no rank is at fault
-    return re.search(rf"rank {rank}\b", output) is not None
+    # (the parameter server names a stopped worker "workers [r]")
+    return re.search(rf"rank {rank}\b|workers? \[?{rank}\b", output) is not None
 
 
 def final_metrics(out):
-    """The last evaluation a MIL-NCE run wrote (eval.json), or None."""
+    """The final evaluation a MIL-NCE run wrote (eval.json), or None."""
+    # ("after" only: a restarted run evaluates its "before" on the state it resumed from)
     try:
         with open(os.path.join(out, "eval.json")) as f:
-            return json.load(f)
-    except (OSError, ValueError):
+            return json.load(f).get("after")
+    except (OSError, ValueError, AttributeError):
         return None
 
 
@@ -211,7 +219,8 @@ def standalone_trial(rig, t, tdir):
                         os.kill(victim, signal.SIGKILL if t["fault"] == "sigkill" else signal.SIGSTOP)
             elif t["fault"] == "corrupt-checkpoint":
                 fault_at = time.time()
-            limit = 2 * rig.timeout + rig.grace + (600 if t["restarts"] else 60)
+            t["timeout_s"] = timeout_of(rig, t["workload"])
+            limit = 2 * t["timeout_s"] + rig.grace + (600 if t["restarts"] else 60)
             stopped = {}
             start_wait = time.time()
             while proc.poll() is None and time.time() - start_wait < limit:
@@ -245,8 +254,8 @@ def damage_newest(out, seed):
     """Truncates the newest checkpoint file or flips one of its bits; says which and how."""
     ck = os.path.join(out, "checkpoints")
     files = []
-    for d, _, fs in os.walk(ck):
-        files += [os.path.join(d, f) for f in fs]
+    for d, _, fs in os.walk(ck):  # the data: a per-rank checkpoint's rank files, not its manifest
+        files += [os.path.join(d, f) for f in fs if f != "manifest.pt"]
     if not files:
         return "no checkpoint to damage"
     newest = max(files, key=os.path.getmtime)
@@ -330,6 +339,8 @@ def ok(t):
     a zero exit with the uninterrupted result), a loadable newest checkpoint."""
     if t.get("hung"):
         return False
+    if not t["restarts"] and t.get("launcher_stop_s", 0) > 2 * t.get("timeout_s", 10) + 2:
+        return False  # later than 2x the timeout (plus dtrain-run's grace period)
     if t.get("loadable") is False:
         return False
     if t["restarts"]:
@@ -389,7 +400,8 @@ def summarize(trials, rig):
               f"{max(stops) if stops else '-':>10}")
     n = len(trials)
     hung = sum(bool(t.get("hung")) for t in trials)
-    late = sum(t.get("launcher_stop_s", 0) > 2 * rig.timeout + rig.grace for t in trials if not t["restarts"])
+    late = sum(t.get("launcher_stop_s", 0) > 2 * t.get("timeout_s", rig.timeout) + rig.grace
+               for t in trials if not t["restarts"])
     named_n = sum(bool(t.get("named")) for t in trials if not t["restarts"])
     print(f"\n{n} trials: {sum(t['ok'] for t in trials)} ok, {hung} hung, {late} stopped later than 2x the timeout "
           f"(+{rig.grace:g}s grace), named {named_n}/{sum(not t['restarts'] for t in trials)}; restart trials equal: "

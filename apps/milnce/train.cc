@@ -274,12 +274,35 @@ class Job {
         restoreFrom({*st}, ckpt_.dir());
         return;
       }
-    } else if (const auto saved = ckpt_.list(); !saved.empty()) {
+    } else if (const auto saved = ckpt_.list(); refuseDamagedNewer(saved), !saved.empty()) {
       restoreFrom(dtrain::Checkpointer::loadRanks(saved.back().path), saved.back().path);
       return;
     }
     refuseOtherLayout();
     if (main_) std::printf("no checkpoint in %s/checkpoints: starting afresh\n", o_.out.c_str());
+  }
+
+  // A per-rank checkpoint whose save completed (it has its manifest) but that no longer loads (a rank file
+  // truncated or changed: Checkpointer::list leaves it out) is refused when it is newer than every good
+  // one, as a damaged single file is: resuming from an older one, or afresh, would lose its progress
+  // without a word (the fault soak found a damaged newest checkpoint restarting training from step 0).
+  void refuseDamagedNewer(const std::vector<dtrain::CheckpointFile>& good) const {
+    if (!std::filesystem::is_directory(ckpt_.dir())) return;
+    const std::string newest_good =
+        good.empty() ? "" : std::filesystem::path(good.back().path).filename().string();
+    for (const auto& e : std::filesystem::directory_iterator(ckpt_.dir())) {
+      const std::string name = e.path().filename().string();
+      if (name.rfind("ckpt-", 0) != 0 || !e.is_directory() || name <= newest_good ||
+          !std::filesystem::exists(e.path() / "manifest.pt"))
+        continue;
+      try {
+        dtrain::Checkpointer::loadRanks(e.path().string());
+      } catch (const std::exception& err) {
+        throw dtrain::Error(fmt::format(
+            "--resume: the newest checkpoint {} does not load: {}; remove it to resume from {}", e.path().string(),
+            err.what(), newest_good.empty() ? "the start" : newest_good));
+      }
+    }
   }
 
   // Checkpoints of the other layout (saved with another --zero) are refused, not started afresh over.

@@ -46,6 +46,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
       if (::poll(&p, 1, 10) <= 0) continue;
       int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
       if (fd < 0) continue;
+      fuzz::resetOnClose(fd);
       char buf[8192];
       pollfd q{fd, POLLIN, 0};
       if (::poll(&q, 1, 500) > 0) (void)::recv(fd, buf, sizeof buf, MSG_DONTWAIT);  // the request

@@ -21,19 +21,29 @@ namespace dtrain::fuzz {
   std::abort();
 }
 
-// A TCP connection to 127.0.0.1:port, or -1.
+// Closing `fd` resets the connection instead of leaving it in TIME_WAIT: a harness makes hundreds of
+// connections a second, and loopback's ephemeral ports ran out in a 5-minute run (connect failed).
+inline void resetOnClose(int fd) {
+  linger l{1, 0};
+  ::setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+}
+
+// A TCP connection to 127.0.0.1:port (reset on close), or -1 after 5 s of failed tries.
 inline int connectLoopback(uint16_t port) {
-  int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return -1;
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_port = htons(port);
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) != 0) {
+  const auto until = std::chrono::steady_clock::now() + std::chrono::seconds(5);
+  for (;;) {
+    int fd = ::socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) return -1;
+    resetOnClose(fd);
+    sockaddr_in a{};
+    a.sin_family = AF_INET;
+    a.sin_port = htons(port);
+    a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+    if (::connect(fd, reinterpret_cast<sockaddr*>(&a), sizeof a) == 0) return fd;
     ::close(fd);
-    return -1;
+    if (std::chrono::steady_clock::now() >= until) return -1;
+    ::usleep(10000);
   }
-  return fd;
 }
 
 // A listening socket on 127.0.0.1 (an ephemeral port, returned in `port`), or -1.

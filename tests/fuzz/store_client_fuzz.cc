@@ -39,6 +39,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     if (::poll(&p, 1, 2000) <= 0) return;
     int fd = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
     if (fd < 0) return;
+    fuzz::resetOnClose(fd);
     fuzz::sendSome(fd, data + 1, size - 1, std::chrono::milliseconds(1000));
     ::shutdown(fd, SHUT_WR);
     fuzz::drainUntilClosed(fd, std::chrono::milliseconds(2000));
