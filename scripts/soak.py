@@ -110,7 +110,7 @@ def named(output, rank, fault):
     """Whether the launcher's output names `rank` and the fault's cause."""
     causes = {
         "sigkill": r"SIGKILL|signal 9|killed",
-        "sigstop": r"timed out|not respond|hang|has not joined|misses pushes .* after \d+ ms",
+        "sigstop": r"timed out|not respond|hang|has not joined|after \d+ ms",
         "cut-link": r"timed out|connection|reset|unreachable|peer .* failed",
         "disk-full": r"No space left|ENOSPC|space",
         "corrupt-checkpoint": r"checksum|corrupt|truncat|cannot (read|load)|invalid|not a checkpoint",
@@ -359,7 +359,11 @@ def main():
     p.add_argument("--work-dir", default=None)
     p.add_argument("--json", default="soak.json")
     p.add_argument("--only-fault", choices=FAULTS)
+    p.add_argument("--rescore", action="store_true",
+                   help="score the trials of --json again from the logs kept in --work-dir (after a rule changed)")
     args = p.parse_args()
+    if args.rescore:
+        return rescore(args)
     args.work_dir = args.work_dir or tempfile.mkdtemp(prefix="dtrain-soak-")
     rig = Rig(args)
     if not os.path.exists(os.path.join(rig.data, "meta.json")):
@@ -388,6 +392,22 @@ def main():
         if t["ok"] and t.get("fault") != "disk-full":
             shutil.rmtree(tdir, ignore_errors=True)
     summarize(trials, rig)
+
+
+def rescore(args):
+    """Names and verdicts again, for the trials whose directory was kept (those not ok, the full-disk ones)."""
+    with open(args.json) as f:
+        doc = json.load(f)
+    rig = Rig(args)
+    rig.timeout = doc["timeout_s"]
+    for t in doc["trials"]:
+        log = os.path.join(args.work_dir, f"trial{t['id']:03d}", "launcher.log")
+        if os.path.exists(log) and t["fault"] != "cut-link":
+            t["named"] = named(open(log, errors="replace").read(), t["rank"], t["fault"])
+            t["ok"] = ok(t) and "error" not in t
+    with open(args.json, "w") as f:
+        json.dump(doc, f, indent=1)
+    summarize(doc["trials"], rig)
 
 
 def summarize(trials, rig):
