@@ -4,11 +4,18 @@
 # with "FAIL <check>:"; the exit status is 1 when any check fails, 0 when all pass.
 #
 #   file-size        no source file in src/, apps/, tools/, benches/ over 600 lines
-#   function-size    clang-tidy-14 readability-function-size (LineThreshold 120) reports no function in
-#                    src/, apps/, tools/, benches/ (run over BUILD_DIR/compile_commands.json, JOBS in
-#                    parallel; gcc's precompiled-header flags are replaced by the header they stand for,
-#                    since clang cannot read gcc's .gch: a private copy of compile_commands.json is used,
-#                    which reads that header from a clang PCH built here, or as text where none fits)
+#   function-size    no function in src/, apps/, tools/, benches/ over 120 lines, measured twice:
+#                    - lizard (PyPI; scripts/setup.sh puts it in .venv) over every source file, no build
+#                      needed: a function's lines from its name to its closing brace, less one (for a
+#                      signature on one line, the count of clang-tidy's check below);
+#                    - clang-tidy-14 readability-function-size (LineThreshold 120, "lines including
+#                      whitespace and comments") over the translation units of TIDY_BUILD's
+#                      compile_commands.json (JOBS in parallel). CI gives it the comm-only clang build of
+#                      scripts/sanitize.sh (no libtorch headers to parse: ~1 min); over a gcc build with
+#                      libtorch it takes ~9 min on 2 cores: gcc's precompiled-header flags are replaced by
+#                      the header they stand for, since clang cannot read gcc's .gch (a private copy of
+#                      compile_commands.json reads that header from a clang PCH built here, or as text
+#                      where none fits)
 #   getenv           the environment is read in one file of src/: `grep -rl getenv src` names at most one
 #   tool-includes    the tools (tools/, benches/dtrain_bench/) compile without src/ on their include path:
 #                    they use the public headers of include/ only
@@ -21,12 +28,13 @@
 #                    include/dtrain/compat.h (in src/, include/, apps/, tools/, benches/, tests/, examples/)
 #
 # Usage: scripts/check_structure.sh [--no-tidy] [--report FILE]
-#   --no-tidy      skip function-size (the only slow check: ~10 min of CPU over the ~60 translation
-#                  units, most of it parsing libtorch headers; ~5 min on 2 idle cores)
+#   --no-tidy      skip clang-tidy's half of function-size (lizard's runs)
 #   --report FILE  also write the offenders (the FAIL lines) to FILE
-# Env: BUILD_DIR (default <repo>/build, configured: it needs compile_commands.json), JOBS (default 2),
-#      CLANG_TIDY (default clang-tidy-14), CLANGXX (the clang++ of the same version, which builds the PCH:
-#      default CLANG_TIDY's name with clang-tidy replaced by clang++, so clang++-14).
+# Env: BUILD_DIR (default <repo>/build, configured: it needs compile_commands.json; tool-includes reads
+#      it), TIDY_BUILD (default BUILD_DIR: the build clang-tidy reads), JOBS (default 2), LIZARD_PYTHON (a
+#      python with lizard: default <repo>/.venv/bin/python, else python3), CLANG_TIDY (default
+#      clang-tidy-14), CLANGXX (the clang++ of the same version, which builds the PCH: default
+#      CLANG_TIDY's name with clang-tidy replaced by clang++, so clang++-14).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 build=${BUILD_DIR:-$root/build}
@@ -45,6 +53,10 @@ while (($#)); do
 done
 ccdb=$build/compile_commands.json
 [[ -f $ccdb ]] || { echo "check_structure.sh: $ccdb not found: configure first (cmake -S $root -B $build)" >&2; exit 2; }
+tidy_db=${TIDY_BUILD:-$build}/compile_commands.json
+[[ -f $tidy_db ]] || { echo "check_structure.sh: $tidy_db (TIDY_BUILD) not found: configure it first" >&2; exit 2; }
+lizard_py=${LIZARD_PYTHON:-$root/.venv/bin/python}
+[[ -x $lizard_py ]] || lizard_py=python3
 
 tmp=$(mktemp -d); trap 'rm -rf "$tmp"' EXIT
 fails=$tmp/fails
@@ -144,7 +156,27 @@ for d, _, files in sorted(os.walk(base)):
 PY
 while IFS= read -r line; do fail "$line"; done <"$tmp/transport"
 
-# ---- function-size ----
+# ---- function-size: lizard ----
+if "$lizard_py" -c 'import lizard' 2>/dev/null; then
+  "$lizard_py" - "${dirs[@]}" >"$tmp/lizard" <<'PY'
+import os, sys, lizard
+for d in sys.argv[1:]:
+    for base, _, files in sorted(os.walk(d)):
+        for fn in sorted(files):
+            if not fn.endswith((".cc", ".h", ".c", ".cpp", ".hpp")):
+                continue
+            path = os.path.join(base, fn)
+            for f in lizard.analyze_file(path).function_list:
+                n = f.end_line - f.start_line  # lines after the first: clang-tidy's count for a one-line signature
+                if n > 120:
+                    print(f"function-size: {path}:{f.start_line}: '{f.name}' is {n} lines (limit 120; lizard)")
+PY
+  while IFS= read -r line; do fail "$line"; done <"$tmp/lizard"
+else
+  fail "function-size: lizard not found ($lizard_py; scripts/setup.sh installs it in .venv, or set LIZARD_PYTHON)"
+fi
+
+# ---- function-size: clang-tidy ----
 if ((run_tidy)); then
   command -v "$tidy_bin" >/dev/null || { fail "function-size: $tidy_bin not installed (scripts/setup.sh installs it)"; }
 fi
@@ -161,7 +193,7 @@ if ((run_tidy)) && command -v "$tidy_bin" >/dev/null; then
   # with, include paths aside where the header preprocesses (-E -dD) to the same text under theirs: the
   # TUs get the declarations the text would give them, and their own code is parsed as before. A PCH
   # that does not build leaves its TUs on the text; a TU whose PCH clang rejects is rerun on $tmp/db.
-  /usr/bin/python3 - "$ccdb" "$root" "$tmp" "$clangxx" "$jobs" >"$tmp/files" <<'PY'
+  /usr/bin/python3 - "$tidy_db" "$root" "$tmp" "$clangxx" "$jobs" >"$tmp/files" <<'PY'
 import concurrent.futures, hashlib, json, os, re, shlex, shutil, subprocess, sys
 ccdb, root, tmp, clangxx, jobs = sys.argv[1:]
 out = tmp + "/db"
@@ -342,12 +374,12 @@ for p in sys.argv[2:]:
         m = re.match(r"\S+: note: (\d+) lines including whitespace and comments \(threshold (\d+)\)", line)
         if m and last:
             f = last[0][len(root) + 1:] if last[0].startswith(root + "/") else last[0]
-            print(f"function-size: {f}:{last[1]}: '{last[2]}' is {m[1]} lines (limit {m[2]})")
+            print(f"function-size: {f}:{last[1]}: '{last[2]}' is {m[1]} lines (limit {m[2]}; clang-tidy)")
             last = None
 PY
   while IFS= read -r line; do fail "$line"; done <"$tmp/functions"
   pch=$(cat "$tmp/pch/summary")
-  echo "check_structure: clang-tidy over $(wc -l <"$tmp/files") translation units${pch:+ ($pch)} took $((SECONDS - t0)) s" >&2
+  echo "check_structure: clang-tidy over $(wc -l <"$tmp/files") translation units of $tidy_db${pch:+ ($pch)} took $((SECONDS - t0)) s" >&2
 fi
 
 [[ -z $report ]] || cp "$fails" "$report"

@@ -16,7 +16,7 @@
 #      FUZZ_SECONDS (default 20 a harness), FUZZ_TIMEOUT (default 10), ASAN_TESTS, TSAN_TESTS (below).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-base=${BUILD_DIR:-$root/build}
+base=$(realpath -m "${BUILD_DIR:-$root/build}")  # absolute: the fuzzers run in their own directories
 jobs=${JOBS:-2}
 fuzz_seconds=${FUZZ_SECONDS:-20}
 fuzz_timeout=${FUZZ_TIMEOUT:-10}
@@ -50,17 +50,23 @@ configure() {  # configure DIR SANITIZER FUZZ OPT
 run_tests() {  # run_tests DIR TESTS...
   local dir=$1
   shift
-  local re
+  local re t n
   re=$(IFS='|'; echo "^($*)\$")
+  # Tests are discovered from the built executables: one that did not build would have no tests, and ctest
+  # would pass without it. Each label must list tests.
+  for t in "$@"; do
+    n=$(ctest --test-dir "$dir" -N -L "^$t\$" | sed -n 's/^Total Tests: //p')
+    ((${n:-0} > 0)) || { echo "sanitize.sh: $t lists no tests in $dir (did it build?)" >&2; return 1; }
+  done
   ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re" -E "_world[45]( |\$)${EXCLUDE:+|$EXCLUDE}"
 }
 
 fuzz() {
   local dir=$base-asan
-  configure "$dir" address ON -O0
+  configure "$dir" address ON -O0 || return 1
   local harnesses=()
   for src in "$root"/tests/fuzz/*_fuzz.cc; do harnesses+=("$(basename "$src" .cc)"); done
-  cmake --build "$dir" -j"$jobs" --target "${harnesses[@]}"
+  cmake --build "$dir" -j"$jobs" --target "${harnesses[@]}" || return 1
   local failed=0 summary=()
   # JOBS harnesses at a time, each on its own copy of its corpus; then their logs in order.
   echo "== sanitize.sh: fuzzing ${harnesses[*]}, ${fuzz_seconds}s each, $jobs at a time"
@@ -97,9 +103,9 @@ fuzz() {
 
 asan() {
   local dir=$base-asan
-  configure "$dir" address ON -O0
+  configure "$dir" address ON -O0 || return 1
   # shellcheck disable=SC2086  # a list of targets
-  cmake --build "$dir" -j"$jobs" --target $asan_tests
+  cmake --build "$dir" -j"$jobs" --target $asan_tests || return 1
   echo "== sanitize.sh: ASan + UBSan: $asan_tests"
   # shellcheck disable=SC2086
   run_tests "$dir" $asan_tests
@@ -107,9 +113,9 @@ asan() {
 
 tsan() {
   local dir=$base-tsan
-  configure "$dir" thread OFF -O0
+  configure "$dir" thread OFF -O0 || return 1
   # shellcheck disable=SC2086
-  cmake --build "$dir" -j"$jobs" --target $tsan_tests
+  cmake --build "$dir" -j"$jobs" --target $tsan_tests || return 1
   echo "== sanitize.sh: ThreadSanitizer: $tsan_tests"
   # die_after_fork=0: the tests fork their ranks from a process that has threads (the store server's);
   # each child is single-threaded until it starts its own.
@@ -120,6 +126,7 @@ tsan() {
     EXCLUDE=Etcd run_tests "$dir" $tsan_tests
 }
 
+# Each part is called from `||`, where bash turns set -e off: every step above that can fail says `|| return 1`.
 status=0
 for part in "${parts[@]}"; do
   case $part in

@@ -19,6 +19,7 @@ what=${1:-all}
 # The newest torch PyPI serves, tested here (2026-11-27). 2.14 and later need C++20 (CMake picks it).
 torch_pin=${DTRAIN_TORCH_VERSION:-2.15.0}
 venv=${DTRAIN_VENV:-$root/.venv}
+lizard_pin=1.24.3  # scripts/check_structure.sh's function-size measure
 
 main_pkgs=(
   build-essential cmake ninja-build pkg-config git libssl-dev libcurl4-openssl-dev
@@ -52,17 +53,18 @@ apt_install() {
 }
 
 # The torch wheel in its own environment, made with Debian's python3 (python3-venv), so the version on
-# PyPI and the interpreter are the same on every machine of this kind. numpy: the parity tests use it.
+# PyPI and the interpreter are the same on every machine of this kind. numpy: the parity tests use it;
+# lizard: scripts/check_structure.sh measures every function with it.
 torch2_venv() {
   [[ -x $venv/bin/python ]] || /usr/bin/python3 -m venv "$venv"
   local have
-  have=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"), m.version("numpy"))' 2>/dev/null || true)
+  have=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"), m.version("numpy"), m.version("lizard"))' 2>/dev/null || true)
   if [[ $have == "$torch_pin "* ]]; then
-    echo "setup: torch $torch_pin present in $venv"
+    echo "setup: torch $torch_pin and lizard present in $venv"
     return
   fi
-  echo "setup: installing torch==$torch_pin (the CUDA wheel and its nvidia-* dependencies, ~3 GB) into $venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_pin" numpy
+  echo "setup: installing torch==$torch_pin (the CUDA wheel and its nvidia-* dependencies, ~3 GB) and lizard into $venv"
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_pin" numpy "lizard==$lizard_pin"
 }
 
 case $what in

@@ -159,7 +159,9 @@ void PrintTo(const Param& p, std::ostream* os) { *os << p.transport << " x " << 
 class Mismatch : public ::testing::TestWithParam<Param> {};
 
 TEST_P(Mismatch, EveryRankFailsNamingBothCalls) {
-  const auto [transport, world] = GetParam();
+  // Named copies, not a structured binding: C++17 lambdas cannot capture bindings (clang refuses).
+  const std::string transport = GetParam().transport;
+  const int world = GetParam().world;
   StoreServer server;
   GroupOptions o;
   o.transport = transport;

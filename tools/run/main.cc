@@ -51,6 +51,7 @@ std::string newSecret() {
 std::string versionText() {
   namespace b = dtrain::build_info;
   std::string cuda = *b::kTorchCuda ? std::string(", CUDA ") + b::kTorchCuda : std::string(", CPU only");
+  if (!*b::kTorchVersion) return std::string("dtrain-run ") + b::kVersion + "\nbuilt without libtorch (the comm layer alone)";
   return std::string("dtrain-run ") + b::kVersion + "\nbuilt with libtorch " + b::kTorchVersion + " (C++" +
          std::to_string(b::kTorchCxxStandard) + cuda + ") from " + b::kTorchDir;
 }
