@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # sanitize.sh: the fuzzing harnesses and the sanitizer runs (issue 27), run by scripts/test.sh (so by CI).
-# Both builds are of the comm layer only (DTRAIN_TORCH=OFF) with clang-14: libtorch is not built with
-# sanitizers, and a clang build of the torch layer would cost CI some 25 minutes more.
+# Both builds are of the comm layer (DTRAIN_TORCH=OFF) with clang-14: libtorch is not built with sanitizers,
+# and a clang build of the whole torch layer would cost CI some 25 minutes more. The fuzzing build adds the
+# 15 torch-layer and MIL-NCE translation units its torch harnesses reach (tests/fuzz/CMakeLists.txt; ~90 s).
 #
-#   fuzz   build-asan (ASan + UBSan + libFuzzer coverage): every harness of tests/fuzz runs over its seed
-#          corpus and then FUZZ_SECONDS more; any crash, sanitizer report, leak, slow unit (FUZZ_TIMEOUT s)
+#   fuzz   build-asan (ASan + UBSan + libFuzzer coverage): every harness of tests/fuzz (and tests/fuzz/torch,
+#          the torch layer's decoders) runs over its seed corpus and the inputs it once failed on
+#          (tests/fuzz/regressions/<harness>/), then FUZZ_SECONDS more; any crash, sanitizer report, leak, slow unit (FUZZ_TIMEOUT s)
 #          or out-of-memory fails it, and the input is kept under BUILD_DIR-asan/fuzz/<harness>/ (crash-*).
 #          Prints each harness's executions per second and the coverage it reached (edges, features).
 #   asan   the tests of ASAN_TESTS (CTest labels: whole executables) in build-asan: ASan with UBSan, every
@@ -38,10 +40,12 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 # Optimisation: compile time is most of these builds' cost in CI (the sanitizers' instrumentation, UBSan's
 # above all, makes an optimised translation unit take ~2x longer), so both are built at -O0 (TSan's manual
 # advises -O1 for speed; its tests here are light); -g1: line tables for the reports' stacks.
+# The fuzzing build also has the torch layer's harnesses (DTRAIN_FUZZ_TORCH: the few translation units they
+# reach, on Debian's libtorch 1.13).
 configure() {  # configure DIR SANITIZER FUZZ OPT
   CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
     -DCMAKE_C_FLAGS_SANITIZE="$4 -g1" -DCMAKE_CXX_FLAGS_SANITIZE="$4 -g1" -DDTRAIN_TORCH=OFF \
-    -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON >/dev/null
+    -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_FUZZ_TORCH="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON >/dev/null
 }
 
 # ctest over whole test executables (labels), each test under its CTest deadline. The sweeps' cases at 4
@@ -65,7 +69,7 @@ fuzz() {
   local dir=$base-asan
   configure "$dir" address ON -O0 || return 1
   local harnesses=()
-  for src in "$root"/tests/fuzz/*_fuzz.cc; do harnesses+=("$(basename "$src" .cc)"); done
+  for src in "$root"/tests/fuzz/*_fuzz.cc "$root"/tests/fuzz/torch/*_fuzz.cc; do harnesses+=("$(basename "$src" .cc)"); done
   cmake --build "$dir" -j"$jobs" --target "${harnesses[@]}" || return 1
   local failed=0 summary=()
   # JOBS harnesses at a time, each on its own copy of its corpus; then their logs in order.
@@ -74,6 +78,8 @@ fuzz() {
     local work=$dir/fuzz/$h
     rm -rf "$work" && mkdir -p "$work/corpus"
     cp "$root/tests/fuzz/corpus/$h"/* "$work/corpus/"
+    # The inputs it once failed on (tests/fuzz/regressions/<harness>/) are run first, with the seeds.
+    if [[ -d $root/tests/fuzz/regressions/$h ]]; then cp "$root/tests/fuzz/regressions/$h"/* "$work/corpus/"; fi
     # -timeout: a unit slower than that is a hang; -rss_limit_mb: a leak or a runaway allocation.
     (cd "$work" && "$dir/bin/$h" -max_total_time="$fuzz_seconds" -timeout="$fuzz_timeout" -rss_limit_mb=2048 \
        -print_final_stats=1 corpus >log.txt 2>&1; echo $? >rc) &

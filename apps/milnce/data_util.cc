@@ -6,6 +6,7 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
@@ -58,6 +59,12 @@ double normal(std::mt19937_64& rng) {
 }
 
 std::string readFile(const std::string& path) {
+  // A directory, a device (/dev/zero never ends) or a pipe (opening it waits for a writer) is refused before
+  // it is opened: a data file may name any path (videos.csv's feature_file).
+  std::error_code ec;
+  const auto st = std::filesystem::status(path, ec);
+  if (!ec && std::filesystem::exists(st) && !std::filesystem::is_regular_file(st))
+    fail(path, "not a regular file (a directory, device or pipe)");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, fmt::format("cannot open: {}", std::strerror(errno)));
   std::ostringstream ss;

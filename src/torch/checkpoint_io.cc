@@ -6,6 +6,7 @@
 #include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <sys/stat.h>
 #include <unistd.h>
+#include <caffe2/serialize/versions.h>
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -19,6 +20,7 @@
 #include "comm/util/digest.h"
 #include "dtrain/comm/error.h"
 #include "errors.h"
+#include "zip_layout.h"
 
 namespace dtrain::detail {
 namespace fs = std::filesystem;
@@ -150,6 +152,34 @@ std::string leadingBytes(const std::vector<char>& bytes) {
   return "bytes " + hex;
 }
 
+// What libtorch's archive reader requires before it reads anything, checked first because it trusts the
+// sizes the bytes claim and libtorch 1.13 leaks its zip reader when its constructor throws. After the zip
+// layout (`entries`, zip_layout.h): the archive's name being the first entry's top directory, a "<archive>/version" or
+// "<archive>/.data/version" record holding a format version this libtorch reads, and a
+// "<archive>/data.pkl" whose opcodes' lengths fit in it (zip_layout.h). "" when all hold.
+std::string torchArchiveProblem(const std::vector<char>& bytes, const std::vector<ZipEntry>& entries) {
+  if (entries.empty() || entries[0].name.find('/') == std::string::npos)
+    return "its zip archive has no entry inside a directory (torch archives put every record in one)";
+  const std::string archive = entries[0].name.substr(0, entries[0].name.find('/'));
+  const ZipEntry *version = nullptr, *pickle = nullptr;
+  for (const auto& e : entries) {
+    if (e.name == archive + "/version" || (!version && e.name == archive + "/.data/version")) version = &e;
+    if (e.name == archive + "/data.pkl") pickle = &e;
+  }
+  if (!version) return fmt::format("its zip archive has no record '{}/version'", archive);
+  const std::string text(bytes.data() + version->offset, std::min<uint64_t>(version->size, 32));
+  uint64_t v = 0;
+  const char* first = text.data() + text.find_first_not_of(" \t\r\n") * (text.find_first_not_of(" \t\r\n") != std::string::npos);
+  const auto [end, ec] = std::from_chars(first, text.data() + text.size(), v);
+  if (ec != std::errc() || end == first || v < caffe2::serialize::kMinSupportedFileFormatVersion ||
+      v > caffe2::serialize::kMaxSupportedFileFormatVersion)
+    return fmt::format("its torch archive's format version '{}' is not one this libtorch reads ({} to {})", text,
+                       caffe2::serialize::kMinSupportedFileFormatVersion,
+                       caffe2::serialize::kMaxSupportedFileFormatVersion);
+  if (!pickle) return fmt::format("its zip archive has no record '{}/data.pkl'", archive);
+  return pickleLengthProblem(bytes.data() + pickle->offset, pickle->size);
+}
+
 bool contains(const std::vector<char>& bytes, const char* needle) {
   const size_t n = std::strlen(needle);
   return std::search(bytes.begin(), bytes.end(), needle, needle + n) != bytes.end();
@@ -276,18 +306,16 @@ c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::ve
   if (bytes.size() < 4 || !std::equal(kZipMagic, kZipMagic + 4, bytes.begin()))
     throw Error(fmt::format("{} is not a dtrain checkpoint: not a zip archive as torch.save writes (it starts with {})",
                             path, leadingBytes(bytes)));
-  // A zip archive ends with its end-of-central-directory record ("PK\5\6", within the last 64 KiB + 22
-  // bytes): without it the file was cut short, whatever else it holds.
-  static const std::string kZipEnd("PK\x05\x06", 4);
-  const size_t tail = std::min<size_t>(bytes.size(), 65536 + 22);
-  if (std::search(bytes.end() - static_cast<std::ptrdiff_t>(tail), bytes.end(), kZipEnd.begin(), kZipEnd.end()) ==
-      bytes.end())
-    throw Error(fmt::format("checkpoint {} is corrupt or truncated: its zip archive has no end record (the file "
-                            "was cut short)",
-                            path));
+  // The archive's layout before libtorch's reader, which trusts the sizes it claims (torchArchiveProblem):
+  // no end record means the file was cut short, whatever else it holds.
+  std::vector<ZipEntry> entries;
+  std::string layout = zipLayoutProblem(bytes.data(), bytes.size(), &entries);
+  if (!layout.empty()) throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, layout));
   if (!contains(bytes, "data.pkl"))
     throw Error(fmt::format("{} is not a dtrain checkpoint: a zip archive without a torch pickle (no data.pkl entry)",
                             path));
+  layout = torchArchiveProblem(bytes, entries);
+  if (!layout.empty()) throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, layout));
   c10::IValue root;
   try {
     root = torch::pickle_load(bytes);

@@ -121,6 +121,32 @@ TEST_P(Faults, StoppedPeerTimesOut) {
   }
 }
 
+// Both ranks in one process (threads, as a parameter server and a worker of one process): rank 0 destroys
+// its group while rank 1 waits to receive from it. Rank 1 must fail at once naming rank 0, not at its
+// 60 s deadline (shm: no socket closes and the peer's pid lives on; the group says it closed).
+TEST_P(Faults, APeerThatDestroysItsGroupIsNamedAtOnce) {
+  StoreServer server;
+  auto o = opts(GetParam(), std::chrono::seconds(60));
+  std::shared_ptr<ProcessGroup> pg0;
+  std::thread creator([&] { pg0 = ProcessGroup::create(server.client(), 0, 2, o); });
+  auto pg1 = ProcessGroup::create(server.client(), 1, 2, o);
+  creator.join();
+  float x = 0;
+  auto recv = pg1->recv(&x, 1, DType::f32, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(200));  // rank 1 is waiting
+  const auto t0 = Clock::now();
+  pg0.reset();
+  try {
+    recv->wait();
+    ADD_FAILURE() << "the receive succeeded from a destroyed group";
+  } catch (const Error& e) {
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    EXPECT_LT(secs, 5.0) << e.what();
+    EXPECT_NE(std::string(e.what()).find("rank 0"), std::string::npos) << e.what();
+    printf("%s: %.2fs: %s\n", GetParam().c_str(), secs, e.what());
+  }
+}
+
 // Under DTRAIN_DEBUG=detail, ranks that call different collectives get a ProtocolError listing which
 // ranks called what. Without it, the always-on fingerprint check (frame headers on tcp, published
 // fingerprints on shm) catches it as a ProtocolError on every rank naming both calls.

@@ -6,6 +6,7 @@
 
 #include <array>
 #include <cstdio>
+#include <cstring>
 #include <filesystem>
 #include <fstream>
 #include <random>
@@ -15,6 +16,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/distributed.h"
 #include "harness.h"
+#include "torch/zip_layout.h"
 
 namespace dtrain::test {
 namespace {
@@ -324,6 +326,39 @@ TEST(Checkpoint, AFlippedBitIsANamedErrorNotADifferentModel) {
   EXPECT_EQ(detected, tried);
   std::ofstream(path, std::ios::binary | std::ios::trunc) << bytes;
   EXPECT_EQ(Checkpointer::load(path).epoch, 1);  // the intact file still loads
+}
+
+// Lengths the bytes claim are checked before libtorch reads them (src/torch/zip_layout.h): the fuzzer's
+// input (tests/fuzz/regressions/checkpoint_fuzz) made libtorch 1.13's unpickler reserve 1.6 GB for a string
+// of a 7.5 KB file; a zip entry claiming more bytes than the file has is named too.
+TEST(Checkpoint, ClaimedLengthsPastTheFileAreNamedBeforeLibtorchReadsThem) {
+  const std::string found = std::string(DTRAIN_SOURCE_DIR) +
+                            "/tests/fuzz/regressions/checkpoint_fuzz/huge-pickle-string.pt";
+  std::string msg = errorOf([&] { Checkpointer::load(found); });
+  EXPECT_NE(msg.find("is corrupt or truncated: its pickle claims 1660944393 bytes for opcode 0x58 at offset 421"), std::string::npos) << msg;
+
+  TempDir dir;
+  const std::string path = Checkpointer(dir.path(), 0).save(stateAt(1, 1));
+  std::string bytes;
+  {
+    std::ifstream in(path, std::ios::binary);
+    bytes.assign(std::istreambuf_iterator<char>(in), {});
+  }
+  std::vector<detail::ZipEntry> entries;
+  ASSERT_EQ(detail::zipLayoutProblem(bytes.data(), bytes.size(), &entries), "");
+  ASSERT_FALSE(entries.empty());
+  // The first entry's size in its central directory header ("PK\1\2", +20 compressed, +24 uncompressed).
+  const size_t central = bytes.find(std::string("PK\x01\x02", 4));
+  ASSERT_NE(central, std::string::npos);
+  std::string claimed = bytes;
+  for (size_t k : {20, 24}) std::memcpy(&claimed[central + k], "\xff\xff\xff\x7f", 4);
+  std::ofstream(path, std::ios::binary | std::ios::trunc) << claimed;
+  msg = errorOf([&] { Checkpointer::load(path); });
+  EXPECT_NE(msg.find("claims 2147483647 bytes at offset"), std::string::npos) << msg;
+  // Pickles: a string longer than what is left, a line argument without its newline, a fine one.
+  EXPECT_NE(detail::pickleLengthProblem("\x80\x02X\x10\x00\x00\x00" "abc", 11).find("claims 16 bytes"), std::string::npos);
+  EXPECT_NE(detail::pickleLengthProblem("\x80\x02" "ctorch\n", 9).find("no end of line"), std::string::npos);
+  EXPECT_EQ(detail::pickleLengthProblem("\x80\x02X\x03\x00\x00\x00" "abc.", 12), "");
 }
 
 // What users point a Checkpointer at by mistake: a PyTorch state_dict, some other zip file.

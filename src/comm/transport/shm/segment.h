@@ -51,6 +51,7 @@ struct alignas(64) RankSlot {
   std::atomic<uint32_t> aborted;
   std::atomic<int32_t> cores;  // usable cores of this rank, so that every rank makes the same choices
   std::atomic<uint32_t> awaiting_calls;  // 1 while this rank waits for others to publish their call
+  std::atomic<uint32_t> closed;  // 1 once this rank destroyed its group: it will not ring again
   FpEntry fps[2];
   uint32_t abort_kind;
   char abort_msg[kMaxAbortMessage + 1];

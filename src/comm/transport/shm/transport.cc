@@ -126,8 +126,17 @@ class ShmTransport : public Transport, public Staging {
     spin_ = oversubscribed_ ? 0 : kSpins;
   }
 
+  // A peer that still waits for this rank (its process lives on: a thread, a caller that goes on) learns
+  // now that nothing will come, instead of at its deadline: checkPeersAlive reads `closed`.
   ~ShmTransport() override {
-    if (base_) munmap(base_, total_);
+    if (!base_) return;
+    slot(rank_)->closed.store(1, std::memory_order_seq_cst);
+    for (int p = 0; p < size_; ++p) {
+      if (p == rank_) continue;
+      slot(p)->doorbell.fetch_add(1);
+      futexWakeAll(&slot(p)->doorbell);
+    }
+    munmap(base_, total_);
   }
 
   const char* name() const override { return "shm"; }
@@ -535,13 +544,14 @@ class ShmTransport : public Transport, public Staging {
       if (p == rank_) continue;
       bool pending = sqi[p] < sq[p].size() || rqi[p] < rq[p].size() || (check_pending_ && !sameCall(p, label));
       if (!pending) continue;
-      if (kill(pids_[p], 0) != 0 && errno == ESRCH) {
+      const bool closed = slot(p)->closed.load(std::memory_order_acquire) != 0;
+      if (closed || (kill(pids_[p], 0) != 0 && errno == ESRCH)) {
         // Data it wrote before dying may still be in the ring: let the caller pump once more.
         RingCtl* c = ctl(p, rank_);
         if (rqi[p] < rq[p].size() && c->head.load() != c->tail.load()) return;
         checkAborts(label, [this] { return waitingFor(); });  // a rank that failed and exited left its reason: report that
-        throw IoError(fmt::format("[rank {}] {}: {} exited or was killed while this rank waited for it",
-                                  rank_, label.what, peerName(p)));
+        throw IoError(fmt::format("[rank {}] {}: {} {} while this rank waited for it", rank_, label.what, peerName(p),
+                                  closed ? "closed its process group (destroyed it)" : "exited or was killed"));
       }
     }
   }
