@@ -81,8 +81,13 @@ fuzz() {
     # The inputs it once failed on (tests/fuzz/regressions/<harness>/) are run first, with the seeds.
     if [[ -d $root/tests/fuzz/regressions/$h ]]; then cp "$root/tests/fuzz/regressions/$h"/* "$work/corpus/"; fi
     # -timeout: a unit slower than that is a hang; -rss_limit_mb: a leak or a runaway allocation.
+    # A harness's own libFuzzer options, if any: tests/fuzz[/torch]/<harness>.options, one a line, '#' comments.
+    local options=()
+    for f in "$root/tests/fuzz/$h.options" "$root/tests/fuzz/torch/$h.options"; do
+      [[ -f $f ]] && mapfile -t options < <(grep -v '^\s*#' "$f" | grep .)
+    done
     (cd "$work" && "$dir/bin/$h" -max_total_time="$fuzz_seconds" -timeout="$fuzz_timeout" -rss_limit_mb=2048 \
-       -print_final_stats=1 corpus >log.txt 2>&1; echo $? >rc) &
+       -print_final_stats=1 "${options[@]}" corpus >log.txt 2>&1; echo $? >rc) &
     while (($(jobs -rp | wc -l) >= jobs)); do wait -n || true; done
   done
   wait

@@ -42,22 +42,32 @@ std::string directory(const Reader& z, uint64_t& offset, uint64_t& bytes, uint64
     }
   }
   if (end == std::string::npos) return "its zip archive has no end record (the file was cut short)";
+  // PyTorch writes the archive alone: the end record (no comment) ends the file, and the central directory
+  // ends where the zip64 end record (when there is one) or the end record begins. Bytes around them would
+  // be read by libtorch's zip reader as it sees fit (a read past the buffer, found by fuzzing).
+  if (end + kEndBytes + z.u(end + 20, 2) != z.size)
+    return fmt::format("its zip archive's end record (at offset {}) is not at the end of the file ({} bytes)", end,
+                       z.size);
   entries = z.u(end + 10, 2);
   bytes = z.u(end + 12, 4);
   offset = z.u(end + 16, 4);
-  if (entries == 0xffff || bytes == 0xffffffff || offset == 0xffffffff) {  // zip64: the locator precedes
-    if (end < kLocatorBytes || z.u(end - kLocatorBytes, 4) != kLocatorSig)
-      return "its zip archive's end record asks for a zip64 record that is not there";
+  uint64_t directory_end = end;
+  const bool zip64 = end >= kLocatorBytes && z.u(end - kLocatorBytes, 4) == kLocatorSig;
+  if (zip64) {  // the locator precedes the end record and points at the zip64 end record
     const uint64_t at = z.u(end - kLocatorBytes + 8, 8);
-    if (!z.has(at, kEnd64Bytes) || z.u(at, 4) != kEnd64Sig)
+    if (at > end - kLocatorBytes || end - kLocatorBytes - at < kEnd64Bytes || z.u(at, 4) != kEnd64Sig)
       return fmt::format("its zip64 end record (at offset {}) is missing or damaged", at);
     entries = z.u(at + 32, 8);
     bytes = z.u(at + 40, 8);
     offset = z.u(at + 48, 8);
+    directory_end = at;
+  } else if (entries == 0xffff || bytes == 0xffffffff || offset == 0xffffffff) {
+    return "its zip archive's end record asks for a zip64 record that is not there";
   }
-  if (!z.has(offset, bytes) || offset + bytes > end)
-    return fmt::format("its zip central directory ({} bytes at offset {}) does not fit in the file ({} bytes)", bytes,
-                       offset, z.size);
+  if (!z.has(offset, bytes) || offset + bytes != directory_end)
+    return fmt::format("its zip central directory ({} bytes at offset {}) does not end where its end record begins "
+                       "({})",
+                       bytes, offset, directory_end);
   if (entries > bytes / kCentralBytes)
     return fmt::format("its zip archive claims {} entries in a central directory of {} bytes", entries, bytes);
   return "";

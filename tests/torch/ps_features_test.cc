@@ -373,6 +373,9 @@ struct PhaseResult {
 
 void adamPhase(const std::string& dir, int from, int to, bool restore, bool save, PhaseResult* out) {
   auto o = bspOptions(PSOptions::Update::adam);
+  // Small messages: a table's 4-5 rows per server (12 floats each with Adam's moments) are restored in
+  // messages of 2 rows, as a large table's would be in messages of partition_bytes.
+  o.partition_bytes = 96;
   const int W = 2, S = 2;
   StoreServer server;
   auto results = runRanks(W + S, [&](int p) {

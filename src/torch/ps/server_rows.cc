@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cstring>
+#include <limits>
 #include <vector>
 
 #include "server_state.h"
@@ -32,6 +33,11 @@ void Server::State::onDeclareRows(int w, ProcessGroup& pg, const Header& h) {
   if (h.count < 1 || h.row_dim < 1 || h.row_dim > limit) {
     throw ProtocolError(fmt::format("{}: table {} of {} x {} (row limit {})", who(w), h.key, h.count, h.row_dim,
                                     limit));
+  }
+  if (localRowCount(h.count, index, num_servers) > std::numeric_limits<int32_t>::max()) {
+    throw ProtocolError(fmt::format("{}: table {} of {} rows puts more than 2^31 - 1 rows on a server of {}; use "
+                                    "more servers",
+                                    who(w), h.key, h.count, num_servers));
   }
   std::unique_lock<std::mutex> lk(mu);
   if (w == 0) {
@@ -111,8 +117,7 @@ void Server::State::onPullRows(int w, ProcessGroup& pg, const Header& h) {
     // Look the positions up first (prefetching the index), then copy the rows (prefetching a few ahead).
     std::shared_lock<std::shared_mutex> rl(t.rw);
     for (int64_t i = 0; i < n; ++i) {
-      if (i + 2 * kAhead < n)
-        __builtin_prefetch(&t.where[static_cast<size_t>(t_ids[static_cast<size_t>(i + 2 * kAhead)] / num_servers)]);
+      if (i + 2 * kAhead < n) t.prefetchIndex(t_ids[static_cast<size_t>(i + 2 * kAhead)]);
       t_pos[static_cast<size_t>(i)] = t.find(t_ids[static_cast<size_t>(i)]);
     }
     for (int64_t i = 0; i < n; ++i) {
@@ -152,10 +157,13 @@ void Server::State::onGetRowsState(int w, ProcessGroup& pg, const Header& h) {
 
 void Server::State::onSetRowsState(int w, ProcessGroup& pg, const Header& h) {
   Rows& t = tableOf(w, h, "setState");
-  const int64_t limit_rows = static_cast<int64_t>(t.where.size()), stride = t.stride;  // fixed at declaration
-  if (h.count < 0 || h.count > limit_rows || h.row_dim != stride) {
-    throw ProtocolError(fmt::format("{}: setState of table {} with {} rows x {} (at most {} x {} here)", who(w),
-                                    h.key, h.count, h.row_dim, limit_rows, stride));
+  // A table's state comes in messages of at most maxRowsPerMessage rows (Worker::netSetRowsState): aux 0
+  // on the first, which clears the table.
+  const int64_t stride = t.stride, limit_rows = maxRowsPerMessage(opts, stride);  // fixed at declaration
+  if (h.count < 0 || h.count > limit_rows || h.row_dim != stride || h.aux < 0 || h.aux > 1) {
+    throw ProtocolError(fmt::format("{}: setState of table {} with {} rows x {} (at most {} x {} a message), part "
+                                    "flag {}",
+                                    who(w), h.key, h.count, h.row_dim, limit_rows, stride, h.aux));
   }
   std::vector<int64_t> ids(static_cast<size_t>(h.count)), steps(static_cast<size_t>(h.count));
   std::vector<float> data(static_cast<size_t>(h.count * stride));
@@ -165,7 +173,7 @@ void Server::State::onSetRowsState(int w, ProcessGroup& pg, const Header& h) {
   {
     std::lock_guard<std::mutex> lk(mu);
     std::unique_lock<std::shared_mutex> wl(t.rw);
-    t.clear();
+    if (h.aux == 0) t.clear();
     for (size_t i = 0; i < ids.size(); ++i) {
       if (ids[i] < 0 || ids[i] >= t.num_rows || ids[i] % num_servers != index || t.find(ids[i]) >= 0) {
         throw ProtocolError(fmt::format("{}: setState of table {}: row {} is not served here or repeated", who(w),

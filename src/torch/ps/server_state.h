@@ -37,13 +37,17 @@ struct Server::State {
     at::Tensor value() const { return data[0]; }
   };
   // A sparse table's rows on this server (ids index, index + S, ...): one flat store, rows in chunks
-  // allocated as rows are first touched, and an id -> position array. A row holds its value, then its
-  // optimizer state (momentum buffer; or Adam's m and v): `slots` x dim floats.
+  // allocated as rows are first touched, and an id -> position index in pages of kPageRows, also allocated
+  // when first touched (a declaration's row count, a peer's claim, costs 8 bytes per page up front: 256 KB
+  // at most, the 2^31 - 1 rows a server can hold). A row holds its value, then its optimizer state
+  // (momentum buffer; or Adam's m and v): `slots` x dim floats.
   struct Rows {
     static constexpr int64_t kChunkRows = 1024;
     int64_t num_rows = 0, dim = 0, slots = 1, stride = 0;
     int num_servers = 1;
-    std::vector<int32_t> where;                    // id / S -> position, -1 absent
+    static constexpr int kPageShift = 16;
+    static constexpr int64_t kPageRows = int64_t{1} << kPageShift;
+    std::vector<std::unique_ptr<int32_t[]>> pages;  // (id / S) / kPageRows -> positions, -1 absent; null: none
     std::vector<int64_t> ids;                      // position -> id
     std::vector<int64_t> steps;                    // position -> updates applied (adam's t; momentum started)
     std::vector<std::unique_ptr<float[]>> chunks;  // zero-initialised
@@ -57,7 +61,8 @@ struct Server::State {
       slots = sl;
       stride = d * sl;
       num_servers = S;
-      where.assign(static_cast<size_t>(localRowCount(rows, index, S)), -1);
+      pages.clear();
+      pages.resize(static_cast<size_t>((localRowCount(rows, index, S) + kPageRows - 1) / kPageRows));
     }
     float* at(int64_t pos) { return chunks[static_cast<size_t>(pos / kChunkRows)].get() + (pos % kChunkRows) * stride; }
     // Starts loading the row at pos (if any) into the cache.
@@ -67,10 +72,26 @@ struct Server::State {
       for (int64_t b = 0; b < stride * 4; b += 64) __builtin_prefetch(p + b);
     }
     // The row's position, or -1.
-    int64_t find(int64_t id) const { return where[static_cast<size_t>(id / num_servers)]; }
+    int64_t find(int64_t id) const {
+      const int64_t local = id / num_servers;
+      const auto& page = pages[static_cast<size_t>(local >> kPageShift)];
+      return page ? page[local & (kPageRows - 1)] : -1;
+    }
+    // Starts loading the index entry of id (if its page exists) into the cache.
+    void prefetchIndex(int64_t id) const {
+      const int64_t local = id / num_servers;
+      const auto& page = pages[static_cast<size_t>(local >> kPageShift)];
+      if (page) __builtin_prefetch(&page[local & (kPageRows - 1)]);
+    }
     // The row's position, created as zeros if absent.
     int64_t touch(int64_t id) {
-      int32_t& w = where[static_cast<size_t>(id / num_servers)];
+      const int64_t local = id / num_servers;
+      auto& page = pages[static_cast<size_t>(local >> kPageShift)];
+      if (!page) {
+        page.reset(new int32_t[kPageRows]);
+        std::fill(page.get(), page.get() + kPageRows, -1);
+      }
+      int32_t& w = page[local & (kPageRows - 1)];
       if (w >= 0) return w;
       const int64_t pos = static_cast<int64_t>(ids.size());
       if (pos % kChunkRows == 0) chunks.emplace_back(new float[static_cast<size_t>(kChunkRows * stride)]());
@@ -80,7 +101,7 @@ struct Server::State {
       return pos;
     }
     void clear() {
-      std::fill(where.begin(), where.end(), -1);
+      for (auto& page : pages) page.reset();
       ids.clear();
       steps.clear();
       chunks.clear();

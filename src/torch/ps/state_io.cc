@@ -4,6 +4,7 @@
 #include <fmt/format.h>
 #include <fmt/ranges.h>
 
+#include <algorithm>
 #include <climits>
 #include <map>
 #include <string>
@@ -177,12 +178,19 @@ void Worker::Impl::netSetRowsState(const Entry& e, int64_t slots, const at::Tens
     auto si = ids.index_select(0, idx).contiguous(), ss = st.index_select(0, idx).contiguous();
     auto sd = d.index_select(0, idx).contiguous();
     auto& pg = pgOf(s);
-    b.sendHeader(s, pg, makeHeader(kSetState, e.key, 0, si.numel(), slots * e.dim, kFlagRows));
-    b.send(s, pg, si.data_ptr<int64_t>(), si.numel(), DType::i64);
-    b.send(s, pg, ss.data_ptr<int64_t>(), ss.numel(), DType::i64);
-    b.send(s, pg, sd.data_ptr<float>(), sd.numel(), DType::f32);
-    b.waitAll();
-    b.recvReply(s, pg, kAck);
+    // In messages of at most maxRowsPerMessage rows, as pushes are (the server allocates no more than one
+    // message's worth from a claim): aux 0 on the first (the server clears the table), 1 on the others;
+    // at least one message, so that an empty state clears it too.
+    const int64_t most = maxRowsPerMessage(opts_, slots * e.dim), n = si.numel();
+    for (int64_t start = 0; start == 0 || start < n; start += most) {
+      const int64_t m = std::min(most, n - start);
+      b.sendHeader(s, pg, makeHeader(kSetState, e.key, 0, m, slots * e.dim, kFlagRows, start == 0 ? 0 : 1));
+      b.send(s, pg, si.data_ptr<int64_t>() + start, m, DType::i64);
+      b.send(s, pg, ss.data_ptr<int64_t>() + start, m, DType::i64);
+      b.send(s, pg, sd.data_ptr<float>() + start * slots * e.dim, m * slots * e.dim, DType::f32);
+      b.waitAll();
+      b.recvReply(s, pg, kAck);
+    }
   }
 }
 
