@@ -16,10 +16,12 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 
 #include "comm/util/digest.h"
 #include "dtrain/comm/error.h"
 #include "errors.h"
+#include "pickle_load.h"
 #include "zip_layout.h"
 
 namespace dtrain::detail {
@@ -318,7 +320,7 @@ c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::ve
   if (!layout.empty()) throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, layout));
   c10::IValue root;
   try {
-    root = torch::pickle_load(bytes);
+    root = pickleLoadChecked(bytes);
   } catch (const std::exception& e) {
     throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, errorText(e)));
   }

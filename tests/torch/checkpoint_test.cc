@@ -355,6 +355,12 @@ TEST(Checkpoint, ClaimedLengthsPastTheFileAreNamedBeforeLibtorchReadsThem) {
   std::ofstream(path, std::ios::binary | std::ios::trunc) << claimed;
   msg = errorOf([&] { Checkpointer::load(path); });
   EXPECT_NE(msg.find("claims 2147483647 bytes at offset"), std::string::npos) << msg;
+  // A tensor that viewed bytes past its buffer: libtorch sized its storage from the pickle's claim, not
+  // from the record it read (the digest then read past the buffer).
+  msg = errorOf([&] {
+    Checkpointer::load(std::string(DTRAIN_SOURCE_DIR) + "/tests/fuzz/regressions/checkpoint_fuzz/tensor-past-its-storage.pt");
+  });
+  EXPECT_NE(msg.find("is corrupt or truncated: its pickle holds a storage of"), std::string::npos) << msg;
   // Pickles: a string longer than what is left, a line argument without its newline, a fine one.
   EXPECT_NE(detail::pickleLengthProblem("\x80\x02X\x10\x00\x00\x00" "abc", 11).find("claims 16 bytes"), std::string::npos);
   EXPECT_NE(detail::pickleLengthProblem("\x80\x02" "ctorch\n", 9).find("no end of line"), std::string::npos);

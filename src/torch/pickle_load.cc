@@ -1,0 +1,110 @@
+// torch::pickle_load with its tensors checked against their records (see pickle_load.h). The steps are
+// libtorch's own (torch/csrc/jit/serialization/pickle.cpp: readArchiveAndTensors of "data.pkl" with the
+// tensors under "data/"), with the archive read through BytesAdapter and every record's size kept.
+#include "pickle_load.h"
+
+#include <caffe2/serialize/inline_container.h>
+#include <caffe2/serialize/read_adapter_interface.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
+#include <torch/csrc/jit/serialization/unpickler.h>
+
+#include <algorithm>
+#include <cstring>
+#include <limits>
+#include <map>
+#include <stdexcept>
+#include <string>
+
+namespace dtrain::detail {
+
+namespace {
+
+// The archive's bytes, for libtorch's zip reader: a read past the end gets what there is (libtorch's
+// own adapter copied whatever was asked, past the buffer).
+class BytesAdapter : public caffe2::serialize::ReadAdapterInterface {
+ public:
+  explicit BytesAdapter(const std::vector<char>& bytes) : bytes_(bytes) {}
+  size_t size() const override { return bytes_.size(); }
+  size_t read(uint64_t pos, void* buf, size_t n, const char* /*what*/) const override {
+    if (pos >= bytes_.size()) return 0;
+    n = std::min<uint64_t>(n, bytes_.size() - pos);
+    std::memcpy(buf, bytes_.data() + pos, n);
+    return n;
+  }
+
+ private:
+  const std::vector<char>& bytes_;
+};
+
+// "" when every tensor in v lies inside its record (`records`: a storage's data -> its record's bytes).
+std::string tensorProblem(const c10::IValue& v, const std::map<const void*, size_t>& records, int depth = 0) {
+  if (depth > 32) return "values nested more than 32 deep";
+  if (v.isTensor()) {
+    const at::Tensor& t = v.toTensor();
+    if (!t.defined()) return "";
+    if (!t.has_storage()) return "a tensor without storage";
+    const auto it = records.find(t.storage().data());
+    const size_t have = it == records.end() ? 0 : it->second;
+    if (it == records.end() && t.storage().nbytes() > 0) return "a tensor whose storage is not one of its records";
+    if (t.storage().nbytes() > have)
+      return fmt::format("a storage of {} bytes read from a record of {}", t.storage().nbytes(), have);
+    if (t.numel() == 0) return "";
+    int64_t last = t.storage_offset();  // the farthest element, in elements
+    if (last < 0) return "a tensor with a negative storage offset";
+    for (int64_t i = 0; i < t.dim(); ++i) {
+      if (t.stride(i) < 0) return "a tensor with a negative stride";
+      if (t.size(i) > 1 && t.stride(i) > (std::numeric_limits<int64_t>::max() / 16 - last) / (t.size(i) - 1))
+        return "a tensor whose strides overflow";
+      last += (t.size(i) - 1) * t.stride(i);
+    }
+    const auto need = static_cast<uint64_t>(last + 1) * t.element_size();
+    if (need > have)
+      return fmt::format("a tensor of shape [{}] that reaches {} bytes into a record of {}", fmt::join(t.sizes(), ", "),
+                         need, have);
+    return "";
+  }
+  auto each = [&](const c10::IValue& x) { return tensorProblem(x, records, depth + 1); };
+  std::string p;
+  if (v.isGenericDict()) {
+    for (const auto& e : v.toGenericDict())
+      if (!(p = each(e.key())).empty() || !(p = each(e.value())).empty()) return p;
+  } else if (v.isList()) {
+    for (const auto& x : v.toListRef())
+      if (!(p = each(x)).empty()) return p;
+  } else if (v.isTuple()) {
+    for (const auto& x : v.toTupleRef().elements())
+      if (!(p = each(x)).empty()) return p;
+  }
+  return "";
+}
+
+}  // namespace
+
+c10::IValue pickleLoadChecked(const std::vector<char>& bytes) {
+  caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BytesAdapter>(bytes));
+  auto record_of_pickle = reader.getRecord("data.pkl");
+  const at::DataPtr& pickle = std::get<0>(record_of_pickle);
+  const size_t pickle_bytes = std::get<1>(record_of_pickle);
+  size_t at = 0;
+  auto read = [&](char* buf, size_t n) {
+    n = std::min(n, pickle_bytes - at);
+    std::memcpy(buf, static_cast<const char*>(pickle.get()) + at, n);
+    at += n;
+    return n;
+  };
+  std::map<const void*, size_t> records;
+  auto record = [&](const std::string& name) {
+    auto got = reader.getRecord("data/" + name);
+    records[std::get<0>(got).get()] = std::get<1>(got);
+    return std::move(std::get<0>(got));
+  };
+  torch::jit::Unpickler unpickler(read, nullptr, nullptr, record, {});
+  unpickler.set_version(reader.version());
+  c10::IValue root = unpickler.parse_ivalue();
+  const std::string problem = tensorProblem(root, records);
+  if (!problem.empty()) throw std::runtime_error("its pickle holds " + problem);
+  return root;
+}
+
+}  // namespace dtrain::detail
