@@ -2,7 +2,7 @@
 # sanitize.sh: the fuzzing harnesses and the sanitizer runs (issue 27), run by scripts/test.sh (so by CI).
 # Both builds are of the comm layer (DTRAIN_TORCH=OFF) with clang-14: libtorch is not built with sanitizers,
 # and a clang build of the whole torch layer would cost CI some 25 minutes more. The fuzzing build adds the
-# 15 torch-layer and MIL-NCE translation units its torch harnesses reach (tests/fuzz/CMakeLists.txt; ~90 s).
+# 16 torch-layer and MIL-NCE translation units its torch harnesses reach (tests/fuzz/CMakeLists.txt; ~90 s).
 #
 #   fuzz   build-asan (ASan + UBSan + libFuzzer coverage): every harness of tests/fuzz (and tests/fuzz/torch,
 #          the torch layer's decoders) runs over its seed corpus and the inputs it once failed on

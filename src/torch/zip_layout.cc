@@ -144,11 +144,13 @@ std::string pickleLengthProblem(const char* data, size_t size) {
   for (auto [op, n] : {std::pair<unsigned char, int>{'T', -4}, {'U', 1}, {'X', 4}, {0x8a, 1}, {0x8b, -4}, {'B', 4},
                        {'C', 1}, {0x8c, 1}, {0x8d, 8}, {0x8e, 8}, {0x95, 8}, {0x96, 8}})
     set(op, {0, n, 0});
+  uint64_t memo = 0;  // memo entries so far: picklers number them 0, 1, 2, ...
   for (uint64_t at = 0; at < size;) {
     const auto op = static_cast<unsigned char>(data[at]);
     if (!known[op] || op == '.') return "";
     const Arg a = args[op];
     ++at;
+    if (op == 'p' || op == 0x94) ++memo;  // PUT (its index on a line), MEMOIZE
     if (a.line) {
       for (int lines = a.line == '2' ? 2 : 1; lines > 0; --lines) {
         const void* nl = std::memchr(data + at, '\n', size - at);
@@ -162,6 +164,13 @@ std::string pickleLengthProblem(const char* data, size_t size) {
       return fmt::format("its pickle ends inside opcode {:#04x} at offset {}", op, at - 1);
     uint64_t len = p.u(at, n);
     at += static_cast<uint64_t>(n);
+    // BINPUT, LONG_BINPUT: libtorch's unpickler reserves room up to twice the index (a 4-byte index asked
+    // it for 30 GB, found by fuzzing); an index past the entries so far is no pickler's.
+    if (op == 'q' || op == 'r') {
+      if (len > memo)
+        return fmt::format("its pickle memoizes at index {} after {} entries (offset {})", len, memo, at - n - 1);
+      ++memo;
+    }
     if (a.fixed || op == 0x95) continue;  // a frame's length covers the opcodes that follow: read them
     if (a.length < 0 && (len & 0x80000000u)) return fmt::format("its pickle has a negative length at offset {}", at - n - 1);
     if (!p.has(at, len))

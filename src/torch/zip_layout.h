@@ -25,7 +25,8 @@ struct ZipEntry {
 std::string zipLayoutProblem(const char* data, size_t size, std::vector<ZipEntry>* entries = nullptr);
 
 // "" when every length-prefixed argument of the pickle opcodes in the `size` bytes at `data` (strings,
-// bytes, long integers, frames) fits in what follows it, and every line argument ends; otherwise what is
+// bytes, long integers, frames) fits in what follows it, every line argument ends and every memo index
+// follows the ones before (0, 1, 2, ...: libtorch reserves memory by it); otherwise what is
 // wrong ("a string of 1660944394 bytes at offset 120, with 7800 bytes left"). It reads opcodes up to STOP
 // or the first opcode it does not know, and judges nothing else (the unpickler does).
 std::string pickleLengthProblem(const char* data, size_t size);

@@ -365,6 +365,10 @@ TEST(Checkpoint, ClaimedLengthsPastTheFileAreNamedBeforeLibtorchReadsThem) {
   EXPECT_NE(detail::pickleLengthProblem("\x80\x02X\x10\x00\x00\x00" "abc", 11).find("claims 16 bytes"), std::string::npos);
   EXPECT_NE(detail::pickleLengthProblem("\x80\x02" "ctorch\n", 9).find("no end of line"), std::string::npos);
   EXPECT_EQ(detail::pickleLengthProblem("\x80\x02X\x03\x00\x00\x00" "abc.", 12), "");
+  // Memo indexes follow each other (libtorch reserved 30 GB for a LONG_BINPUT of index 950 million).
+  EXPECT_EQ(detail::pickleLengthProblem("\x80\x02" "]q\x00" "]q\x01" ".", 9), "");
+  EXPECT_NE(detail::pickleLengthProblem("\x80\x02" "]r\x00\x00\x00\x40" ".", 9).find("memoizes at index 1073741824 after 0"),
+            std::string::npos);
 }
 
 // What users point a Checkpointer at by mistake: a PyTorch state_dict, some other zip file.
