@@ -31,7 +31,8 @@
 #   --no-tidy      skip clang-tidy's half of function-size (lizard's runs)
 #   --report FILE  also write the offenders (the FAIL lines) to FILE
 # Env: BUILD_DIR (default <repo>/build, configured: it needs compile_commands.json; tool-includes reads
-#      it), TIDY_BUILD (default BUILD_DIR: the build clang-tidy reads), JOBS (default 2), LIZARD_PYTHON (a
+#      it), TIDY_BUILD (default BUILD_DIR: the build clang-tidy reads), TIDY_DIRS (default "src apps tools
+#      benches": the translation units of TIDY_BUILD under them are read), JOBS (default 2), LIZARD_PYTHON (a
 #      python with lizard: default <repo>/.venv/bin/python, else python3), CLANG_TIDY (default
 #      clang-tidy-14), CLANGXX (the clang++ of the same version, which builds the PCH: default
 #      CLANG_TIDY's name with clang-tidy replaced by clang++, so clang++-14).
@@ -247,7 +248,7 @@ def without_paths(flags):
 uses = []  # (index in entries, directory, header, flags)
 for e in json.load(open(ccdb)):
     f = e["file"]
-    if not any(f.startswith(f"{root}/{d}/") for d in ("src", "apps", "tools", "benches")):
+    if not any(f.startswith(f"{root}/{d}/") for d in os.environ.get("TIDY_DIRS", "src apps tools benches").split()):
         continue
     hf = pch_flags(e, list(e["arguments"]) if "arguments" in e else shlex.split(e["command"]))
     if hf:
