@@ -70,7 +70,7 @@ set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)  # libdtrain-dev_0.1.0_amd64.deb
 set(CPACK_DEBIAN_PACKAGE_SECTION libdevel)
 # What a consumer's build needs (dtrainConfig.cmake finds Torch and fmt, the headers include theirs), plus
 # what dpkg-shlibdeps finds the two tools linked against (libtorch1.13, libfmt9, libc6, ...).
-set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev, libfmt-dev, libssl-dev, libcurl4-openssl-dev")
+set(CPACK_DEBIAN_PACKAGE_DEPENDS "libtorch-dev, libfmt-dev, libssl-dev, libcurl4-openssl-dev, zlib1g-dev")
 if(DTRAIN_HAVE_MPI)
   string(APPEND CPACK_DEBIAN_PACKAGE_DEPENDS ", libopenmpi-dev")
 endif()

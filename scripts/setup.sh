@@ -23,7 +23,7 @@ lizard_pin=1.24.3  # scripts/check_structure.sh's function-size measure
 
 main_pkgs=(
   build-essential cmake ninja-build pkg-config git libssl-dev libcurl4-openssl-dev
-  libcli11-dev libfmt-dev nlohmann-json3-dev
+  libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
   libtorch-dev libopenblas0-pthread
 )
 test_pkgs=(
