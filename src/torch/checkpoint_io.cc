@@ -171,7 +171,8 @@ std::string torchArchiveProblem(const std::vector<char>& bytes, const std::vecto
   if (!version) return fmt::format("its zip archive has no record '{}/version'", archive);
   const std::string text(bytes.data() + version->offset, std::min<uint64_t>(version->size, 32));
   uint64_t v = 0;
-  const char* first = text.data() + text.find_first_not_of(" \t\r\n") * (text.find_first_not_of(" \t\r\n") != std::string::npos);
+  const size_t skip = text.find_first_not_of(" \t\r\n");  // leading blanks, as std::stoull skips them
+  const char* first = text.data() + (skip == std::string::npos ? text.size() : skip);
   const auto [end, ec] = std::from_chars(first, text.data() + text.size(), v);
   if (ec != std::errc() || end == first || v < caffe2::serialize::kMinSupportedFileFormatVersion ||
       v > caffe2::serialize::kMaxSupportedFileFormatVersion)

@@ -30,10 +30,7 @@ std::string slurp(const fs::path& p) {
   s << in.rdbuf();
   return s.str();
 }
-void put(const fs::path& dir, const std::string& name, const std::string& bytes) {
-  fs::create_directories(dir);
-  std::ofstream(dir / name, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
-}
+void put(const fs::path& dir, const std::string& name, const std::string& bytes) { fuzz::writeFile(dir / name, bytes); }
 
 void checkpointSeeds(const fs::path& out) {
   dtrain::CheckpointState s;

@@ -131,11 +131,7 @@ class ShmTransport : public Transport, public Staging {
   ~ShmTransport() override {
     if (!base_) return;
     slot(rank_)->closed.store(1, std::memory_order_seq_cst);
-    for (int p = 0; p < size_; ++p) {
-      if (p == rank_) continue;
-      slot(p)->doorbell.fetch_add(1);
-      futexWakeAll(&slot(p)->doorbell);
-    }
+    wakeEveryPeer();
     munmap(base_, total_);
   }
 
@@ -259,6 +255,13 @@ class ShmTransport : public Transport, public Staging {
     me->abort_msg[msg.size()] = 0;
     me->abort_kind = static_cast<uint32_t>(errorKindOf(why));
     me->aborted.store(1, std::memory_order_seq_cst);
+    wakeEveryPeer();
+  }
+
+ private:
+  // Rings every other rank's doorbell and wakes its sleepers, so that each looks at this rank's slot now
+  // (its abort record, its closed flag).
+  void wakeEveryPeer() {
     for (int p = 0; p < size_; ++p) {
       if (p == rank_) continue;
       slot(p)->doorbell.fetch_add(1);
@@ -266,7 +269,6 @@ class ShmTransport : public Transport, public Staging {
     }
   }
 
- private:
   // One frame travelling through a ring: header, payload, padding to 8 bytes.
   struct Stream {
     Op* op = nullptr;
