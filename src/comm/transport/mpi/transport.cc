@@ -411,13 +411,17 @@ class MpiTransport : public Transport {
   [[noreturn]] void throwTimeout(const Label& label) {
     std::string msg = fmt::format("[rank {}] {} timed out after {}s waiting for {}", rank_, label.what,
                                   label.timeout.count() / 1000.0, waitingFor(*this, peers_));
-    // Ranks waiting on each other time out together. Tell the others at once, then wait a moment for
-    // the peers this rank receives from: the one that waited for the stuck rank names it.
+    // Ranks waiting on each other time out together. Tell the others at once, then wait for the peers
+    // this rank receives from: the one that waited for the stuck rank names it. Their deadlines started
+    // when they entered the op, which a loaded machine can delay by a second or more: the wait is the
+    // op's own timeout, between 0.5 and 10 s (a stuck upstream peer never answers).
     {
       std::lock_guard<std::mutex> g(mpiMutex());
       sendAbort(TimeoutError(msg));
     }
-    const auto until = Clock::now() + std::chrono::milliseconds(500);
+    const auto patience = std::clamp<std::chrono::milliseconds>(label.timeout, std::chrono::milliseconds(500),
+                                                                std::chrono::seconds(10));
+    const auto until = Clock::now() + patience;
     while (Clock::now() < until) {
       {
         std::lock_guard<std::mutex> g(mpiMutex());
