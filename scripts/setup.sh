@@ -24,11 +24,12 @@ lizard_pin=1.24.3  # scripts/check_structure.sh's function-size measure
 main_pkgs=(
   build-essential cmake ninja-build pkg-config git libssl-dev libcurl4-openssl-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
+  libavformat-dev libavcodec-dev libswscale-dev libavutil-dev
   libtorch-dev libopenblas0-pthread
 )
 test_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev
-  openmpi-bin libopenmpi-dev python3-torch python3-numpy python3-venv
+  openmpi-bin libopenmpi-dev python3-torch python3-numpy python3-venv python3-av
   iproute2 procps
   clang-tidy-14 clang-14 libclang-rt-14-dev
   chromium

@@ -132,6 +132,16 @@ struct CheckpointState {
   void restoreRng() const;
 };
 
+// A PyTorch state_dict by name: what Python's torch.save(model.state_dict(), path) wrote (an OrderedDict,
+// its _metadata dropped), or torch.save of a plain dict of tensors. CPU tensors, as saved. dtrain::Error
+// naming the file: missing, not a torch.save file, corrupt or truncated, or a key that is not a string or
+// a value that is not a tensor.
+std::map<std::string, at::Tensor> readStateDict(const std::string& path);
+// readStateDict(path) copied into the module's parameters and buffers by name, as
+// CheckpointState::restoreModel does (shapes checked before anything is copied; strict: the file and the
+// module must hold the same names). For a module built with the names of the PyTorch model that saved it.
+void loadStateDict(torch::nn::Module& module, const std::string& path, bool strict = true);
+
 // Where a checkpoint is (the file; per rank: its directory) and which (epoch, step) its name says it holds.
 struct CheckpointFile {
   std::string path;

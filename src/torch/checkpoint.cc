@@ -179,6 +179,31 @@ std::optional<CheckpointState> Checkpointer::loadLatest() const {
   return load(files.back().path);
 }
 
+std::map<std::string, at::Tensor> readStateDict(const std::string& path) {
+  const auto bytes = detail::readFile(path);
+  const c10::IValue root = detail::loadTorchArchive(path, bytes, {"state dict", "a torch.save file", true});
+  std::map<std::string, at::Tensor> out;
+  for (const auto& e : root.toGenericDict()) {
+    if (!e.key().isString())
+      throw Error(fmt::format("state dict {}: a key that is a {}, not a parameter's name", path, e.key().tagKind()));
+    const std::string& name = e.key().toStringRef();
+    if (!e.value().isTensor())
+      throw Error(fmt::format("state dict {}: '{}' is a {}, not a tensor", path, name, e.value().tagKind()));
+    out.emplace(name, e.value().toTensor());
+  }
+  return out;
+}
+
+void loadStateDict(torch::nn::Module& module, const std::string& path, bool strict) {
+  CheckpointState s;
+  s.model = readStateDict(path);
+  try {
+    s.restoreModel(module, strict);
+  } catch (const InvalidArgument& e) {
+    throw InvalidArgument(fmt::format("loadStateDict({}): {}", path, e.what()));
+  }
+}
+
 CheckpointState Checkpointer::load(const std::string& path) {
   const auto bytes = detail::readFile(path);
   return detail::unpickleState(path, detail::loadCheckpointDict(path, bytes, detail::kCheckpointFormat));

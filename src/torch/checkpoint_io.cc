@@ -301,33 +301,36 @@ std::vector<char> pickleWithDigest(c10::impl::GenericDict dict) {
   return torch::pickle_save(dict);
 }
 
-c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::vector<char>& bytes,
-                                          const std::string& format) {
-  if (bytes.empty()) throw Error(fmt::format("checkpoint {} is empty (truncated?)", path));
+c10::IValue loadTorchArchive(const std::string& path, const std::vector<char>& bytes, const TorchFileKind& k) {
+  if (bytes.empty()) throw Error(fmt::format("{} {} is empty (truncated?)", k.noun, path));
   // torch.save / torch::pickle_save write a zip archive whose pickle is "<archive>/data.pkl".
   static const char kZipMagic[] = {'P', 'K', '\x03', '\x04'};
   if (bytes.size() < 4 || !std::equal(kZipMagic, kZipMagic + 4, bytes.begin()))
-    throw Error(fmt::format("{} is not a dtrain checkpoint: not a zip archive as torch.save writes (it starts with {})",
-                            path, leadingBytes(bytes)));
+    throw Error(fmt::format("{} is not {}: not a zip archive as torch.save writes (it starts with {})", path, k.kind,
+                            leadingBytes(bytes)));
   // The archive's layout before libtorch's reader, which trusts the sizes it claims (torchArchiveProblem):
   // no end record means the file was cut short, whatever else it holds.
   std::vector<ZipEntry> entries;
   std::string layout = zipLayoutProblem(bytes.data(), bytes.size(), &entries);
-  if (!layout.empty()) throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, layout));
+  if (!layout.empty()) throw Error(fmt::format("{} {} is corrupt or truncated: {}", k.noun, path, layout));
   if (!contains(bytes, "data.pkl"))
-    throw Error(fmt::format("{} is not a dtrain checkpoint: a zip archive without a torch pickle (no data.pkl entry)",
-                            path));
+    throw Error(fmt::format("{} is not {}: a zip archive without a torch pickle (no data.pkl entry)", path, k.kind));
   layout = torchArchiveProblem(bytes, entries);
-  if (!layout.empty()) throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, layout));
+  if (!layout.empty()) throw Error(fmt::format("{} {} is corrupt or truncated: {}", k.noun, path, layout));
   c10::IValue root;
   try {
-    root = pickleLoadChecked(bytes);
+    root = pickleLoadChecked(bytes, k.python_dicts);
   } catch (const std::exception& e) {
-    throw Error(fmt::format("checkpoint {} is corrupt or truncated: {}", path, errorText(e)));
+    throw Error(fmt::format("{} {} is corrupt or truncated: {}", k.noun, path, errorText(e)));
   }
   if (!root.isGenericDict())
-    throw Error(fmt::format("{} is not a dtrain checkpoint: a torch file whose root is a {}, not a dict", path,
-                            root.tagKind()));
+    throw Error(fmt::format("{} is not {}: a torch file whose root is a {}, not a dict", path, k.kind, root.tagKind()));
+  return root;
+}
+
+c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::vector<char>& bytes,
+                                          const std::string& format) {
+  const c10::IValue root = loadTorchArchive(path, bytes, {"checkpoint", "a dtrain checkpoint", false});
   auto dict = root.toGenericDict();
   auto it = dict.find("format");
   if (it == dict.end()) {

@@ -43,6 +43,17 @@ std::vector<char> pickleWithDigest(c10::impl::GenericDict dict);
 // The dict a checkpoint file (or manifest) holds. Error naming path: "is not a dtrain checkpoint: ..."
 // with what was found (not a zip archive, a zip without a torch pickle, not a dict, no 'format' key,
 // another format) or "is corrupt or truncated" for a torch archive that does not load.
+// What loadTorchArchive calls the file in errors ("checkpoint", "a dtrain checkpoint"), and whether its
+// pickle may hold Python's OrderedDicts (a state_dict: pickle_load.h).
+struct TorchFileKind {
+  const char* noun;
+  const char* kind;
+  bool python_dicts;
+};
+// The dict a torch.save / torch::pickle_save file holds, after checking its zip layout, records and pickle.
+// Error naming path ("... is not <kind>: ...", "<noun> <path> is corrupt or truncated: ...").
+c10::IValue loadTorchArchive(const std::string& path, const std::vector<char>& bytes, const TorchFileKind& kind);
+
 c10::impl::GenericDict loadCheckpointDict(const std::string& path, const std::vector<char>& bytes,
                                           const std::string& format);
 CheckpointState unpickleState(const std::string& path, const c10::impl::GenericDict& dict);

@@ -15,6 +15,9 @@
 #include <map>
 #include <stdexcept>
 #include <string>
+#include <vector>
+
+#include "zip_layout.h"
 
 namespace dtrain::detail {
 
@@ -79,17 +82,64 @@ std::string tensorProblem(const c10::IValue& v, const std::map<const void*, size
   return "";
 }
 
+// The rewrite pickle_load.h describes, of the `size` pickle bytes at `data`.
+std::string plainDicts(const char* data, size_t size) {
+  struct Op {
+    unsigned char op;
+    uint64_t start, end;
+  };
+  std::vector<Op> ops;
+  const std::string problem = walkPickle(data, size, [&](unsigned char op, uint64_t start, uint64_t end) {
+    ops.push_back({op, start, end});
+  });
+  if (!problem.empty()) throw std::runtime_error(problem);
+  static const std::string kOrderedDict = "ccollections\nOrderedDict\n";
+  std::string out;
+  out.reserve(size);
+  auto isMemo = [](unsigned char op) { return op == 'q' || op == 'r' || op == 'p' || op == 0x94; };
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const Op& o = ops[i];
+    if (o.op == 0x95) throw std::runtime_error("a framed pickle (protocol 4): dtrain reads torch.save's protocol 2");
+    if (o.op == 'b') {
+      out += '0';
+      continue;
+    }
+    const bool ordered = o.op == 'c' && o.end - o.start == kOrderedDict.size() &&
+                         std::memcmp(data + o.start, kOrderedDict.data(), kOrderedDict.size()) == 0;
+    if (!ordered) {
+      out.append(data + o.start, o.end - o.start);
+      continue;
+    }
+    size_t j = i + 1;
+    const bool memo = j < ops.size() && isMemo(ops[j].op);
+    if (memo) ++j;
+    if (j + 1 >= ops.size() || ops[j].op != ')' || ops[j + 1].op != 'R')
+      throw std::runtime_error(fmt::format("an OrderedDict at offset {} that is not built from an empty tuple", o.start));
+    out += '}';
+    if (memo) out.append(data + ops[i + 1].start, ops[i + 1].end - ops[i + 1].start);
+    i = j + 1;
+  }
+  return out;
+}
+
 }  // namespace
 
-c10::IValue pickleLoadChecked(const std::vector<char>& bytes) {
+c10::IValue pickleLoadChecked(const std::vector<char>& bytes, bool python_dicts) {
   caffe2::serialize::PyTorchStreamReader reader(std::make_shared<BytesAdapter>(bytes));
   auto record_of_pickle = reader.getRecord("data.pkl");
   const at::DataPtr& pickle = std::get<0>(record_of_pickle);
-  const size_t pickle_bytes = std::get<1>(record_of_pickle);
+  size_t pickle_bytes = std::get<1>(record_of_pickle);
+  const char* pickle_data = static_cast<const char*>(pickle.get());
+  std::string rewritten;
+  if (python_dicts) {
+    rewritten = plainDicts(pickle_data, pickle_bytes);
+    pickle_data = rewritten.data();
+    pickle_bytes = rewritten.size();
+  }
   size_t at = 0;
   auto read = [&](char* buf, size_t n) {
     n = std::min(n, pickle_bytes - at);
-    std::memcpy(buf, static_cast<const char*>(pickle.get()) + at, n);
+    std::memcpy(buf, pickle_data + at, n);
     at += n;
     return n;
   };

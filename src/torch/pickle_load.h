@@ -12,6 +12,11 @@ namespace dtrain::detail {
 // nothing nests deeper than 32 levels. libtorch sets a storage's size from the pickle's claim, not from
 // the record it reads (a damaged file gave a tensor that viewed bytes past its buffer: found by fuzzing).
 // Throws std::runtime_error naming what is wrong, or libtorch's own error.
-c10::IValue pickleLoadChecked(const std::vector<char>& bytes);
+// With `python_dicts`, the pickle is first rewritten so that what Python's torch.save wrote for an
+// OrderedDict (a state_dict) reads as a plain dict: libtorch's unpickler turns collections.OrderedDict
+// into None. Each `GLOBAL collections OrderedDict [memo] EMPTY_TUPLE REDUCE` becomes `EMPTY_DICT [memo]`
+// and every BUILD a POP (the state it would set is the OrderedDict's _metadata, which a C++ module has no
+// use for). Protocol 2, as torch.save writes it; a framed pickle (protocol 4) is refused.
+c10::IValue pickleLoadChecked(const std::vector<char>& bytes, bool python_dicts = false);
 
 }  // namespace dtrain::detail

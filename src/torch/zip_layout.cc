@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <functional>
 #include <string>
 
 namespace dtrain::detail {
@@ -135,7 +136,10 @@ std::string zipLayoutProblem(const char* data, size_t size, std::vector<ZipEntry
   return "";
 }
 
-std::string pickleLengthProblem(const char* data, size_t size) {
+std::string pickleLengthProblem(const char* data, size_t size) { return walkPickle(data, size, nullptr); }
+
+std::string walkPickle(const char* data, size_t size,
+                       const std::function<void(unsigned char op, uint64_t start, uint64_t end)>& each) {
   const Reader p{data, size};
   // Per opcode: the bytes of its fixed argument, or of the length before its payload (negative: a signed
   // length), or 'l' for an argument ending with a newline ('2': two of them).
@@ -160,9 +164,17 @@ std::string pickleLengthProblem(const char* data, size_t size) {
                        {'C', 1}, {0x8c, 1}, {0x8d, 8}, {0x8e, 8}, {0x95, 8}, {0x96, 8}})
     set(op, {0, n, 0});
   uint64_t memo = 0;  // memo entries so far: picklers number them 0, 1, 2, ...
+  uint64_t start = 0;  // the opcode before `at`, reported to `each` once its argument is read
+  auto done = [&](uint64_t end) {
+    if (each) each(static_cast<unsigned char>(data[start]), start, end);
+  };
   for (uint64_t at = 0; at < size;) {
     const auto op = static_cast<unsigned char>(data[at]);
-    if (!known[op] || op == '.') return "";
+    start = at;
+    if (!known[op] || op == '.') {
+      if (op == '.') done(at + 1);
+      return "";
+    }
     const Arg a = args[op];
     ++at;
     if (op == 'p' || op == 0x94) ++memo;  // PUT (its index on a line), MEMOIZE
@@ -172,6 +184,7 @@ std::string pickleLengthProblem(const char* data, size_t size) {
         if (!nl) return fmt::format("its pickle's opcode {:#04x} at offset {} has no end of line", op, at - 1);
         at = static_cast<uint64_t>(static_cast<const char*>(nl) - data) + 1;
       }
+      done(at);
       continue;
     }
     const int n = a.fixed ? a.fixed : a.length < 0 ? -a.length : a.length;
@@ -186,12 +199,16 @@ std::string pickleLengthProblem(const char* data, size_t size) {
         return fmt::format("its pickle memoizes at index {} after {} entries (offset {})", len, memo, at - n - 1);
       ++memo;
     }
-    if (a.fixed || op == 0x95) continue;  // a frame's length covers the opcodes that follow: read them
+    if (a.fixed || op == 0x95) {  // a frame's length covers the opcodes that follow: read them
+      done(at);
+      continue;
+    }
     if (a.length < 0 && (len & 0x80000000u)) return fmt::format("its pickle has a negative length at offset {}", at - n - 1);
     if (!p.has(at, len))
       return fmt::format("its pickle claims {} bytes for opcode {:#04x} at offset {}, with {} bytes left", len, op,
                          at - n - 1, size - at);
     at += len;
+    done(at);
   }
   return "";
 }

@@ -5,6 +5,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -30,5 +31,10 @@ std::string zipLayoutProblem(const char* data, size_t size, std::vector<ZipEntry
 // wrong ("a string of 1660944394 bytes at offset 120, with 7800 bytes left"). It reads opcodes up to STOP
 // or the first opcode it does not know, and judges nothing else (the unpickler does).
 std::string pickleLengthProblem(const char* data, size_t size);
+
+// pickleLengthProblem's walk, calling `each` (when set) with every opcode read whole, STOP included: its
+// byte and where it and its argument start and end.
+std::string walkPickle(const char* data, size_t size,
+                       const std::function<void(unsigned char op, uint64_t start, uint64_t end)>& each);
 
 }  // namespace dtrain::detail
