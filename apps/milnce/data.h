@@ -26,6 +26,9 @@
 //   prototypes.npy      float32 [C, F]; each concept's prototype feature (ground truth, for tests and analysis)
 //   meta.json           the options (all but `out`, so a dataset can be moved), rate, dims, counts and
 //                       each concept's words
+// A raw video data set (`milnce gen-video`, GenOptions::video) differs in: videos.csv and eval_videos.csv
+// list video_id,video_file (videos/<id>.mp4); meta.json has "kind": "video", "fps", "video_size" and each
+// concept's colour and shape; there are no features/ and no prototypes.npy.
 //
 // Planted structure: concept c has a prototype (N(0,1) in F dims) and `words_per_concept` words of its
 // own (pronounceable made-up words, "badoki"); `filler_words` words are shared (the first 40 are English
@@ -77,6 +80,13 @@ struct GenOptions {
   double min_seg_sec = 3, max_seg_sec = 8;
   // Progress on stderr, one unit per video (dtrain/progress.h); off unless asked (the CLI asks).
   dtrain::ProgressOptions::Mode progress = dtrain::ProgressOptions::Mode::off;
+  // Raw video (`milnce gen-video`): each video an mp4 (videos/<id>.mp4, listed under video_file) of
+  // video_size x video_size at fps, segment s showing concept c's shape in its colour moving over a dark
+  // background (render.cc); concept c's words are its colour and shape ("red", "circle"; at most 32
+  // concepts). The segments and captions are drawn as above; no features or prototypes are written.
+  bool video = false;
+  int video_size = 72;
+  int fps = 10;
 };
 
 // Writes the dataset described above into opts.out. InvalidArgument on bad options, IoError when a
@@ -92,7 +102,8 @@ struct Caption {
 
 struct Video {
   std::string id;
-  at::Tensor features;  // [T, F] float32, contiguous
+  at::Tensor features;  // [T, F] float32, contiguous (feature data sets)
+  std::string file;     // the video file (raw video data sets; opened only when a clip is read)
   std::vector<Caption> captions;
 };
 
@@ -119,6 +130,9 @@ class Dataset {
   at::Tensor word_vectors;                         // [V+1, E] float32, row 0 zeros
   double rate = 0;                                 // feature rows per second
   int64_t feature_dim = 0;                         // F
+  // A raw video data set (meta.json "kind": "video"; videos.csv lists video_file): clips are decoded from
+  // the files (LoaderOptions' frames, fps, size) rather than cut from features.
+  bool raw_video = false;
   int64_t wordDim() const { return word_vectors.defined() ? word_vectors.size(1) : 0; }
 };
 
@@ -144,10 +158,19 @@ struct LoaderOptions {
   double min_time = 4.0;   // captions shorter than this are widened to it (seconds)
   // true: the reference's integer seconds (int(start), int(end), randint seek); false: a continuous seek.
   bool whole_seconds = true;
+  // Raw video (Dataset::raw_video; video.h's ClipSpec): `frames` frames at `fps` from the seek, size x size.
+  // Training: the reference's crop_only window at a random place (or, crop_only false, the largest square
+  // at a random place scaled to size) and a horizontal flip with probability 1/2 when flip; evaluation:
+  // centred, unflipped. clip_steps is the features' and is not used.
+  int frames = 16;
+  double fps = 10;
+  int size = 64;
+  bool crop_only = true;
+  bool flip = true;
 };
 
 struct Sample {
-  at::Tensor video;  // [clip_steps, F] float32
+  at::Tensor video;  // [clip_steps, F] float32; raw video: [3, frames, size, size] uint8
   at::Tensor text;   // [K, max_words] int64 (K = 1 too: always 2-D)
 };
 
@@ -192,10 +215,14 @@ Sample sample(const Dataset& ds, size_t video_index, const LoaderOptions& opts, 
               SampleTrace* trace = nullptr);
 
 struct Batch {
-  at::Tensor video;  // [B, clip_steps, F] float32
+  at::Tensor video;  // [B, clip_steps, F] float32; raw video: [B, 3, frames, size, size] uint8
   at::Tensor text;   // [B, K, max_words] int64
 };
 
+// Raw video: steps 1-3 as above with clip_steps / rate replaced by frames / fps, then the clip decoded
+// from the seek (VideoReader::readClip) with the crop place and flip drawn from `rng` after the seek.
+// milnce::VideoError (video.h) naming the file when it cannot be decoded.
+//
 // sample() for each index in order, stacked.
 Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
                 std::mt19937_64& rng);
@@ -206,7 +233,10 @@ Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, co
 // (np.linspace(start, max(start, end - clip_steps/rate), windows), the reference without its ffmpeg
 // -0.4 s margin), the span first widened to min_time as in training (no integer truncation); rows as in
 // sample() step 4. The model's embedding of a clip is the mean over its windows.
-at::Tensor evalClipWindows(const Dataset& ds, const EvalClip& clip, int windows, const LoaderOptions& opts);
+// Raw video: [windows, 3, frames, size, size] uint8, centre crops; a window that cannot be decoded is
+// zeros and counted in *failures when given (VideoError is not raised: a clip is still ranked).
+at::Tensor evalClipWindows(const Dataset& ds, const EvalClip& clip, int windows, const LoaderOptions& opts,
+                           int64_t* failures = nullptr);
 // Every eval clip: [N, windows, clip_steps, F].
 at::Tensor evalVideoWindows(const Dataset& ds, int windows, const LoaderOptions& opts);
 // [max_words] int64: the clip's sentence tokenized.

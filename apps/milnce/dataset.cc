@@ -38,9 +38,9 @@ std::string shapeStr(at::IntArrayRef sizes) { return fmt::format("[{}]", fmt::jo
 
 // ---- loading ----
 
-std::vector<Video> loadVideos(const fs::path& dir, const std::string& list, int64_t feature_dim) {
+std::vector<Video> loadVideos(const fs::path& dir, const std::string& list, int64_t feature_dim, bool raw_video) {
   const CsvTable t = readCsv((dir / list).string());
-  const size_t id_col = t.column("video_id"), file_col = t.column("feature_file");
+  const size_t id_col = t.column("video_id"), file_col = t.column(raw_video ? "video_file" : "feature_file");
   std::vector<Video> out;
   std::unordered_set<std::string> seen;
   for (size_t r = 0; r < t.rows.size(); ++r) {
@@ -50,15 +50,21 @@ std::vector<Video> loadVideos(const fs::path& dir, const std::string& list, int6
       failAt(t.path, t.lines[r], fmt::format("bad video_id '{}'", v.id));
     if (!seen.insert(v.id).second) failAt(t.path, t.lines[r], fmt::format("duplicate video_id '{}'", v.id));
 
-    fs::path feature_file = t.rows[r][file_col];
-    if (feature_file.is_relative()) feature_file = dir / feature_file;
-    const std::string fpath = feature_file.string();
-    at::Tensor feats = readNpy(fpath);
-    if (feats.dim() != 2 || feats.size(0) < 1 || feats.size(1) != feature_dim)
-      fail(fpath, fmt::format("features must be [T >= 1, {}] (feature_dim of meta.json), got {}", feature_dim,
-                              shapeStr(feats.sizes())));
-    if (!feats.is_floating_point()) fail(fpath, fmt::format("features must be float, got {}", typeStr(feats.scalar_type())));
-    v.features = feats.to(at::kFloat).contiguous();
+    fs::path file = t.rows[r][file_col];
+    if (file.empty()) failAt(t.path, t.lines[r], "empty file name");
+    if (file.is_relative()) file = dir / file;
+    const std::string fpath = file.string();
+    if (raw_video) {
+      v.file = fpath;  // opened when a clip is read: a missing or broken video is skipped then, not here
+    } else {
+      at::Tensor feats = readNpy(fpath);
+      if (feats.dim() != 2 || feats.size(0) < 1 || feats.size(1) != feature_dim)
+        fail(fpath, fmt::format("features must be [T >= 1, {}] (feature_dim of meta.json), got {}", feature_dim,
+                                shapeStr(feats.sizes())));
+      if (!feats.is_floating_point())
+        fail(fpath, fmt::format("features must be float, got {}", typeStr(feats.scalar_type())));
+      v.features = feats.to(at::kFloat).contiguous();
+    }
 
     const CsvTable c = readCsv((dir / "captions" / (v.id + ".csv")).string());
     const size_t s_col = c.column("start"), e_col = c.column("end"), x_col = c.column("text");
@@ -91,13 +97,14 @@ Dataset Dataset::load(const std::string& dir_name) {
     } catch (const nlohmann::json::exception& e) {
       fail(meta_path, fmt::format("bad JSON: {}", e.what()));
     }
+    ds.raw_video = meta.is_object() && meta.value("kind", std::string()) == "video";
     try {
-      ds.rate = meta.at("rate").get<double>();
-      ds.feature_dim = meta.at("feature_dim").get<int64_t>();
+      ds.rate = meta.at(ds.raw_video ? "fps" : "rate").get<double>();
+      ds.feature_dim = ds.raw_video ? 0 : meta.at("feature_dim").get<int64_t>();
     } catch (const nlohmann::json::exception& e) {
-      fail(meta_path, fmt::format("needs numbers 'rate' and 'feature_dim': {}", e.what()));
+      fail(meta_path, fmt::format("needs numbers {}: {}", ds.raw_video ? "'fps'" : "'rate' and 'feature_dim'", e.what()));
     }
-    if (!(ds.rate > 0) || !std::isfinite(ds.rate) || ds.feature_dim < 1)
+    if (!(ds.rate > 0) || !std::isfinite(ds.rate) || (!ds.raw_video && ds.feature_dim < 1))
       fail(meta_path, fmt::format("need rate > 0 and feature_dim >= 1 (got {}, {})", ds.rate, ds.feature_dim));
   }
 
@@ -122,8 +129,8 @@ Dataset Dataset::load(const std::string& dir_name) {
     ds.word_vectors = wv.to(at::kFloat).contiguous();
   }
 
-  ds.videos = loadVideos(dir, "videos.csv", ds.feature_dim);
-  ds.eval_videos = loadVideos(dir, "eval_videos.csv", ds.feature_dim);
+  ds.videos = loadVideos(dir, "videos.csv", ds.feature_dim, ds.raw_video);
+  ds.eval_videos = loadVideos(dir, "eval_videos.csv", ds.feature_dim, ds.raw_video);
   if (ds.videos.empty()) fail((dir / "videos.csv").string(), "no videos");
 
   std::unordered_map<std::string, int> eval_index;

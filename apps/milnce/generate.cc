@@ -81,6 +81,8 @@ struct GenVideo {
   std::vector<float> features;  // [T * F]
   int64_t rows = 0;
   std::vector<Caption> captions;
+  std::vector<double> bounds;   // the segments: [bounds[s], bounds[s+1]) seconds
+  std::vector<int> concept_of;  // each segment's concept
 };
 
 GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, double misalign) {
@@ -95,6 +97,8 @@ GenVideo makeVideo(const GenOptions& o, const World& w, std::mt19937_64& rng, do
     concept_of.push_back(s > 0 && next_step ? (concept_of.back() + 1) % o.concepts : random_concept);
   }
   const double total = bounds.back();
+  v.bounds = bounds;
+  v.concept_of = concept_of;
 
   // Row t (time t/rate) belongs to the segment containing that time.
   const int64_t F = o.feature_dim;
@@ -174,6 +178,14 @@ void validate(const GenOptions& o) {
         fmt::format("need 1 <= min_segments <= max_segments (got {}, {})", o.min_segments, o.max_segments));
   check(o.min_seg_sec > 0 && o.min_seg_sec <= o.max_seg_sec && std::isfinite(o.max_seg_sec),
         fmt::format("need 0 < min_seg_sec <= max_seg_sec (got {}, {})", o.min_seg_sec, o.max_seg_sec));
+  if (o.video) {
+    check(o.concepts <= kMaxVideoConcepts,
+          fmt::format("a video data set has at most {} concepts (colour and shape pairs; got {})", kMaxVideoConcepts,
+                      o.concepts));
+    check(o.video_size >= 16 && o.video_size <= 1024 && o.video_size % 2 == 0,
+          fmt::format("video_size must be even, in [16, 1024] (got {})", o.video_size));
+    check(o.fps >= 1 && o.fps <= 120, fmt::format("fps must be in [1, 120] (got {})", o.fps));
+  }
 }
 
 }  // namespace
@@ -184,18 +196,26 @@ void generateData(const GenOptions& o) {
   validate(o);
   const fs::path dir = o.out;
   std::error_code ec;
-  for (const fs::path& d : {dir, dir / "features", dir / "captions"}) {
+  for (const fs::path& d : {dir, dir / (o.video ? "videos" : "features"), dir / "captions"}) {
     fs::create_directories(d, ec);
     if (ec) throw dtrain::IoError(fmt::format("milnce: cannot create {}: {}", d.string(), ec.message()));
   }
-  const World w = makeWorld(o);
+  World w = makeWorld(o);
+  if (o.video)  // the captions name what is seen: colour and shape
+    for (int c = 0; c < o.concepts; ++c) {
+      auto [colour, shape] = videoConcept(c);
+      w.concept_words[static_cast<size_t>(c)] = {colour, shape};
+    }
 
   // vocab.txt and word2vec.npy: concept words (concept by concept), then fillers.
   std::string vocab;
   int64_t V = 0;
+  std::set<std::string> listed;  // a video data set's colours and shapes recur across concepts
   for (const auto& words : w.concept_words)
-    for (const auto& word : words) vocab += word + "\n", ++V;
-  for (const auto& word : w.fillers) vocab += word + "\n", ++V;
+    for (const auto& word : words)
+      if (listed.insert(word).second) vocab += word + "\n", ++V;
+  for (const auto& word : w.fillers)
+    if (listed.insert(word).second) vocab += word + "\n", ++V;
   writeFile((dir / "vocab.txt").string(), vocab);
   {
     auto rng = streamRng(o.seed, kWordVectorStream);
@@ -213,29 +233,39 @@ void generateData(const GenOptions& o) {
     }
     writeNpy((dir / "word2vec.npy").string(), wv);
   }
-  writeNpy((dir / "prototypes.npy").string(),
-           at::from_blob(const_cast<float*>(w.prototypes.data()), {o.concepts, o.feature_dim}, at::kFloat));
+  if (!o.video)
+    writeNpy((dir / "prototypes.npy").string(),
+             at::from_blob(const_cast<float*>(w.prototypes.data()), {o.concepts, o.feature_dim}, at::kFloat));
 
   // Videos: features, captions, and the lists.
   int64_t train_captions = 0, eval_clips = 0, train_rows = 0;
   std::vector<std::vector<std::string>> train_list, eval_list, eval_rows;
-  auto writeVideo = [&](const std::string& id, const GenVideo& v) {
-    at::Tensor f = at::from_blob(const_cast<float*>(v.features.data()), {v.rows, o.feature_dim}, at::kFloat);
-    writeNpy((dir / "features" / (id + ".npy")).string(), f);
+  // Returns the file's name relative to dir.
+  auto writeVideo = [&](const std::string& id, const GenVideo& v, std::mt19937_64& frames_rng) {
+    std::string file;
+    if (o.video) {
+      file = "videos/" + id + ".mp4";
+      renderVideo((dir / file).string(), v.bounds, v.concept_of, o.video_size, o.fps, frames_rng);
+    } else {
+      file = "features/" + id + ".npy";
+      at::Tensor f = at::from_blob(const_cast<float*>(v.features.data()), {v.rows, o.feature_dim}, at::kFloat);
+      writeNpy((dir / file).string(), f);
+    }
     std::vector<std::vector<std::string>> rows;
     for (const auto& c : v.captions) rows.push_back({fmtTime(c.start), fmtTime(c.end), c.text});
     writeCsv((dir / "captions" / (id + ".csv")).string(), {"start", "end", "text"}, rows);
+    return file;
   };
   dtrain::ProgressOptions po;
   po.mode = o.progress;
   po.unit = "video";
-  dtrain::Progress progress("gen-data", int64_t{o.videos} + o.eval_videos, po);
+  dtrain::Progress progress(o.video ? "gen-video" : "gen-data", int64_t{o.videos} + o.eval_videos, po);
   for (int i = 0; i < o.videos; ++i) {
     const std::string id = fmt::format("vid_{:05d}", i);
     auto rng = streamRng(o.seed, kTrainVideo, static_cast<uint64_t>(i));
     const GenVideo v = makeVideo(o, w, rng, o.misalign);
-    writeVideo(id, v);
-    train_list.push_back({id, "features/" + id + ".npy"});
+    auto frames_rng = streamRng(o.seed, kTrainFrames, static_cast<uint64_t>(i));
+    train_list.push_back({id, writeVideo(id, v, frames_rng)});
     train_captions += static_cast<int64_t>(v.captions.size());
     train_rows += v.rows;
     progress.update(i + 1, "training videos");
@@ -244,14 +274,15 @@ void generateData(const GenOptions& o) {
     const std::string id = fmt::format("eval_{:05d}", i);
     auto rng = streamRng(o.seed, kEvalVideo, static_cast<uint64_t>(i));
     const GenVideo v = makeVideo(o, w, rng, /*misalign=*/0.0);  // clean, like human-annotated YouCook2
-    writeVideo(id, v);
-    eval_list.push_back({id, "features/" + id + ".npy"});
+    auto frames_rng = streamRng(o.seed, kEvalFrames, static_cast<uint64_t>(i));
+    eval_list.push_back({id, writeVideo(id, v, frames_rng)});
     for (const auto& c : v.captions) eval_rows.push_back({id, fmtTime(c.start), fmtTime(c.end), c.text});
     eval_clips += static_cast<int64_t>(v.captions.size());
     progress.update(int64_t{o.videos} + i + 1, "held-out videos");
   }
-  writeCsv((dir / "videos.csv").string(), {"video_id", "feature_file"}, train_list);
-  writeCsv((dir / "eval_videos.csv").string(), {"video_id", "feature_file"}, eval_list);
+  const std::string file_column = o.video ? "video_file" : "feature_file";
+  writeCsv((dir / "videos.csv").string(), {"video_id", file_column}, train_list);
+  writeCsv((dir / "eval_videos.csv").string(), {"video_id", file_column}, eval_list);
   writeCsv((dir / "eval.csv").string(), {"video_id", "start", "end", "sentence"}, eval_rows);
 
   nlohmann::ordered_json meta;
@@ -273,6 +304,19 @@ void generateData(const GenOptions& o) {
                      {"max_segments", o.max_segments},
                      {"min_seg_sec", o.min_seg_sec},
                      {"max_seg_sec", o.max_seg_sec}};
+  if (o.video) {
+    meta["kind"] = "video";
+    meta["fps"] = o.fps;
+    meta["video_size"] = o.video_size;
+    meta["options"]["fps"] = o.fps;
+    meta["options"]["video_size"] = o.video_size;
+    nlohmann::ordered_json looks = nlohmann::ordered_json::array();
+    for (int c = 0; c < o.concepts; ++c) {
+      auto [colour, shape] = videoConcept(c);
+      looks.push_back({{"colour", colour}, {"shape", shape}});
+    }
+    meta["concept_looks"] = looks;
+  }
   meta["rate"] = o.rate;
   meta["feature_dim"] = o.feature_dim;
   meta["word_dim"] = o.word_dim;

@@ -30,6 +30,12 @@ void addLoaderOptions(CLI::App* c, milnce::LoaderOptions& lo) {
   c->add_option("--max-words", lo.max_words, "words per caption (pad or cut)")->check(CLI::PositiveNumber);
   c->add_option("--clip-steps", lo.clip_steps, "feature time steps per clip")->check(CLI::PositiveNumber);
   c->add_option("--min-time", lo.min_time, "shortest clip span in seconds");
+  c->add_option("--frames", lo.frames, "raw video: frames per clip")->check(CLI::PositiveNumber);
+  c->add_option("--fps", lo.fps, "raw video: frames per second decoded")->check(CLI::PositiveNumber);
+  c->add_option("--size", lo.size, "raw video: clip height and width in pixels")->check(CLI::PositiveNumber);
+  c->add_flag("--crop-only,!--crop-and-scale", lo.crop_only,
+              "raw video: crop a size x size window (the reference's crop_only, the default) or scale the largest "
+              "square to size");
 }
 
 // --progress auto|bar|lines|off: a bar on a terminal (auto), one line per unit of work otherwise.
@@ -43,6 +49,8 @@ void addProgressOption(CLI::App* c, dtrain::ProgressOptions::Mode& mode) {
 void addModelOptions(CLI::App* c, milnce::ModelOptions& mo) {
   c->add_option("--hidden", mo.hidden, "hidden width of both encoders")->check(CLI::PositiveNumber);
   c->add_option("--embed", mo.embed, "joint embedding dimension")->check(CLI::PositiveNumber);
+  c->add_option("--s3d-width", mo.s3d_width, "raw video: S3D-G's width multiplier (1: the reference's)")
+      ->check(CLI::Range(0.01, 4.0));
 }
 
 }  // namespace
@@ -69,6 +77,27 @@ int main(int argc, char** argv) {
   gen->add_option("--word-dim", g.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
   g.progress = dtrain::ProgressOptions::Mode::automatic;
   addProgressOption(gen, g.progress);
+
+  // gen-video: the same generator writing mp4 files of moving coloured shapes (GenOptions::video).
+  milnce::GenOptions gv;
+  gv.video = true;
+  gv.videos = 400;
+  gv.eval_videos = 20;
+  gv.concepts = 16;
+  gv.progress = dtrain::ProgressOptions::Mode::automatic;
+  auto* genv = app.add_subcommand("gen-video", "generate a raw video data set: mp4 files of moving coloured shapes "
+                                               "with captions that name them");
+  genv->add_option("--out", gv.out, "output directory")->required();
+  genv->add_option("--videos", gv.videos, "training videos")->check(CLI::PositiveNumber);
+  genv->add_option("--eval-videos", gv.eval_videos, "held-out videos for evaluation")->check(CLI::PositiveNumber);
+  genv->add_option("--concepts", gv.concepts, "concepts (colour and shape pairs, at most 32)")->check(CLI::Range(1, 32));
+  genv->add_option("--misalign", gv.misalign, "probability that a caption describes a neighbouring segment")
+      ->check(CLI::Range(0.0, 1.0));
+  genv->add_option("--seed", gv.seed, "random seed");
+  genv->add_option("--video-size", gv.video_size, "frame width and height in pixels (even)")->check(CLI::Range(16, 1024));
+  genv->add_option("--fps", gv.fps, "frames per second of the files")->check(CLI::Range(1, 120));
+  genv->add_option("--word-dim", gv.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
+  addProgressOption(genv, gv.progress);
 
   milnce::TrainOptions t;
   auto* tr = app.add_subcommand("train", "train (under dtrain-run for several processes), evaluating before and after");
@@ -114,6 +143,10 @@ int main(int argc, char** argv) {
       ->check(CLI::NonNegativeNumber);
   addLoaderOptions(tr, t.loader);
   addModelOptions(tr, t.model);
+  tr->add_option("--eval-windows", t.eval_windows, "windows averaged per held-out clip")->check(CLI::PositiveNumber);
+  tr->add_flag("--raw-video", t.model.raw_video, "train S3D-G end to end from the videos of a milnce gen-video data set");
+  tr->add_option("--loader-threads", t.loader_threads, "raw video: decoding threads per rank")->check(CLI::PositiveNumber);
+  tr->add_option("--prefetch", t.prefetch, "raw video: micro-batches decoded ahead")->check(CLI::PositiveNumber);
 
   milnce::TrainOptions e;
   std::string checkpoint, eval_json;
@@ -131,9 +164,10 @@ int main(int argc, char** argv) {
   CLI11_PARSE(app, argc, argv);
   try {
     torch::set_num_threads(1);
-    if (*gen) {
-      milnce::generateData(g);
-      std::printf("wrote %d training and %d evaluation videos to %s\n", g.videos, g.eval_videos, g.out.c_str());
+    if (*gen || *genv) {
+      const auto& go = *gen ? g : gv;
+      milnce::generateData(go);
+      std::printf("wrote %d training and %d evaluation videos to %s\n", go.videos, go.eval_videos, go.out.c_str());
     } else if (*tr) {
       auto dist = dtrain::init();
       milnce::train(dist, t);
@@ -141,6 +175,7 @@ int main(int argc, char** argv) {
       auto data = milnce::Dataset::load(e.data);
       auto mo = e.model;
       mo.feature_dim = data.feature_dim;
+      mo.raw_video = e.model.raw_video = data.raw_video;
       milnce::MilNceNet model(data.word_vectors, mo);
       const auto parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
       if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));

@@ -5,12 +5,24 @@
 
 namespace milnce {
 
-VideoEncoderImpl::VideoEncoderImpl(int64_t feature_dim, int64_t hidden, int64_t embed) {
-  conv = register_module("conv", torch::nn::Conv1d(torch::nn::Conv1dOptions(feature_dim, 2 * hidden, 3).padding(1)));
-  proj = register_module("proj", torch::nn::Linear(hidden, embed));
+VideoEncoderImpl::VideoEncoderImpl(const ModelOptions& o) {
+  if (o.raw_video) {
+    S3DOptions so;
+    so.num_classes = o.embed;
+    so.width = o.s3d_width;
+    s3d = register_module("s3d", S3D(so));
+    return;
+  }
+  conv = register_module("conv", torch::nn::Conv1d(torch::nn::Conv1dOptions(o.feature_dim, 2 * o.hidden, 3).padding(1)));
+  proj = register_module("proj", torch::nn::Linear(o.hidden, o.embed));
 }
 
 at::Tensor VideoEncoderImpl::forward(const at::Tensor& video) {
+  if (s3d) {
+    // The reference feeds video.float() / 255 (decoded frames stay uint8 until here: 4x less to move).
+    const at::Tensor x = video.scalar_type() == at::kByte ? video.to(at::kFloat).div_(255.0) : video;
+    return s3d->forward(x).video_embedding;
+  }
   auto h = conv->forward(video.transpose(1, 2));        // [B, 2H, T]
   h = torch::glu(h, /*dim=*/1);                         // gating: a * sigmoid(b)
   h = std::get<0>(h.max(/*dim=*/2));                    // max over time
@@ -45,7 +57,7 @@ at::Tensor TextEncoderImpl::forward(const at::Tensor& tokens) {
 }
 
 MilNceNetImpl::MilNceNetImpl(const at::Tensor& word_vectors, const ModelOptions& o) {
-  video_enc = register_module("video", VideoEncoder(o.feature_dim, o.hidden, o.embed));
+  video_enc = register_module("video", VideoEncoder(o));
   text_enc = register_module("text", TextEncoder(word_vectors, o.hidden, o.embed));
 }
 

@@ -7,21 +7,30 @@
 #include <torch/nn/modules/linear.h>
 #include <torch/nn/pimpl.h>
 
+#include "milnce/s3dg.h"
+
 namespace milnce {
 
 struct ModelOptions {
   int64_t feature_dim = 64;
   int64_t hidden = 256;
   int64_t embed = 128;
+  // Raw video (a gen-video data set): the video encoder is S3D-G (s3dg.h) at this width multiplier
+  // (1.0: the reference's), its fc giving the embed-dimensional embedding.
+  bool raw_video = false;
+  double s3d_width = 0.25;
 };
 
 // Video: features [B, T, F] -> gated temporal convolution (Conv1d to 2H channels, GLU) -> max over
 // time -> Linear(H, D). A small stand-in for the reference's S3D over frames.
+// Raw video (o.raw_video): frames [B, 3, T, H, W] uint8 (or float in [0, 1]) -> S3D-G -> [B, D]; its
+// parameters are named "s3d.<the reference's name>".
 struct VideoEncoderImpl : torch::nn::Module {
-  VideoEncoderImpl(int64_t feature_dim, int64_t hidden, int64_t embed);
+  explicit VideoEncoderImpl(const ModelOptions& o);
   at::Tensor forward(const at::Tensor& video);
   torch::nn::Conv1d conv{nullptr};
   torch::nn::Linear proj{nullptr};
+  S3D s3d{nullptr};
 };
 TORCH_MODULE(VideoEncoder);
 

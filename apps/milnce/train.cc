@@ -25,6 +25,7 @@
 #include "dtrain/sampler.h"
 #include "dtrain/snapshot.h"
 #include "dtrain/trace.h"
+#include "milnce/video_loader.h"
 
 namespace milnce {
 
@@ -41,8 +42,9 @@ Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& l
   const auto& clips = data.eval_clips;
   const int64_t n = static_cast<int64_t>(clips.size());
   std::vector<at::Tensor> vids, texts;
+  int64_t failed = 0;
   for (const auto& c : clips) {
-    vids.push_back(model->encodeVideo(evalClipWindows(data, c, windows, lo)).mean(0));
+    vids.push_back(model->encodeVideo(evalClipWindows(data, c, windows, lo, &failed)).mean(0));
     texts.push_back(evalText(data, c, lo.max_words));
     if (progress) progress->update(static_cast<int64_t>(vids.size()));
   }
@@ -50,12 +52,15 @@ Retrieval evaluate(MilNceNet& model, const Dataset& data, const LoaderOptions& l
   model->train();
   Retrieval r;
   r.clips = static_cast<int>(n);
+  r.failed_windows = failed;
   if (n == 0) return r;
   auto v = torch::stack(vids);                              // [n, D]
   auto t = model->encodeText(torch::stack(texts));          // [n, D]
   auto sim = torch::matmul(t, v.t());                       // query i (text) x clip j (video)
   auto own = sim.diagonal().unsqueeze(1);
-  auto ranks = (sim > own).sum(1).to(torch::kDouble) + 1;  // 1-based rank of the right clip
+  // The 1-based rank of the right clip, ties counted against it: an untrained S3D-G embeds every clip
+  // alike (its activations fade through the layers), which must not rank them all first.
+  auto ranks = (sim >= own).sum(1).to(torch::kDouble);
   r.r1 = (ranks <= 1).to(torch::kDouble).mean().item<double>();
   r.r5 = (ranks <= 5).to(torch::kDouble).mean().item<double>();
   r.r10 = (ranks <= 10).to(torch::kDouble).mean().item<double>();
@@ -100,17 +105,22 @@ class RunLog {
                       .set("clip_steps", o.loader.clip_steps).set("hidden", o.model.hidden).set("embed", o.model.embed)
                       .set("transport", dist.world()->transportName()).set("comm_hook", o.comm_hook)
                       .set("optimizer", o.optimizer).set("weight_decay", o.weight_decay).set("local_sgd", o.local_sgd)
-                      .set("zero", o.zero);
+                      .set("zero", o.zero).set("raw_video", o.model.raw_video);
+    if (o.model.raw_video)
+      config.set("frames", o.loader.frames).set("fps", o.loader.fps).set("size", o.loader.size)
+          .set("s3d_width", o.model.s3d_width).set("loader_threads", o.loader_threads);
     log_->writeRun("milnce", dist.size(), config);
   }
   void step(int epoch, int64_t step, double loss, double lr, double samples_per_s, double step_s,
-            const dtrain::DistributedDataParallel::Stats& st) {
+            const dtrain::DistributedDataParallel::Stats& st, std::optional<double> data_wait_s) {
     const uint64_t sent = sent_.sinceLast();
     if (!log_) return;
-    log_->write(dtrain::Record("step").set("step", step).set("epoch", epoch).set("time_s", log_->seconds())
-                    .set("loss", loss).set("lr", lr).set("samples_per_s", samples_per_s)
-                    .stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
-                    .set("bytes_sent", sent).set("rss_bytes", dtrain::residentBytes()));
+    auto r = dtrain::Record("step").set("step", step).set("epoch", epoch).set("time_s", log_->seconds())
+                 .set("loss", loss).set("lr", lr).set("samples_per_s", samples_per_s)
+                 .stepTimes(step_s, st.comm_ms / 1e3, st.exposed_ms / 1e3)
+                 .set("bytes_sent", sent).set("rss_bytes", dtrain::residentBytes());
+    if (data_wait_s) r.set("data_wait_s", *data_wait_s);
+    log_->write(r);
   }
   void write(const dtrain::Record& r) {
     if (log_) log_->write(r);
@@ -120,7 +130,7 @@ class RunLog {
     if (!log_) return;
     log_->write(dtrain::Record("eval").set("epoch", epoch).set("step", step).set("clips", r.clips)
                     .set("R@1", 100 * r.r1).set("R@5", 100 * r.r5).set("R@10", 100 * r.r10)
-                    .set("median_rank", r.median_rank));
+                    .set("median_rank", r.median_rank).set("failed_windows", static_cast<double>(r.failed_windows)));
   }
 
  private:
@@ -147,6 +157,12 @@ class Job {
           data_.videos.size(), dist.size(), sampler_.size(), o.batch, o.accum));
     }
     schedule();
+    if (data_.raw_video) {
+      VideoLoaderOptions vo;
+      vo.threads = o.loader_threads;
+      vo.prefetch = o.prefetch;
+      video_loader_ = std::make_unique<VideoLoader>(data_, o.loader, vo);
+    }
     if (o.log_samples) samples_log_.open(fmt::format("{}/samples-rank{}.txt", o.out, dist.rank()), std::ios::app);
     trainer_.enableLocalSgd(warmup_steps_);  // post-local SGD once the learning rate has warmed up
   }
@@ -350,6 +366,9 @@ class Job {
     MilNceNet& model = trainer_.evalModel();
     if (!main_) return std::nullopt;
     Retrieval r = evaluate(model, data_, o_.loader, o_.eval_windows);
+    if (r.failed_windows > 0)
+      std::printf("evaluation: %lld clip windows did not decode and were embedded as zeros\n",
+                  static_cast<long long>(r.failed_windows));
     log_->eval(epoch_, step_, r);
     return r;
   }
@@ -373,17 +392,29 @@ class Job {
     const double samples_per_step = static_cast<double>(global_batch);
     dtrain::Stopwatch epoch_time, step_time;
     double loss_sum = 0;
+    auto rowsOf = [&](int64_t m) {
+      return std::vector<int64_t>(idx.begin() + m * o_.batch, idx.begin() + (m + 1) * o_.batch);
+    };
+    if (video_loader_) {  // raw video: the loader threads decode the epoch's micro-batches ahead, in order
+      std::vector<std::vector<int64_t>> micro;
+      for (int64_t m = 0; m < steps * accum_; ++m) micro.push_back(rowsOf(m));
+      video_loader_->start(std::move(micro), rng());
+    }
+    double wait_s = 0;  // this step's time waiting for data
     for (int64_t s = 0; s < steps; ++s) {
       double loss = 0;
+      wait_s = 0;
       for (int a = 0; a < accum_; ++a) {
         int64_t m = s * accum_ + a;
-        std::vector<int64_t> rows(idx.begin() + m * o_.batch, idx.begin() + (m + 1) * o_.batch);
+        const std::vector<int64_t> rows = rowsOf(m);
         if (samples_log_.is_open())
           samples_log_ << fmt::format("epoch {} step {}: {}\n", epoch, step_ + 1, fmt::join(rows, " "));
+        dtrain::Stopwatch waited;
         Batch batch = [&] {
           DTRAIN_SPAN("data.wait", "data");
-          return makeBatch(data_, rows, o_.loader, rng);
+          return video_loader_ ? video_loader_->next() : makeBatch(data_, rows, o_.loader, rng);
         }();
+        wait_s += waited.seconds();
         loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == accum_) / accum_;
       }
       const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
@@ -393,16 +424,44 @@ class Job {
       if (samples_log_.is_open()) samples_log_.flush();
       loss_sum += loss;
       const double step_s = step_time.lap();
-      log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.commStats());
-      bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s", loss_sum / (s + 1), lr,
-                                    samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9)));
+      log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.commStats(),
+                 video_loader_ ? std::optional<double>(wait_s) : std::nullopt);
+      std::string timing;
+      if (video_loader_) {  // the step's time waiting for decoded clips, and the rest
+        epoch_wait_s_ += wait_s;
+        timing = fmt::format(" data {:.0f} ms compute {:.0f} ms", 1e3 * wait_s, 1e3 * (step_s - wait_s));
+      }
+      bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s{}", loss_sum / (s + 1), lr,
+                                    samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9), timing));
       const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
       const bool disk = more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0;
       const bool memory = more && o_.snapshot_every > 0 && step_ % o_.snapshot_every == 0;
       if (disk || memory) checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch, disk, memory);
       if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) return std::nullopt;
     }
+    if (video_loader_) reportLoader(epoch, epoch_time.seconds());
     return loss_sum / std::max<int64_t>(steps, 1);
+  }
+
+  // Raw video, at an epoch's end (collective): the clips every rank decoded, skipped and waited for, summed
+  // over the ranks; rank 0 prints them with the videos that failed on it and logs them to metrics.jsonl.
+  void reportLoader(int epoch, double epoch_s) {
+    const VideoLoaderStats st = video_loader_->takeStats();
+    std::vector<double> sums{static_cast<double>(st.clips), static_cast<double>(st.failures), st.decode_seconds,
+                             epoch_wait_s_, epoch_s};
+    dist_.world()->allreduce(sums.data(), sums.size(), dtrain::comm::DType::f64)->wait();
+    epoch_wait_s_ = 0;
+    if (!main_) return;
+    const double ranks = dist_.size();
+    std::printf("epoch %d data: %.0f clips decoded, %.0f skipped (videos that failed to decode), data wait %.1f%% of "
+                "the step, decode %.0f ms per clip on %d loader threads per rank\n",
+                epoch + 1, sums[0], sums[1], 100 * sums[3] / std::max(sums[4], 1e-9),
+                1e3 * sums[2] / std::max(sums[0] + sums[1], 1.0), o_.loader_threads);
+    for (const auto& f : st.failed) std::printf("  skipped on rank 0: %s\n", f.c_str());
+    std::fflush(stdout);
+    log_->write(dtrain::Record("data").set("epoch", epoch).set("clips", sums[0]).set("skipped", sums[1])
+                    .set("decode_s", sums[2]).set("wait_share", sums[3] / std::max(sums[4], 1e-9))
+                    .set("ranks", ranks));
   }
 
   // epoch_ epochs done and `samples` samples of the next one read (by all ranks together): to disk
@@ -474,6 +533,8 @@ class Job {
   int64_t step_ = 0;  // optimizer steps done
   RunLog* log_ = nullptr;
   std::optional<Retrieval> before_;
+  std::unique_ptr<VideoLoader> video_loader_;  // raw video: the loader threads
+  double epoch_wait_s_ = 0;                    // raw video: this epoch's time waiting for data
 };
 
 }  // namespace

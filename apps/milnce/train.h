@@ -67,12 +67,16 @@ struct TrainOptions {
   dtrain::ProgressOptions::Mode progress = dtrain::ProgressOptions::Mode::automatic;
   int progress_every = 0;
   LoaderOptions loader;
-  ModelOptions model;
+  ModelOptions model;  // model.raw_video: train S3D-G from the videos of a gen-video data set (--raw-video)
+  // Raw video: threads decoding clips per rank and micro-batches decoded ahead (video_loader.h).
+  int loader_threads = 2;
+  int prefetch = 4;
 };
 
 struct Retrieval {
   int clips = 0;
   double r1 = 0, r5 = 0, r10 = 0, median_rank = 0;
+  int64_t failed_windows = 0;  // raw video: eval windows whose video did not decode (embedded as zeros)
 };
 // Text-to-video retrieval on the held-out clips: each clip's video embedding is the mean over
 // `windows` windows of the clip. Ranks are 1-based; chance is R@k = k / clips, median (clips + 1) / 2.

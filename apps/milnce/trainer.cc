@@ -90,6 +90,10 @@ std::unique_ptr<dtrain::FullyShardedDataParallel> shardEncoder(const Encoder& en
 Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o)
     : dist_(dist), o_(o), device_(dtrain::selectDevice(o.device, dist.localRank())) {
   checkZeroOptions(o);
+  if (data.raw_video != o.model.raw_video)
+    throw dtrain::InvalidArgument(
+        data.raw_video ? fmt::format("{} is a raw video data set (milnce gen-video): train it with --raw-video", data.dir)
+                       : fmt::format("--raw-video: {} is a feature data set (milnce gen-data), not videos", data.dir));
   ModelOptions mo = o.model;
   mo.feature_dim = data.feature_dim;
   torch::manual_seed(static_cast<uint64_t>(o.seed));

@@ -5,6 +5,7 @@ extern "C" {
 #include <libavcodec/avcodec.h>
 #include <libavformat/avformat.h>
 #include <libavutil/imgutils.h>
+#include <libavutil/log.h>
 #include <libavutil/opt.h>
 #include <libswscale/swscale.h>
 }
@@ -14,7 +15,9 @@ extern "C" {
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
+#include <mutex>
 
 namespace milnce {
 
@@ -62,6 +65,7 @@ struct VideoReader::Impl {
   PacketPtr packet{av_packet_alloc()};
   // The last decoded frame as rgb24 at the video's size, and the swscale contexts (kept between clips).
   std::vector<uint8_t> rgb;
+  int stride = 0;  // of a row of rgb
   std::unique_ptr<SwsContext, SwsCloser> to_rgb, scale;
 
   [[noreturn]] void fail(const std::string& what) const { throw VideoError(fmt::format("video {}: {}", path, what)); }
@@ -147,10 +151,12 @@ struct VideoReader::Impl {
                                       info.width, info.height, AV_PIX_FMT_RGB24, SWS_BILINEAR, nullptr, nullptr,
                                       nullptr));
     if (!to_rgb) fail(fmt::format("cannot convert pixel format {} to rgb24", f->format));
-    rgb.resize(static_cast<size_t>(info.width) * info.height * 3);
+    // swscale's SIMD paths write whole vectors: rows padded to 64 bytes, and 64 spare bytes at the end.
+    stride = (info.width * 3 + 63) / 64 * 64;
+    rgb.assign(static_cast<size_t>(stride) * info.height + 64, 0);
     uint8_t* dst[1] = {rgb.data()};
-    const int stride[1] = {info.width * 3};
-    sws_scale(to_rgb.get(), f->data, f->linesize, 0, f->height, dst, stride);
+    const int strides[1] = {stride};
+    sws_scale(to_rgb.get(), f->data, f->linesize, 0, f->height, dst, strides);
   }
 
   // rgb, cropped (and scaled) as `c` says, into output frame k of `out` ([3, frames, size, size]).
@@ -160,22 +166,22 @@ struct VideoReader::Impl {
     int src_stride = 0;
     if (c.crop_only) {
       const int x0 = static_cast<int>(std::floor((w - s) * c.x)), y0 = static_cast<int>(std::floor((h - s) * c.y));
-      src = rgb.data() + (static_cast<size_t>(y0) * w + x0) * 3;
-      src_stride = w * 3;
+      src = rgb.data() + static_cast<size_t>(y0) * stride + static_cast<size_t>(x0) * 3;
+      src_stride = stride;
     } else {
       const int m = std::min(w, h);
       const int x0 = static_cast<int>(std::floor((w - m) * c.x)), y0 = static_cast<int>(std::floor((h - m) * c.y));
       scale.reset(sws_getCachedContext(scale.release(), m, m, AV_PIX_FMT_RGB24, s, s, AV_PIX_FMT_RGB24, SWS_BILINEAR,
                                        nullptr, nullptr, nullptr));
       if (!scale) fail("cannot scale");
-      square.resize(static_cast<size_t>(s) * s * 3);
-      const uint8_t* in[1] = {rgb.data() + (static_cast<size_t>(y0) * w + x0) * 3};
-      const int in_stride[1] = {w * 3};
+      src_stride = (s * 3 + 63) / 64 * 64;
+      square.assign(static_cast<size_t>(src_stride) * s + 64, 0);
+      const uint8_t* in[1] = {rgb.data() + static_cast<size_t>(y0) * stride + static_cast<size_t>(x0) * 3};
+      const int in_stride[1] = {stride};
       uint8_t* dst[1] = {square.data()};
-      const int dst_stride[1] = {s * 3};
+      const int dst_stride[1] = {src_stride};
       sws_scale(scale.get(), in, in_stride, 0, m, dst, dst_stride);
       src = square.data();
-      src_stride = s * 3;
     }
     const size_t plane = static_cast<size_t>(c.frames) * s * s;
     uint8_t* base = out.data() + static_cast<size_t>(k) * s * s;
@@ -193,6 +199,12 @@ struct VideoReader::Impl {
 };
 
 VideoReader::VideoReader(const std::string& path, std::chrono::milliseconds deadline) : impl_(std::make_unique<Impl>()) {
+  // FFmpeg's own messages ("moov atom not found") go to stderr from every loader thread; what failed
+  // reaches the caller as a VideoError naming the file. DTRAIN_FFMPEG_LOG=1 keeps them.
+  static std::once_flag quiet;
+  std::call_once(quiet, [] {
+    if (!std::getenv("DTRAIN_FFMPEG_LOG")) av_log_set_level(AV_LOG_FATAL);
+  });
   impl_->path = path;
   impl_->patience = deadline;
   if (!impl_->frame || !impl_->packet) impl_->fail("out of memory");
@@ -234,10 +246,13 @@ std::vector<uint8_t> VideoReader::readClip(const ClipSpec& c, int* decoded) {
     av_frame_move_ref(prev.get(), d.frame.get());
     have_prev = true;
   }
-  // The stream ended: the last frame shows until the video's end, zeros after it.
-  if (have_prev && k < c.frames && slotTime(k) < d.info.duration) {
+  // The stream ended: the last frame shows for one frame interval (or to the container's end, if later),
+  // zeros after it.
+  const double last_time = time;
+  const double end = std::max(d.info.duration, last_time + (d.info.frame_rate > 0 ? 1 / d.info.frame_rate : 0));
+  if (have_prev && k < c.frames && slotTime(k) + eps < end) {
     d.convert(prev.get());
-    for (; k < c.frames && slotTime(k) < d.info.duration; ++k, ++filled) d.place(c, k, out, square);
+    for (; k < c.frames && slotTime(k) + eps < end; ++k, ++filled) d.place(c, k, out, square);
   }
   if (filled == 0)
     d.fail(fmt::format("no frame decoded for a clip at {:.2f} s (the video lasts {:.2f} s)", c.start, d.info.duration));
@@ -276,6 +291,9 @@ struct VideoWriter::Impl {
       rc = avcodec_receive_packet(codec.get(), packet.get());
       if (rc == AVERROR(EAGAIN) || rc == AVERROR_EOF) return;
       if (rc < 0) fail(fmt::format("encoding: {}", averror(rc)));
+      // Every frame lasts one frame interval: without a duration the mp4 muxer's edit list ends the video
+      // at its last frame's start, and decoders drop that frame.
+      if (packet->duration <= 0) packet->duration = 1;
       av_packet_rescale_ts(packet.get(), codec->time_base, stream->time_base);
       packet->stream_index = stream->index;
       rc = av_interleaved_write_frame(fmt, packet.get());

@@ -10,9 +10,11 @@
 #include <torch/csrc/jit/serialization/unpickler.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <map>
+#include <set>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -82,7 +84,13 @@ std::string tensorProblem(const c10::IValue& v, const std::map<const void*, size
   return "";
 }
 
-// The rewrite pickle_load.h describes, of the `size` pickle bytes at `data`.
+// The rewrite pickle_load.h describes, of the `size` pickle bytes at `data`. libtorch's unpickler has no
+// POP, and it turns an OrderedDict into None. torch.save pushes the OrderedDict class once (GLOBAL, then
+// memoized) and fetches it from the memo for later instances (BINGET): a tensor's backward hooks (empty)
+// and the state_dict's _metadata. So every instance `<class> [memo] EMPTY_TUPLE REDUCE` becomes
+// EMPTY_DICT when its items follow ([memo] MARK ... SETITEMS) and NONE otherwise (as libtorch reads it),
+// and BUILD (the state_dict's attributes: {'_metadata': ...}) becomes TUPLE2, making (dict, state) of the
+// instance and its state; pickleLoadChecked keeps the dict.
 std::string plainDicts(const char* data, size_t size) {
   struct Op {
     unsigned char op;
@@ -94,30 +102,49 @@ std::string plainDicts(const char* data, size_t size) {
   });
   if (!problem.empty()) throw std::runtime_error(problem);
   static const std::string kOrderedDict = "ccollections\nOrderedDict\n";
+  // The memo index an opcode stores into or fetches from (BINPUT/BINGET: 1 byte, LONG_*: 4, PUT/GET: a line).
+  auto memoIndex = [&](const Op& o) -> uint64_t {
+    if (o.op == 'q' || o.op == 'h') return static_cast<unsigned char>(data[o.start + 1]);
+    if (o.op == 'r' || o.op == 'j') {
+      uint64_t v = 0;
+      for (int b = 3; b >= 0; --b) v = (v << 8) | static_cast<unsigned char>(data[o.start + 1 + b]);
+      return v;
+    }
+    return std::strtoull(std::string(data + o.start + 1, o.end - o.start - 1).c_str(), nullptr, 10);
+  };
+  auto isPut = [](unsigned char op) { return op == 'q' || op == 'r' || op == 'p'; };
+  auto isGet = [](unsigned char op) { return op == 'h' || op == 'j' || op == 'g'; };
+  auto bytesOf = [&](const Op& o) { return std::string(data + o.start, o.end - o.start); };
+  std::set<uint64_t> class_memo;  // where the OrderedDict class is memoized
   std::string out;
   out.reserve(size);
-  auto isMemo = [](unsigned char op) { return op == 'q' || op == 'r' || op == 'p' || op == 0x94; };
   for (size_t i = 0; i < ops.size(); ++i) {
     const Op& o = ops[i];
-    if (o.op == 0x95) throw std::runtime_error("a framed pickle (protocol 4): dtrain reads torch.save's protocol 2");
+    if (o.op == 0x95 || o.op == 0x94)
+      throw std::runtime_error("a protocol 4 pickle (frames, MEMOIZE): dtrain reads torch.save's protocol 2");
     if (o.op == 'b') {
-      out += '0';
+      out += '\x86';
       continue;
     }
-    const bool ordered = o.op == 'c' && o.end - o.start == kOrderedDict.size() &&
-                         std::memcmp(data + o.start, kOrderedDict.data(), kOrderedDict.size()) == 0;
-    if (!ordered) {
-      out.append(data + o.start, o.end - o.start);
+    const bool global = o.op == 'c' && bytesOf(o) == kOrderedDict;
+    const bool fetched = isGet(o.op) && class_memo.count(memoIndex(o)) > 0;
+    if (!global && !fetched) {
+      out += bytesOf(o);
       continue;
     }
     size_t j = i + 1;
-    const bool memo = j < ops.size() && isMemo(ops[j].op);
-    if (memo) ++j;
+    std::string put;  // the class's memo slot: kept (holding the instance), every fetch of it is rewritten
+    if (global && j < ops.size() && isPut(ops[j].op)) {
+      class_memo.insert(memoIndex(ops[j]));
+      put = bytesOf(ops[j++]);
+    }
     if (j + 1 >= ops.size() || ops[j].op != ')' || ops[j + 1].op != 'R')
       throw std::runtime_error(fmt::format("an OrderedDict at offset {} that is not built from an empty tuple", o.start));
-    out += '}';
-    if (memo) out.append(data + ops[i + 1].start, ops[i + 1].end - ops[i + 1].start);
-    i = j + 1;
+    size_t after = j + 2;
+    if (after < ops.size() && isPut(ops[after].op)) ++after;
+    out += after < ops.size() && ops[after].op == '(' ? '}' : 'N';
+    out += put;
+    i = j + 1;  // EMPTY_TUPLE REDUCE replaced; the memo and MARK after them follow as they are
   }
   return out;
 }
@@ -152,6 +179,10 @@ c10::IValue pickleLoadChecked(const std::vector<char>& bytes, bool python_dicts)
   torch::jit::Unpickler unpickler(read, nullptr, nullptr, record, {});
   unpickler.set_version(reader.version());
   c10::IValue root = unpickler.parse_ivalue();
+  // A state_dict's (dict, attributes) pair (plainDicts): the dict.
+  if (python_dicts && root.isTuple() && root.toTupleRef().elements().size() == 2 &&
+      root.toTupleRef().elements()[0].isGenericDict())
+    root = root.toTupleRef().elements()[0];
   const std::string problem = tensorProblem(root, records);
   if (!problem.empty()) throw std::runtime_error("its pickle holds " + problem);
   return root;

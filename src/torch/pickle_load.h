@@ -14,9 +14,9 @@ namespace dtrain::detail {
 // Throws std::runtime_error naming what is wrong, or libtorch's own error.
 // With `python_dicts`, the pickle is first rewritten so that what Python's torch.save wrote for an
 // OrderedDict (a state_dict) reads as a plain dict: libtorch's unpickler turns collections.OrderedDict
-// into None. Each `GLOBAL collections OrderedDict [memo] EMPTY_TUPLE REDUCE` becomes `EMPTY_DICT [memo]`
-// and every BUILD a POP (the state it would set is the OrderedDict's _metadata, which a C++ module has no
-// use for). Protocol 2, as torch.save writes it; a framed pickle (protocol 4) is refused.
+// into None and has no POP. An OrderedDict instance with items becomes an empty dict that its SETITEMS
+// fill, an empty one None (a tensor's backward hooks, as libtorch reads them), and the state_dict's
+// _metadata (set by BUILD) is dropped. Protocol 2, as torch.save writes it; protocol 4 is refused.
 c10::IValue pickleLoadChecked(const std::vector<char>& bytes, bool python_dicts = false);
 
 }  // namespace dtrain::detail

@@ -1,0 +1,317 @@
+// The raw-video path of the MIL-NCE job: S3D-G against a Python port of the reference (state_dict loaded
+// by name, outputs within 1e-5), FFmpeg decoding (timing, crops, flips, padding, broken files), the
+// prefetching loader (skips and counts broken videos, batches independent of its threads) and a 2-rank
+// `milnce train --raw-video` on generated videos with a corrupt, a truncated and a missing file.
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include <cmath>
+#include <filesystem>
+#include <fstream>
+#include <string>
+#include <vector>
+
+#include "dtrain/checkpoint.h"
+#include "harness.h"
+#include "milnce/data.h"
+#include "milnce/s3dg.h"
+#include "milnce/video.h"
+#include "milnce/video_loader.h"
+#include "milnce_test_util.h"
+
+namespace {
+
+namespace fs = std::filesystem;
+using dtrain::test::runCommand;
+using dtrain::test::TempDir;
+
+// Runs tests/milnce/s3dg_reference.py into dir with `args`; returns its output line.
+std::string pythonReference(const std::string& dir, const std::string& args) {
+  auto [rc, out] = runCommand(fmt::format("{} {}/tests/milnce/s3dg_reference.py {} {}", dtrain::test::pythonPath(),
+                                          DTRAIN_SOURCE_DIR, dir, args),
+                              240);
+  EXPECT_EQ(rc, 0) << out;
+  return out;
+}
+
+double maxAbsDiff(const at::Tensor& a, const at::Tensor& b) { return (a - b).abs().max().item<double>(); }
+
+// The full-width S3D-G of the reference, with its text module: the state_dict Python's torch.save wrote
+// (an OrderedDict) loads by name, strictly, and the outputs agree within 1e-5 on the same clip.
+TEST(S3DG, TheReferenceStateDictLoadsByNameAndTheOutputsMatchPython) {
+  TempDir dir;
+  const std::string line = pythonReference(dir.path(), "--width 1.0 --frames 8 --size 32 --vocab 50");
+  milnce::S3DOptions o;
+  o.num_embeddings = 51;
+  milnce::S3D net(o);
+  dtrain::loadStateDict(*net, dir.path() + "/state_dict.pt");  // strict: every name on both sides
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const auto out = net->forward(milnce::readNpy(dir.path() + "/clip.npy"));
+  const at::Tensor want = milnce::readNpy(dir.path() + "/video_embedding.npy");
+  ASSERT_EQ(out.video_embedding.sizes(), want.sizes());
+  EXPECT_LT(maxAbsDiff(out.video_embedding, want), 1e-5) << line;
+  EXPECT_LT(maxAbsDiff(out.mixed_5c, milnce::readNpy(dir.path() + "/mixed_5c.npy")), 1e-5) << line;
+  // The embedding depends on the clip (a wrong space-to-depth order would still be a function of it, but
+  // not this one): flipping it moves the output by more than the tolerance.
+  const auto flipped = net->forward(milnce::readNpy(dir.path() + "/clip.npy").flip({4}));
+  EXPECT_GT(maxAbsDiff(flipped.video_embedding, want), 1e-4);
+  const at::Tensor text = net->text_module->forward(milnce::readNpy(dir.path() + "/tokens.npy"));
+  const at::Tensor want_text = milnce::readNpy(dir.path() + "/text_embedding.npy");
+  EXPECT_LT(maxAbsDiff(text, want_text) / want_text.abs().max().item<double>(), 1e-5) << line;
+}
+
+// The width multiplier and the paper's conv1 (no space to depth) match the port too.
+TEST(S3DG, ANarrowModelWithoutSpaceToDepthMatchesPythonToo) {
+  TempDir dir;
+  const std::string line = pythonReference(dir.path(), "--width 0.25 --frames 8 --size 32 --no-space-to-depth --embed 64");
+  milnce::S3DOptions o;
+  o.width = 0.25;
+  o.space_to_depth = false;
+  o.num_classes = 64;
+  milnce::S3D net(o);
+  dtrain::loadStateDict(*net, dir.path() + "/state_dict.pt");
+  net->eval();
+  torch::NoGradGuard no_grad;
+  const auto out = net->forward(milnce::readNpy(dir.path() + "/clip.npy"));
+  EXPECT_LT(maxAbsDiff(out.video_embedding, milnce::readNpy(dir.path() + "/video_embedding.npy")), 1e-5) << line;
+}
+
+// What does not fit is refused naming the parameter, before anything is copied; so is a file that is not
+// a state dict, and a value that is not a tensor.
+TEST(S3DG, AStateDictThatDoesNotFitIsRefusedByName) {
+  TempDir dir;
+  pythonReference(dir.path(), "--width 0.25 --frames 8 --size 32");
+  milnce::S3D full{milnce::S3DOptions{}};
+  const at::Tensor before = full->conv1->conv1->weight.clone();
+  const std::string err = dtrain::test::errorOf([&] { dtrain::loadStateDict(*full, dir.path() + "/state_dict.pt"); });
+  EXPECT_NE(err.find("state_dict.pt"), std::string::npos) << err;
+  EXPECT_NE(err.find("has shape"), std::string::npos) << err;
+  EXPECT_TRUE(torch::equal(before, full->conv1->conv1->weight));
+  std::ofstream(dir.path() + "/not.pt") << "not a torch file";
+  EXPECT_NE(dtrain::test::errorOf([&] { dtrain::readStateDict(dir.path() + "/not.pt"); }).find("not a torch.save file"),
+            std::string::npos);
+  dtrain::test::runPython(fmt::format("import torch\ntorch.save({{'w': torch.ones(2), 'n': 3}}, '{}/mixed.pt')\n",
+                                      dir.path()));
+  const std::string mixed = dtrain::test::errorOf([&] { dtrain::readStateDict(dir.path() + "/mixed.pt"); });
+  EXPECT_NE(mixed.find("'n' is a"), std::string::npos) << mixed;
+}
+
+// A video of known frames: frame f is split at the middle, left half grey level 8f, right half 255 - 8f.
+std::string writeKnownVideo(const std::string& path, int frames, int size, int fps) {
+  milnce::VideoWriter w(path, size, size, fps);
+  std::vector<uint8_t> rgb(static_cast<size_t>(size) * size * 3);
+  for (int f = 0; f < frames; ++f) {
+    for (int y = 0; y < size; ++y)
+      for (int x = 0; x < size; ++x)
+        for (int c = 0; c < 3; ++c)
+          rgb[(static_cast<size_t>(y) * size + x) * 3 + c] = static_cast<uint8_t>(x < size / 2 ? 8 * f : 255 - 8 * f);
+    w.write(rgb.data());
+  }
+  w.finish();
+  return path;
+}
+
+// Mean of output frame k's left (or right) half, channel 0, of a [3, T, S, S] clip.
+double halfMean(const std::vector<uint8_t>& clip, int k, int size, bool left) {
+  double sum = 0;
+  int n = 0;
+  for (int y = 4; y < size - 4; ++y)
+    for (int x = left ? 2 : size / 2 + 2; x < (left ? size / 2 - 2 : size - 2); ++x, ++n)
+      sum += clip[(static_cast<size_t>(k) * size + y) * size + x];
+  return sum / n;
+}
+
+TEST(Video, TheReaderDecodesWhatTheWriterWroteAtTheAskedTimes) {
+  TempDir dir;
+  const std::string path = writeKnownVideo(dir.path() + "/known.mp4", 30, 48, 10);  // 3 s at 10 fps
+  milnce::VideoReader r(path);
+  EXPECT_EQ(r.info().width, 48);
+  EXPECT_NEAR(r.info().duration, 3.0, 0.11);
+  milnce::ClipSpec c;
+  c.start = 1.0;  // frame 10 on
+  c.frames = 8;
+  c.fps = 5;      // every other frame: 10, 12, ..., 24
+  c.size = 32;
+  c.x = 0.5, c.y = 0.5;
+  int decoded = 0;
+  auto clip = r.readClip(c, &decoded);
+  ASSERT_EQ(clip.size(), 3u * 8 * 32 * 32);
+  EXPECT_EQ(decoded, 8);
+  for (int k = 0; k < 8; ++k) {
+    EXPECT_NEAR(halfMean(clip, k, 32, true), 8 * (10 + 2 * k), 4) << "frame " << k;
+    EXPECT_NEAR(halfMean(clip, k, 32, false), 255 - 8 * (10 + 2 * k), 4) << "frame " << k;
+  }
+  // Flipped: the halves swap. Crop-and-scale sees the same halves.
+  c.flip = true;
+  clip = r.readClip(c);
+  EXPECT_NEAR(halfMean(clip, 0, 32, false), 80, 4);
+  c.flip = false;
+  c.crop_only = false;
+  clip = r.readClip(c);
+  EXPECT_NEAR(halfMean(clip, 0, 32, true), 80, 6);
+  // Past the end: the last frame while the video lasts, zeros after it (as the reference pads).
+  c.crop_only = true;
+  c.start = 2.5;
+  c.fps = 10;
+  clip = r.readClip(c, &decoded);
+  EXPECT_EQ(decoded, 5);
+  EXPECT_NEAR(halfMean(clip, 4, 32, true), 8 * 29, 4);
+  EXPECT_EQ(halfMean(clip, 5, 32, true), 0);
+  // A crop larger than the video is a bad request, not a decoding failure.
+  c.size = 64;
+  EXPECT_THROW(r.readClip(c), dtrain::InvalidArgument);
+}
+
+TEST(Video, MissingCorruptAndTruncatedFilesAreVideoErrorsNamingTheFile) {
+  TempDir dir;
+  const std::string good = writeKnownVideo(dir.path() + "/good.mp4", 30, 32, 10);
+  auto errorOf = [](const std::string& path) {
+    try {
+      milnce::VideoReader r(path);
+      milnce::ClipSpec c;
+      c.size = 32;
+      r.readClip(c);
+    } catch (const milnce::VideoError& e) {
+      return std::string(e.what());
+    }
+    return std::string("no VideoError");
+  };
+  EXPECT_NE(errorOf(dir.path() + "/missing.mp4").find("missing.mp4: cannot open"), std::string::npos);
+  EXPECT_NE(errorOf(dir.path()).find("not a regular file"), std::string::npos);
+  std::ofstream(dir.path() + "/noise.mp4") << std::string(5000, '\x5a');
+  EXPECT_NE(errorOf(dir.path() + "/noise.mp4").find("noise.mp4"), std::string::npos);
+  std::ifstream in(good, std::ios::binary);
+  std::string bytes((std::istreambuf_iterator<char>(in)), {});
+  std::ofstream(dir.path() + "/cut.mp4", std::ios::binary) << bytes.substr(0, bytes.size() / 2);
+  EXPECT_NE(errorOf(dir.path() + "/cut.mp4").find("cut.mp4"), std::string::npos);
+}
+
+// A small generated video data set (32x32 at 10 fps, 12 training videos).
+std::string smallVideoData(const std::string& dir) {
+  milnce::GenOptions g;
+  g.out = dir;
+  g.video = true;
+  g.video_size = 32;
+  g.videos = 12;
+  g.eval_videos = 2;
+  g.concepts = 6;
+  g.min_segments = 3;
+  g.max_segments = 4;
+  milnce::generateData(g);
+  return dir;
+}
+
+milnce::LoaderOptions smallClips() {
+  milnce::LoaderOptions lo;
+  lo.frames = 4;
+  lo.size = 24;
+  return lo;
+}
+
+TEST(GenVideo, WritesRealVideosWithCaptionsThatNameWhatIsSeen) {
+  TempDir dir;
+  smallVideoData(dir.path());
+  const auto ds = milnce::Dataset::load(dir.path());
+  EXPECT_TRUE(ds.raw_video);
+  ASSERT_EQ(ds.videos.size(), 12u);
+  EXPECT_EQ(ds.vocab.count("red"), 1u);
+  EXPECT_EQ(ds.vocab.count("circle"), 1u);
+  milnce::VideoReader r(ds.videos[0].file);
+  EXPECT_EQ(r.info().width, 32);
+  EXPECT_GT(r.info().duration, 3 * 3.0 - 0.5);
+  // Deterministic: the same seed writes the same files.
+  TempDir again;
+  smallVideoData(again.path());
+  auto read = [](const std::string& p) {
+    std::ifstream f(p, std::ios::binary);
+    return std::string((std::istreambuf_iterator<char>(f)), {});
+  };
+  EXPECT_EQ(read(dir.path() + "/videos/vid_00003.mp4"), read(again.path() + "/videos/vid_00003.mp4"));
+  EXPECT_EQ(read(dir.path() + "/captions/vid_00003.csv"), read(again.path() + "/captions/vid_00003.csv"));
+}
+
+// Breaks three videos of a data set: one corrupt, one truncated, one missing.
+std::vector<std::string> breakThree(const milnce::Dataset& ds) {
+  std::vector<std::string> broken{ds.videos[1].file, ds.videos[4].file, ds.videos[7].file};
+  std::ofstream(broken[0], std::ios::binary | std::ios::trunc) << std::string(20000, '\x33');
+  fs::resize_file(broken[1], fs::file_size(broken[1]) / 3);
+  fs::remove(broken[2]);
+  return broken;
+}
+
+TEST(VideoLoader, SkipsAndCountsBrokenVideosAndItsBatchesDoNotDependOnItsThreads) {
+  TempDir dir;
+  smallVideoData(dir.path());
+  const auto ds = milnce::Dataset::load(dir.path());
+  const auto broken = breakThree(ds);
+  std::vector<std::vector<int64_t>> batches{{0, 1, 2, 3}, {4, 5, 6, 7}, {8, 9, 10, 11}};
+  auto epoch = [&](int threads) {
+    milnce::VideoLoaderOptions vo;
+    vo.threads = threads;
+    vo.prefetch = 2;
+    milnce::VideoLoader loader(ds, smallClips(), vo);
+    loader.start(batches, 7);
+    std::vector<milnce::Batch> out;
+    for (size_t i = 0; i < batches.size(); ++i) out.push_back(loader.next());
+    EXPECT_THROW(loader.next(), dtrain::InvalidArgument);  // past the end of the epoch
+    return std::make_pair(out, loader.takeStats());
+  };
+  auto [one, s1] = epoch(1);
+  auto [three, s3] = epoch(3);
+  ASSERT_EQ(one.size(), 3u);
+  for (size_t i = 0; i < one.size(); ++i) {
+    EXPECT_EQ(one[i].video.sizes(), (std::vector<int64_t>{4, 3, 4, 24, 24}));
+    EXPECT_TRUE(torch::equal(one[i].video, three[i].video)) << "batch " << i;
+    EXPECT_TRUE(torch::equal(one[i].text, three[i].text)) << "batch " << i;
+  }
+  EXPECT_GE(s1.failures, 3);
+  EXPECT_EQ(s1.failures, s3.failures);
+  EXPECT_EQ(s1.clips, 12);
+  std::string named;
+  for (const auto& f : s1.failed) named += f + "\n";
+  for (const auto& b : broken) EXPECT_NE(named.find(b), std::string::npos) << named;
+  // The evaluation windows of a broken eval video are zeros, counted.
+  int64_t failed = 0;
+  fs::remove(ds.eval_videos[0].file);
+  for (const auto& c : ds.eval_clips)
+    if (c.video_index == 0) {
+      const auto w = milnce::evalClipWindows(ds, c, 2, smallClips(), &failed);
+      EXPECT_EQ(w.sum().item<int64_t>(), 0);
+    }
+  EXPECT_GE(failed, 2);
+}
+
+// `milnce train --raw-video` on 2 ranks (dtrain-run) over videos of which three are broken: training goes
+// on, the skipped clips are counted at the epoch's end and in metrics.jsonl, and the loss is finite.
+TEST(RawVideoTraining, TwoRanksTrainThroughBrokenVideosAndReportThem) {
+  TempDir dir;
+  smallVideoData(dir.path() + "/data");
+  breakThree(milnce::Dataset::load(dir.path() + "/data"));
+  const std::string run = dir.path() + "/run";
+  auto [rc, out] = runCommand(
+      fmt::format("OMP_NUM_THREADS=1 {0}/dtrain-run --standalone --nproc-per-node 2 {0}/milnce train --raw-video "
+                  "--data {1}/data --out {2} --epochs 2 --batch 3 --frames 4 --size 24 --s3d-width 0.125 --embed 16 "
+                  "--eval-windows 1 --progress lines --progress-every 1 2>&1",
+                  DTRAIN_BIN_DIR, dir.path(), run),
+      280);
+  ASSERT_EQ(rc, 0) << out;
+  EXPECT_NE(out.find(" ms compute "), std::string::npos) << out;  // the progress line's decode and compute times
+  EXPECT_NE(out.find("skipped (videos that failed to decode)"), std::string::npos) << out;
+  EXPECT_NE(out.find("after training (2 epochs)"), std::string::npos) << out;
+  std::ifstream f(run + "/metrics.jsonl");
+  int data_records = 0;
+  double skipped = 0;
+  for (std::string line; std::getline(f, line);) {
+    auto j = nlohmann::json::parse(line);
+    if (j["kind"] == "data") ++data_records, skipped += j["skipped"].get<double>();
+    if (j["kind"] == "step") {
+      EXPECT_TRUE(std::isfinite(j["loss"].get<double>())) << line;
+      EXPECT_TRUE(j.contains("data_wait_s")) << line;
+    }
+  }
+  EXPECT_EQ(data_records, 2);
+  EXPECT_GE(skipped, 6);  // every epoch reads every video once: the three broken ones at least
+}
+
+}  // namespace
