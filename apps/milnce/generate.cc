@@ -188,6 +188,35 @@ void validate(const GenOptions& o) {
   }
 }
 
+// vocab.txt and word2vec.npy: concept words (concept by concept), then fillers, each word once; returns
+// the vocabulary's size.
+int64_t writeVocabulary(const GenOptions& o, const World& w, const fs::path& dir) {
+  std::string vocab;
+  int64_t V = 0;
+  std::set<std::string> listed;  // a video data set's colours and shapes recur across concepts
+  for (const auto& words : w.concept_words)
+    for (const auto& word : words)
+      if (listed.insert(word).second) vocab += word + "\n", ++V;
+  for (const auto& word : w.fillers)
+    if (listed.insert(word).second) vocab += word + "\n", ++V;
+  writeFile((dir / "vocab.txt").string(), vocab);
+  auto rng = streamRng(o.seed, kWordVectorStream);
+  at::Tensor wv = at::zeros({V + 1, o.word_dim}, at::kFloat);
+  float* p = wv.data_ptr<float>();
+  for (int64_t i = 1; i <= V; ++i) {
+    float* row = p + i * o.word_dim;
+    double norm = 0;
+    for (int e = 0; e < o.word_dim; ++e) {
+      row[e] = static_cast<float>(normal(rng));
+      norm += static_cast<double>(row[e]) * row[e];
+    }
+    norm = std::sqrt(norm);
+    for (int e = 0; e < o.word_dim; ++e) row[e] = static_cast<float>(row[e] / (norm > 0 ? norm : 1.0));
+  }
+  writeNpy((dir / "word2vec.npy").string(), wv);
+  return V;
+}
+
 }  // namespace
 
 // ---- generation ----
@@ -207,32 +236,7 @@ void generateData(const GenOptions& o) {
       w.concept_words[static_cast<size_t>(c)] = {colour, shape};
     }
 
-  // vocab.txt and word2vec.npy: concept words (concept by concept), then fillers.
-  std::string vocab;
-  int64_t V = 0;
-  std::set<std::string> listed;  // a video data set's colours and shapes recur across concepts
-  for (const auto& words : w.concept_words)
-    for (const auto& word : words)
-      if (listed.insert(word).second) vocab += word + "\n", ++V;
-  for (const auto& word : w.fillers)
-    if (listed.insert(word).second) vocab += word + "\n", ++V;
-  writeFile((dir / "vocab.txt").string(), vocab);
-  {
-    auto rng = streamRng(o.seed, kWordVectorStream);
-    at::Tensor wv = at::zeros({V + 1, o.word_dim}, at::kFloat);
-    float* p = wv.data_ptr<float>();
-    for (int64_t i = 1; i <= V; ++i) {
-      float* row = p + i * o.word_dim;
-      double norm = 0;
-      for (int e = 0; e < o.word_dim; ++e) {
-        row[e] = static_cast<float>(normal(rng));
-        norm += static_cast<double>(row[e]) * row[e];
-      }
-      norm = std::sqrt(norm);
-      for (int e = 0; e < o.word_dim; ++e) row[e] = static_cast<float>(row[e] / (norm > 0 ? norm : 1.0));
-    }
-    writeNpy((dir / "word2vec.npy").string(), wv);
-  }
+  const int64_t V = writeVocabulary(o, w, dir);
   if (!o.video)
     writeNpy((dir / "prototypes.npy").string(),
              at::from_blob(const_cast<float*>(w.prototypes.data()), {o.concepts, o.feature_dim}, at::kFloat));

@@ -53,13 +53,7 @@ void addModelOptions(CLI::App* c, milnce::ModelOptions& mo) {
       ->check(CLI::Range(0.01, 4.0));
 }
 
-}  // namespace
-
-int main(int argc, char** argv) {
-  CLI::App app{"milnce: MIL-NCE video-text training on dtrain"};
-  app.require_subcommand(1);
-
-  milnce::GenOptions g;
+CLI::App* addGenData(CLI::App& app, milnce::GenOptions& g) {
   auto* gen = app.add_subcommand("gen-data", "generate a dataset in the reference's layout");
   gen->add_option("--out", g.out, "output directory")->required();
   gen->add_option("--videos", g.videos, "training videos")->check(CLI::PositiveNumber);
@@ -77,9 +71,11 @@ int main(int argc, char** argv) {
   gen->add_option("--word-dim", g.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
   g.progress = dtrain::ProgressOptions::Mode::automatic;
   addProgressOption(gen, g.progress);
+  return gen;
+}
 
-  // gen-video: the same generator writing mp4 files of moving coloured shapes (GenOptions::video).
-  milnce::GenOptions gv;
+// gen-video: the same generator writing mp4 files of moving coloured shapes (GenOptions::video).
+CLI::App* addGenVideo(CLI::App& app, milnce::GenOptions& gv) {
   gv.video = true;
   gv.videos = 400;
   gv.eval_videos = 20;
@@ -98,6 +94,18 @@ int main(int argc, char** argv) {
   genv->add_option("--fps", gv.fps, "frames per second of the files")->check(CLI::Range(1, 120));
   genv->add_option("--word-dim", gv.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
   addProgressOption(genv, gv.progress);
+  return genv;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  CLI::App app{"milnce: MIL-NCE video-text training on dtrain"};
+  app.require_subcommand(1);
+
+  milnce::GenOptions g, gv;
+  auto* gen = addGenData(app, g);
+  auto* genv = addGenVideo(app, gv);
 
   milnce::TrainOptions t;
   auto* tr = app.add_subcommand("train", "train (under dtrain-run for several processes), evaluating before and after");
