@@ -4,6 +4,7 @@
 #   benches/run.sh comm [--quick|--smoke]          dtrain's allreduce against MPI, Gloo and memcpy in one
 #                                                   run, markdown report (comm.sh)
 #   benches/run.sh milnce [WORLD...]                MIL-NCE training, dtrain against PyTorch DDP (milnce.sh)
+#   benches/run.sh milnce-video [WORLD...]          raw-video MIL-NCE, dtrain against PyTorch + PyAV (milnce_video.sh)
 #   benches/run.sh instr-cost [BASE [HEAD [ITERS]]] instructions per 4 KiB allreduce, two revisions,
 #                                                   under callgrind (instr_cost.sh)
 #   benches/run.sh compare BASE_DIR HEAD_DIR [REPS] two builds' allreduce (shm, tcp) and DDP benchmarks,
@@ -42,6 +43,7 @@ case $1 in
   --help-bench) need "$build/bin/dtrain-bench"; exec "$build/bin/dtrain-bench" --help ;;
   comm) shift; exec bash "$here/comm.sh" "$@" ;;
   milnce) shift; exec bash "$here/milnce.sh" "$@" ;;
+  milnce-video) shift; exec bash "$here/milnce_video.sh" "$@" ;;
   instr-cost) shift; exec bash "$here/instr_cost.sh" "$@" ;;
   compare) shift; exec bash "$here/compare.sh" "$@" ;;
   peer)

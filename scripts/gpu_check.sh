@@ -21,6 +21,8 @@
 #   4. milnce train --device cuda (one process) against the README job on the CPU (2 ranks) on the same
 #      generated data, MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point
 #      and the wall time of each.
+#   5. milnce train --raw-video --device cuda on generated videos (where the machine has FFmpeg's
+#      development libraries; NOT RUN otherwise).
 # Env: PYTHON, JOBS (default: every core), MILNCE_EPOCHS, DTRAIN_WITH_MPI (OFF: the GPU machine has no MPI),
 # BUILD_DIR (default <repo>/build-gpu; the data and runs of check 4 go there too, and only their logs and
 # eval.json to OUT_DIR).
@@ -187,6 +189,22 @@ else:
     print(f"{'PASS' if ok else 'FAIL'}  milnce train {epochs} epochs: GPU (1 process) R@10 {100 * g:.1f}% in {gpu_s} s, "
           f"CPU (2 ranks) R@10 {100 * c:.1f}% in {cpu_s} s (within 1 point and faster: {ok})")
 PY
+
+# ---- 5: raw video on the GPU: decoded clips (uint8) moved to the GPU, S3D-G there ----
+if grep -q "built without raw video" "$out/configure.log"; then
+  result "NOT RUN" "milnce train --raw-video --device cuda: no FFmpeg development libraries on this machine (configure.log)"
+else
+  vdata=$build/milnce-video
+  "$bin/milnce" gen-video --out "$vdata" --videos 64 --eval-videos 4 --progress off >"$out/milnce-video-gen.log" 2>&1
+  timeout 300 "$bin/milnce" train --raw-video --data "$vdata" --out "$build/milnce-video-gpu" --epochs 2 --batch 8 \
+    --size 32 --frames 8 --crop-and-scale --device cuda --no-progress >"$out/milnce-video-gpu.log" 2>&1
+  vrc=$?
+  if [[ $vrc == 0 && -f $build/milnce-video-gpu/eval.json ]]; then
+    result "PASS" "milnce train --raw-video --device cuda: 2 epochs, $(grep -m1 'after training' "$out/milnce-video-gpu.log" | tr -s ' ')"
+  else
+    result "FAIL" "milnce train --raw-video --device cuda: exit $vrc (milnce-video-gpu.log)"
+  fi
+fi
 
 log "done in $((SECONDS - started)) s"
 echo "---- summary ($summary)"

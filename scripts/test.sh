@@ -38,6 +38,7 @@ for gen in $generations; do
   # The MPI transport and its tests too; tests, examples and benchmarks on again after an earlier run's
   # .deb step turned them off in build-torch1.
   args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_BUILD_EXAMPLES=ON
+        -DMILNCE_REQUIRE_VIDEO=ON
         -DDTRAIN_BUILD_BENCHMARKS=ON)
   if [[ $gen == 2 ]]; then
     # The libtorch root inside the wheel (lib/, include/, share/cmake/Torch), as pytorch.org's zip has it.

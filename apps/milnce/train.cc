@@ -576,6 +576,7 @@ void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOp
     if (p == nullptr) throw dtrain::InvalidArgument(fmt::format("{}: '{}' is not a parameter of the model", what, name));
     p->copy_(v);
   }
+  copyBuffers(parts[0].model, *model);  // BatchNorm's statistics: rank 0's
 }
 
 }  // namespace milnce

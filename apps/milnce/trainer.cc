@@ -199,6 +199,23 @@ std::map<std::string, at::Tensor> Trainer::fullState() {
   return out;
 }
 
+void copyBuffers(const std::map<std::string, at::Tensor>& from, torch::nn::Module& to) {
+  torch::NoGradGuard no_grad;
+  for (auto& b : to.named_buffers()) {
+    auto it = from.find(b.key());
+    if (it != from.end()) b.value().copy_(it->second);
+  }
+}
+
+namespace {
+// A module's buffers by name, CPU copies.
+std::map<std::string, at::Tensor> buffersOf(const torch::nn::Module& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& b : m.named_buffers()) out[b.key()] = b.value().detach().to(torch::kCPU).clone();
+  return out;
+}
+}  // namespace
+
 MilNceNet& Trainer::evalModel() {
   if (!sharded()) return model_;
   const auto full = fullState();
@@ -209,6 +226,7 @@ MilNceNet& Trainer::evalModel() {
     DTRAIN_CHECK(p != nullptr, dtrain::InvalidArgument, "FSDP parameter '{}' is not one of MilNceNet's", name);
     p->copy_(t);
   }
+  copyBuffers(buffersOf(*model_), *eval_model_);  // S3D-G's BatchNorm statistics: this rank's
   return eval_model_;
 }
 
@@ -221,6 +239,8 @@ void Trainer::captureTraining(dtrain::CheckpointState& s) const {
   }
   video_fsdp_->captureSharded(s, *opt_);
   text_fsdp_->captureSharded(s, *opt_);
+  // Buffers (S3D-G's BatchNorm statistics) are not FSDP's: each rank's own, in its file.
+  for (auto& [name, t] : buffersOf(*model_)) s.model[name] = t;
 }
 
 void Trainer::restoreTraining(const std::vector<dtrain::CheckpointState>& parts, const std::string& what) {
@@ -238,6 +258,8 @@ void Trainer::restoreTraining(const std::vector<dtrain::CheckpointState>& parts,
   }
   video_fsdp_->restoreSharded(parts, *opt_, what);
   text_fsdp_->restoreSharded(parts, *opt_, what);
+  const auto mine_part = static_cast<size_t>(dist_.rank());
+  copyBuffers(parts[mine_part < parts.size() ? mine_part : 0].model, *model_);
 }
 
 }  // namespace milnce

@@ -8,6 +8,7 @@
 #include <cmath>
 #include <filesystem>
 #include <fstream>
+#include <regex>
 #include <string>
 #include <vector>
 
@@ -290,7 +291,7 @@ TEST(RawVideoTraining, TwoRanksTrainThroughBrokenVideosAndReportThem) {
   breakThree(milnce::Dataset::load(dir.path() + "/data"));
   const std::string run = dir.path() + "/run";
   auto [rc, out] = runCommand(
-      fmt::format("OMP_NUM_THREADS=1 {0}/dtrain-run --standalone --nproc-per-node 2 {0}/milnce train --raw-video "
+      fmt::format("env OMP_NUM_THREADS=1 {0}/dtrain-run --standalone --nproc-per-node 2 {0}/milnce train --raw-video "
                   "--data {1}/data --out {2} --epochs 2 --batch 3 --frames 4 --size 24 --s3d-width 0.125 --embed 16 "
                   "--eval-windows 1 --progress lines --progress-every 1 2>&1",
                   DTRAIN_BIN_DIR, dir.path(), run),
@@ -312,6 +313,40 @@ TEST(RawVideoTraining, TwoRanksTrainThroughBrokenVideosAndReportThem) {
   }
   EXPECT_EQ(data_records, 2);
   EXPECT_GE(skipped, 6);  // every epoch reads every video once: the three broken ones at least
+}
+
+// With --zero 3 the parameters are sharded, but S3D-G's BatchNorm statistics are buffers: the
+// evaluation at the end of training and `milnce eval` of the per-rank checkpoint use them (without them
+// every clip embeds alike and ranks last), and agree.
+TEST(RawVideoTraining, ZeroStage3KeepsTheBatchNormStatisticsInEvaluationAndCheckpoints) {
+  TempDir dir;
+  smallVideoData(dir.path() + "/data");
+  const std::string flags = "--frames 4 --size 24 --s3d-width 0.125 --embed 16";
+  auto [rc, out] = runCommand(
+      fmt::format("env OMP_NUM_THREADS=1 {0}/dtrain-run --standalone --nproc-per-node 2 {0}/milnce train --raw-video "
+                  "--data {1}/data --out {1}/run --epochs 2 --batch 3 --zero 3 --eval-windows 1 --no-progress {2} 2>&1",
+                  DTRAIN_BIN_DIR, dir.path(), flags),
+      280);
+  ASSERT_EQ(rc, 0) << out;
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(out, m, std::regex(R"(after training \(2 epochs\)\s+(.*))"))) << out;
+  const std::string trained = m[1].str();
+  // Each rank's file holds its BatchNorm statistics, moved by training (they start at mean 0, var 1).
+  std::string newest;
+  for (const auto& e : fs::directory_iterator(dir.path() + "/run/checkpoints"))
+    if (e.is_directory() && e.path().filename().string() > fs::path(newest).filename().string()) newest = e.path();
+  const auto parts = dtrain::Checkpointer::loadRanks(newest);
+  ASSERT_EQ(parts.size(), 2u);
+  for (const auto& p : parts) {
+    ASSERT_EQ(p.model.count("video.s3d.conv1.bn1.running_mean"), 1u) << newest;
+    EXPECT_GT(p.model.at("video.s3d.conv1.bn1.running_mean").abs().sum().item<double>(), 0) << newest;
+  }
+  auto [erc, eout] = runCommand(fmt::format("{0}/milnce eval --data {1}/data --run {1}/run --windows 1 --progress off {2} 2>&1",
+                                            DTRAIN_BIN_DIR, dir.path(), flags),
+                                120);
+  ASSERT_EQ(erc, 0) << eout;
+  ASSERT_TRUE(std::regex_search(eout, m, std::regex(R"(epoch 2\s+(.*))"))) << eout;
+  EXPECT_EQ(m[1].str(), trained) << out << eout;
 }
 
 }  // namespace

@@ -2,12 +2,15 @@
 // with dtrain's own writers: Checkpointer::save (single file and per rank), milnce::generateData, and the parameter
 // server's request headers as ps::Worker sends them.
 // Usage (a DTRAIN_FUZZ_TORCH build): torch_fuzz_seeds tests/fuzz/corpus
+#include <fmt/format.h>
 #include <torch/torch.h>
 
 #include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
@@ -16,6 +19,7 @@
 #include "dtrain/comm/process_group.h"
 #include "dtrain/comm/store.h"
 #include "milnce/data.h"
+#include "milnce/data_util.h"
 #include "torch/ps/protocol.h"
 #include "torch_fuzz_util.h"
 
@@ -138,6 +142,23 @@ void psSeeds(const fs::path& out) {
     put(out, "rows" + std::to_string(mode), encode(mode, rows));
   }
 }
+// video_fuzz: two short mp4s as gen-video writes them (24x24 at 10 fps, 1.5 s and 0.4 s), each behind a
+// different clip byte.
+void videoSeeds(const fs::path& dir) {
+  fs::create_directories(dir);
+  int n = 0;
+  for (double seconds : {1.5, 0.4}) {
+    const auto tmp = fs::temp_directory_path() / fmt::format("torch_fuzz_seeds_{}.mp4", n);
+    std::mt19937_64 rng(static_cast<uint64_t>(n));
+    milnce::detail::renderVideo(tmp.string(), {0.0, seconds / 2, seconds}, {n, n + 1}, 24, 10, rng);
+    std::ifstream in(tmp, std::ios::binary);
+    const std::string bytes((std::istreambuf_iterator<char>(in)), {});
+    fs::remove(tmp);
+    put(dir, fmt::format("video{}", n), std::string(1, static_cast<char>(n == 0 ? 0 : 0x3d)) + bytes);
+    ++n;
+  }
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
@@ -149,6 +170,8 @@ int main(int argc, char** argv) {
   checkpointSeeds(dir / "checkpoint_fuzz");
   milnceSeeds(dir / "milnce_data_fuzz");
   psSeeds(dir / "ps_server_fuzz");
-  std::printf("torch_fuzz_seeds: wrote the corpora of checkpoint_fuzz, milnce_data_fuzz, ps_server_fuzz in %s\n", argv[1]);
+  videoSeeds(dir / "video_fuzz");
+  std::printf("torch_fuzz_seeds: wrote the corpora of checkpoint_fuzz, milnce_data_fuzz, ps_server_fuzz, video_fuzz in %s\n",
+              argv[1]);
   return 0;
 }
