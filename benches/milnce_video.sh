@@ -24,7 +24,7 @@ trap 'rm -rf "$tmp"' EXIT
 [[ -f $data/meta.json ]] || "$build/bin/milnce" gen-video --out "$data" --progress off >/dev/null
 echo "# raw-video MIL-NCE throughput (batch $batch per rank, ${frames}x${size}x${size} clips, S3D-G width $width," \
      "2 decoding threads/workers per rank); $(date -u +%F) $cores cores; load $(cut -d' ' -f1-3 /proc/loadavg)"
-echo "# dtrain: $("$build/bin/dtrain-run" --version | head -1); peer: torch $("$peer" -c 'import torch, av; print(torch.__version__, "+ PyAV", av.__version__)')"
+echo "# dtrain: $("$build/bin/dtrain-run" --version | grep -m1 libtorch); peer: torch $("$peer" -c 'import torch, av; print(torch.__version__, "+ PyAV", av.__version__)')"
 for w in "${worlds[@]}"; do
   # dtrain: enough steps of one epoch; the first 3 warm up. From metrics.jsonl's step records: clips over
   # the steps' wall time, and the share of it spent waiting for decoded clips (data_wait_s).
