@@ -84,6 +84,66 @@ std::string tensorProblem(const c10::IValue& v, const std::map<const void*, size
   return "";
 }
 
+struct Op {
+  unsigned char op;
+  uint64_t start, end;
+};
+
+// For every SETITEM (one key and value into the dict below them; Python's pickler writes it for a dict
+// whose last batch holds one item), the index of the opcode that starts its key: found by following the
+// stack, each value remembered by the opcode that began it. libtorch 1.13's unpickler has no SETITEM,
+// so plainDicts writes MARK there and SETITEMS for it. Throws on an opcode it does not follow.
+std::set<size_t> setItemKeys(const std::vector<Op>& ops) {
+  std::vector<size_t> stack, marks;  // each value's first opcode; the stack's size at each MARK
+  std::set<size_t> keys;
+  auto pop = [&](size_t n) {
+    if (stack.size() < n) throw std::runtime_error("a pickle that pops more than it pushed");
+    const size_t first = stack[stack.size() - n];
+    stack.resize(stack.size() - n);
+    return first;
+  };
+  auto popMark = [&](size_t i) {  // pops to the last MARK; the MARK's opcode begins what replaces them
+    if (marks.empty()) throw std::runtime_error("a pickle that pops a MARK it did not set");
+    stack.resize(marks.back());
+    marks.pop_back();
+    return i;
+  };
+  std::vector<size_t> mark_ops;  // the opcode index of each MARK
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const unsigned char op = ops[i].op;
+    switch (op) {
+      case 0x80: case 'q': case 'r': case 'p': case '.': break;  // PROTO, memo puts, STOP
+      case '(': marks.push_back(stack.size()); mark_ops.push_back(i); break;
+      case 'c': case 'X': case 'U': case 'T': case 'B': case 'C': case 'V': case 'S': case 'K': case 'J': case 'M':
+      case 'I': case 'L': case 'F': case 'G': case 'N': case 0x88: case 0x89: case ')': case ']': case '}':
+      case 'h': case 'j': case 'g': case 0x8a: case 0x8b: stack.push_back(i); break;
+      case 'Q': case 0x85: stack.push_back(pop(1)); break;
+      case 'R': case 'b': case 0x86: case 0x81: stack.push_back(pop(2)); break;
+      case 0x87: stack.push_back(pop(3)); break;
+      case 't': case 'l': case 'd': {
+        const size_t at = mark_ops.back();
+        mark_ops.pop_back();
+        popMark(i);
+        stack.push_back(at);
+        break;
+      }
+      case 'u': case 'e':  // SETITEMS, APPENDS: the container below the MARK stays
+        mark_ops.pop_back();
+        popMark(i);
+        break;
+      case 'a': pop(1); break;
+      case 's': {
+        if (stack.size() < 3) throw std::runtime_error("a SETITEM without a dict, key and value");
+        keys.insert(stack[stack.size() - 2]);
+        pop(2);
+        break;
+      }
+      default: throw std::runtime_error(fmt::format("a pickle opcode {:#04x} that dtrain does not follow", op));
+    }
+  }
+  return keys;
+}
+
 // The rewrite pickle_load.h describes, of the `size` pickle bytes at `data`. libtorch's unpickler has no
 // POP, and it turns an OrderedDict into None. torch.save pushes the OrderedDict class once (GLOBAL, then
 // memoized) and fetches it from the memo for later instances (BINGET): a tensor's backward hooks (empty)
@@ -91,16 +151,14 @@ std::string tensorProblem(const c10::IValue& v, const std::map<const void*, size
 // EMPTY_DICT when its items follow ([memo] MARK ... SETITEMS) and NONE otherwise (as libtorch reads it),
 // and BUILD (the state_dict's attributes: {'_metadata': ...}) becomes TUPLE2, making (dict, state) of the
 // instance and its state; pickleLoadChecked keeps the dict.
+// A dict's single last item (SETITEM) becomes MARK key value SETITEMS (setItemKeys).
 std::string plainDicts(const char* data, size_t size) {
-  struct Op {
-    unsigned char op;
-    uint64_t start, end;
-  };
   std::vector<Op> ops;
   const std::string problem = walkPickle(data, size, [&](unsigned char op, uint64_t start, uint64_t end) {
     ops.push_back({op, start, end});
   });
   if (!problem.empty()) throw std::runtime_error(problem);
+  const std::set<size_t> keys = setItemKeys(ops);
   static const std::string kOrderedDict = "ccollections\nOrderedDict\n";
   // The memo index an opcode stores into or fetches from (BINPUT/BINGET: 1 byte, LONG_*: 4, PUT/GET: a line).
   auto memoIndex = [&](const Op& o) -> uint64_t {
@@ -122,8 +180,9 @@ std::string plainDicts(const char* data, size_t size) {
     const Op& o = ops[i];
     if (o.op == 0x95 || o.op == 0x94)
       throw std::runtime_error("a protocol 4 pickle (frames, MEMOIZE): dtrain reads torch.save's protocol 2");
-    if (o.op == 'b') {
-      out += '\x86';
+    if (keys.count(i)) out += '(';  // SETITEM as MARK key value SETITEMS
+    if (o.op == 'b' || o.op == 's') {
+      out += o.op == 'b' ? '\x86' : 'u';
       continue;
     }
     const bool global = o.op == 'c' && bytesOf(o) == kOrderedDict;

@@ -341,7 +341,7 @@ TEST(RawVideoTraining, ZeroStage3KeepsTheBatchNormStatisticsInEvaluationAndCheck
     ASSERT_EQ(p.model.count("video.s3d.conv1.bn1.running_mean"), 1u) << newest;
     EXPECT_GT(p.model.at("video.s3d.conv1.bn1.running_mean").abs().sum().item<double>(), 0) << newest;
   }
-  auto [erc, eout] = runCommand(fmt::format("{0}/milnce eval --data {1}/data --run {1}/run --windows 1 --progress off {2} 2>&1",
+  auto [erc, eout] = runCommand(fmt::format("env OMP_NUM_THREADS=1 {0}/milnce eval --data {1}/data --run {1}/run --windows 1 --progress off {2} 2>&1",
                                             DTRAIN_BIN_DIR, dir.path(), flags),
                                 120);
   ASSERT_EQ(erc, 0) << eout;

@@ -3,6 +3,9 @@
 //   even  a checkpoint file as Checkpointer::load reads it: the zip checks, torch's unpickler, the content
 //         digest, then the state's keys and types (the per-rank files and the peer snapshots' parts, which
 //         are the same pickled dict, go through the same code);
+//   2     a PyTorch state_dict as dtrain::readStateDict reads it (Python's torch.save of an OrderedDict:
+//         the pickle rewritten to plain dicts, pickle_load.cc's plainDicts, then libtorch's unpickler);
+//   other even values: as 0;
 //   odd   a per-rank checkpoint directory, parts manifest | rank file (torch_fuzz_util.h's separator),
 //         as Checkpointer::loadLatest reads it on a group of one: the manifest's keys, its file
 //         list and sizes, then the rank file.
@@ -36,7 +39,11 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   if (size < 1) return 0;
   const bool directory = data[0] & 1;
   try {
-    if (!directory) {
+    if (data[0] == 2) {
+      const auto dir = fuzz::scratchDir();
+      fuzz::writeFile(dir / "state_dict.pt", std::string(reinterpret_cast<const char*>(data + 1), size - 1));
+      dtrain::readStateDict((dir / "state_dict.pt").string());
+    } else if (!directory) {
       const auto dir = fuzz::scratchDir();
       fuzz::writeFile(dir / "ckpt-0-1.pt", std::string(reinterpret_cast<const char*>(data + 1), size - 1));
       dtrain::Checkpointer::load((dir / "ckpt-0-1.pt").string());
