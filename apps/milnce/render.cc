@@ -31,11 +31,17 @@ bool inside(int shape, double dx, double dy, double r) {
   }
 }
 
+// Concept c's colour and shape (indexes): block b of 8 concepts pairs colour i with shape (i + b) % 4,
+// distinct pairs for 32 concepts.
+std::pair<int, int> look(int c) {
+  c %= kMaxVideoConcepts;
+  return {c % kNumColours, (c % kNumColours + c / kNumColours) % kNumShapes};
+}
+
 }  // namespace
 
 std::pair<std::string, std::string> videoConcept(int c) {
-  // Block b of 8 concepts pairs colour i with shape (i + b) % 4: distinct pairs for 32 concepts.
-  const int colour = c % kNumColours, shape = (c % kNumColours + c / kNumColours) % kNumShapes;
+  const auto [colour, shape] = look(c);
   return {kColours[colour].name, kShapes[shape]};
 }
 
@@ -53,9 +59,10 @@ void renderVideo(const std::string& path, const std::vector<double>& bounds, con
     background[i] = background[i + 1] = static_cast<uint8_t>(20 + noise);
     background[i + 2] = static_cast<uint8_t>(tint + noise);
   }
-  const double margin = 5;  // with the 4 below: a crop of size - 8 anywhere keeps the shape whole
+  // The shape's centre stays kEdge + r from the frame's sides: a crop of size - 8 anywhere keeps it whole.
+  constexpr double kEdge = 9;
   size_t seg = 0;
-  double x = 0, y = 0, vx = 0, vy = 0, r = 0;
+  double x = 0, y = 0, vx = 0, vy = 0, r = 0, lo = 0, hi = 0;
   int64_t seg_start = -1;
   for (int64_t f = 0; f < frames; ++f) {
     const double t = static_cast<double>(f) / fps;
@@ -63,20 +70,18 @@ void renderVideo(const std::string& path, const std::vector<double>& bounds, con
     if (static_cast<int64_t>(seg) != seg_start) {  // a new segment: a new size, place and motion
       seg_start = static_cast<int64_t>(seg);
       r = size * (0.12 + 0.06 * uniform01(rng));
-      const double lo = margin + 4 + r, hi = size - margin - 4 - r;
+      lo = kEdge + r, hi = size - kEdge - r;
       x = lo + (hi - lo) * uniform01(rng);
       y = lo + (hi - lo) * uniform01(rng);
       const double speed = size * (0.01 + 0.02 * uniform01(rng)), angle = 6.283185307179586 * uniform01(rng);
       vx = speed * std::cos(angle);
       vy = speed * std::sin(angle);
     }
-    const double lo = margin + 4 + r, hi = size - margin - 4 - r;
     x += vx, y += vy;
     if (x < lo || x > hi) vx = -vx, x = std::clamp(x, lo, hi);
     if (y < lo || y > hi) vy = -vy, y = std::clamp(y, lo, hi);
-    const int c = concepts[seg] % kMaxVideoConcepts;
-    const Colour& col = kColours[c % kNumColours];
-    const int shape = (c % kNumColours + c / kNumColours) % kNumShapes;
+    const auto [colour, shape] = look(concepts[seg]);
+    const Colour& col = kColours[colour];
     for (int py = 0; py < size; ++py)
       for (int px = 0; px < size; ++px) {
         uint8_t* p = &rgb[(static_cast<size_t>(py) * size + px) * 3];

@@ -400,10 +400,9 @@ class Job {
       for (int64_t m = 0; m < steps * accum_; ++m) micro.push_back(rowsOf(m));
       video_loader_->start(std::move(micro), rng());
     }
-    double wait_s = 0;  // this step's time waiting for data
     for (int64_t s = 0; s < steps; ++s) {
       double loss = 0;
-      wait_s = 0;
+      double wait_s = 0;  // this step's time waiting for data
       for (int a = 0; a < accum_; ++a) {
         int64_t m = s * accum_ + a;
         const std::vector<int64_t> rows = rowsOf(m);
@@ -427,10 +426,8 @@ class Job {
       log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.commStats(),
                  video_loader_ ? std::optional<double>(wait_s) : std::nullopt);
       std::string timing;
-      if (video_loader_) {  // the step's time waiting for decoded clips, and the rest
-        epoch_wait_s_ += wait_s;
+      if (video_loader_)  // the step's time waiting for decoded clips, and the rest
         timing = fmt::format(" data {:.0f} ms compute {:.0f} ms", 1e3 * wait_s, 1e3 * (step_s - wait_s));
-      }
       bar.update(s + 1, fmt::format("loss {:.4f} lr {:.2e} {:.0f} samples/s{}", loss_sum / (s + 1), lr,
                                     samples_per_step * (s + 1) / std::max(epoch_time.seconds(), 1e-9), timing));
       const bool more = s + 1 < steps;  // (the epoch's last step is checkpointed at the epoch's end)
@@ -448,9 +445,8 @@ class Job {
   void reportLoader(int epoch, double epoch_s) {
     const VideoLoaderStats st = video_loader_->takeStats();
     std::vector<double> sums{static_cast<double>(st.clips), static_cast<double>(st.failures), st.decode_seconds,
-                             epoch_wait_s_, epoch_s};
+                             st.wait_seconds, epoch_s};
     dist_.world()->allreduce(sums.data(), sums.size(), dtrain::comm::DType::f64)->wait();
-    epoch_wait_s_ = 0;
     if (!main_) return;
     const double ranks = dist_.size();
     std::printf("epoch %d data: %.0f clips decoded, %.0f skipped (videos that failed to decode), data wait %.1f%% of "
@@ -534,7 +530,6 @@ class Job {
   RunLog* log_ = nullptr;
   std::optional<Retrieval> before_;
   std::unique_ptr<VideoLoader> video_loader_;  // raw video: the loader threads
-  double epoch_wait_s_ = 0;                    // raw video: this epoch's time waiting for data
 };
 
 }  // namespace
@@ -576,7 +571,7 @@ void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOp
     if (p == nullptr) throw dtrain::InvalidArgument(fmt::format("{}: '{}' is not a parameter of the model", what, name));
     p->copy_(v);
   }
-  copyBuffers(parts[0].model, *model);  // BatchNorm's statistics: rank 0's
+  parts[0].restoreModel(*model, /*strict=*/false);  // BatchNorm's statistics (an FSDP file's model): rank 0's
 }
 
 }  // namespace milnce

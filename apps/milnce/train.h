@@ -155,8 +155,6 @@ std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoin
 // The parameters those parts hold into `model` (built with o.model): FSDP's shards (--zero 2, 3) put
 // together in this process, at any saved world size, with rank 0's buffers (S3D-G's BatchNorm
 // statistics). `what` names the source in errors.
-// Buffers (not FSDP's) by name: `from`'s values into `to`'s buffers of the same names.
-void copyBuffers(const std::map<std::string, at::Tensor>& from, torch::nn::Module& to);
 void restoreCheckpointModel(MilNceNet& model, const Dataset& data, const TrainOptions& o,
                             const std::vector<dtrain::CheckpointState>& parts, const std::string& what);
 

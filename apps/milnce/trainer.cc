@@ -199,14 +199,6 @@ std::map<std::string, at::Tensor> Trainer::fullState() {
   return out;
 }
 
-void copyBuffers(const std::map<std::string, at::Tensor>& from, torch::nn::Module& to) {
-  torch::NoGradGuard no_grad;
-  for (auto& b : to.named_buffers()) {
-    auto it = from.find(b.key());
-    if (it != from.end()) b.value().copy_(it->second);
-  }
-}
-
 namespace {
 // A module's buffers by name, CPU copies.
 std::map<std::string, at::Tensor> buffersOf(const torch::nn::Module& m) {
@@ -226,7 +218,9 @@ MilNceNet& Trainer::evalModel() {
     DTRAIN_CHECK(p != nullptr, dtrain::InvalidArgument, "FSDP parameter '{}' is not one of MilNceNet's", name);
     p->copy_(t);
   }
-  copyBuffers(buffersOf(*model_), *eval_model_);  // S3D-G's BatchNorm statistics: this rank's
+  dtrain::CheckpointState buffers;  // S3D-G's BatchNorm statistics: this rank's
+  buffers.model = buffersOf(*model_);
+  buffers.restoreModel(*eval_model_, /*strict=*/false);
   return eval_model_;
 }
 
@@ -258,8 +252,9 @@ void Trainer::restoreTraining(const std::vector<dtrain::CheckpointState>& parts,
   }
   video_fsdp_->restoreSharded(parts, *opt_, what);
   text_fsdp_->restoreSharded(parts, *opt_, what);
+  // This rank's buffers (the only entries of an FSDP file's model), by name.
   const auto mine_part = static_cast<size_t>(dist_.rank());
-  copyBuffers(parts[mine_part < parts.size() ? mine_part : 0].model, *model_);
+  parts[mine_part < parts.size() ? mine_part : 0].restoreModel(*model_, /*strict=*/false);
 }
 
 }  // namespace milnce

@@ -19,20 +19,30 @@ import torch.nn.functional as F
 TOKEN = re.compile(r"[\w']+")
 
 
-def load(data_dir):
+def load_words(data_dir):
+    """The vocabulary (word -> id from 1) and the word vectors [V + 1, E] of a milnce data set."""
     vocab = {}
     with open(os.path.join(data_dir, "vocab.txt")) as f:
         for i, w in enumerate(f.read().split("\n")):
             if w:
                 vocab[w] = i + 1
-    wv = torch.from_numpy(np.load(os.path.join(data_dir, "word2vec.npy")))
+    return vocab, torch.from_numpy(np.load(os.path.join(data_dir, "word2vec.npy")))
+
+
+def load_videos(data_dir, file_column, read):
+    """[(read(path of the video's file), [(start, end, text)])] for each row of videos.csv."""
     videos = []
     with open(os.path.join(data_dir, "videos.csv")) as f:
         for row in csv.DictReader(f):
-            feats = torch.from_numpy(np.load(os.path.join(data_dir, row["feature_file"])))
             with open(os.path.join(data_dir, "captions", row["video_id"] + ".csv")) as cf:
                 caps = [(float(r["start"]), float(r["end"]), r["text"]) for r in csv.DictReader(cf)]
-            videos.append((feats, caps))
+            videos.append((read(os.path.join(data_dir, row[file_column])), caps))
+    return videos
+
+
+def load(data_dir):
+    vocab, wv = load_words(data_dir)
+    videos = load_videos(data_dir, "feature_file", lambda path: torch.from_numpy(np.load(path)))
     with open(os.path.join(data_dir, "meta.json")) as f:
         import json
         meta = json.load(f)

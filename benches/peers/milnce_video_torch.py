@@ -25,7 +25,7 @@ Prints on rank 0, over the timed steps (after the warmup steps):
 clips_per_s = W * B / step time; data_wait_share = the share of the step time spent waiting for the batch
 (mean over ranks); decode_failures = files that failed, over every batch consumed (warmup included), all ranks.
 """
-import argparse, csv, json, math, os, random, sys, time
+import argparse, json, math, os, random, sys, time
 from fractions import Fraction
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # peer_env, also when loaded by path (tests)
@@ -38,7 +38,7 @@ import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 
-from milnce_torch import AllGather, milnce, nearest_candidates, tokenize
+from milnce_torch import AllGather, load_videos, load_words, milnce, nearest_candidates, tokenize
 import s3dg_torch
 
 MAX_WORDS = 12   # as milnce_torch.py
@@ -47,18 +47,8 @@ MAX_RETRIES = 100
 
 
 def load(data_dir):
-    vocab = {}
-    with open(os.path.join(data_dir, "vocab.txt")) as f:
-        for i, w in enumerate(f.read().split("\n")):
-            if w:
-                vocab[w] = i + 1
-    wv = torch.from_numpy(np.load(os.path.join(data_dir, "word2vec.npy")))
-    videos = []
-    with open(os.path.join(data_dir, "videos.csv")) as f:
-        for row in csv.DictReader(f):
-            with open(os.path.join(data_dir, "captions", row["video_id"] + ".csv")) as cf:
-                caps = [(float(r["start"]), float(r["end"]), r["text"]) for r in csv.DictReader(cf)]
-            videos.append((os.path.join(data_dir, row["video_file"]), caps))
+    vocab, wv = load_words(data_dir)
+    videos = load_videos(data_dir, "video_file", lambda path: path)  # decoded by the workers
     with open(os.path.join(data_dir, "meta.json")) as f:
         meta = json.load(f)
     return vocab, wv, videos, meta

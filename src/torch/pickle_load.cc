@@ -94,7 +94,11 @@ struct Op {
 // stack, each value remembered by the opcode that began it. libtorch 1.13's unpickler has no SETITEM,
 // so plainDicts writes MARK there and SETITEMS for it. Throws on an opcode it does not follow.
 std::set<size_t> setItemKeys(const std::vector<Op>& ops) {
-  std::vector<size_t> stack, marks;  // each value's first opcode; the stack's size at each MARK
+  struct Mark {
+    size_t depth, op;  // the stack's size at the MARK, and the MARK's opcode
+  };
+  std::vector<size_t> stack;  // each value's first opcode
+  std::vector<Mark> marks;
   std::set<size_t> keys;
   auto pop = [&](size_t n) {
     if (stack.size() < n) throw std::runtime_error("a pickle that pops more than it pushed");
@@ -102,35 +106,27 @@ std::set<size_t> setItemKeys(const std::vector<Op>& ops) {
     stack.resize(stack.size() - n);
     return first;
   };
-  auto popMark = [&](size_t i) {  // pops to the last MARK; the MARK's opcode begins what replaces them
-    if (marks.empty()) throw std::runtime_error("a pickle that pops a MARK it did not set");
-    stack.resize(marks.back());
+  auto popMark = [&] {  // pops to the last MARK; returns its opcode
+    if (marks.empty() || marks.back().depth > stack.size())
+      throw std::runtime_error("a pickle that pops a MARK it did not set");
+    const Mark m = marks.back();
     marks.pop_back();
-    return i;
+    stack.resize(m.depth);
+    return m.op;
   };
-  std::vector<size_t> mark_ops;  // the opcode index of each MARK
   for (size_t i = 0; i < ops.size(); ++i) {
     const unsigned char op = ops[i].op;
     switch (op) {
       case 0x80: case 'q': case 'r': case 'p': case '.': break;  // PROTO, memo puts, STOP
-      case '(': marks.push_back(stack.size()); mark_ops.push_back(i); break;
+      case '(': marks.push_back({stack.size(), i}); break;
       case 'c': case 'X': case 'U': case 'T': case 'B': case 'C': case 'V': case 'S': case 'K': case 'J': case 'M':
       case 'I': case 'L': case 'F': case 'G': case 'N': case 0x88: case 0x89: case ')': case ']': case '}':
       case 'h': case 'j': case 'g': case 0x8a: case 0x8b: stack.push_back(i); break;
       case 'Q': case 0x85: stack.push_back(pop(1)); break;
       case 'R': case 'b': case 0x86: case 0x81: stack.push_back(pop(2)); break;
       case 0x87: stack.push_back(pop(3)); break;
-      case 't': case 'l': case 'd': {
-        const size_t at = mark_ops.back();
-        mark_ops.pop_back();
-        popMark(i);
-        stack.push_back(at);
-        break;
-      }
-      case 'u': case 'e':  // SETITEMS, APPENDS: the container below the MARK stays
-        mark_ops.pop_back();
-        popMark(i);
-        break;
+      case 't': case 'l': case 'd': stack.push_back(popMark()); break;  // the MARK begins the new value
+      case 'u': case 'e': popMark(); break;  // SETITEMS, APPENDS: the container below the MARK stays
       case 'a': pop(1); break;
       case 's': {
         if (stack.size() < 3) throw std::runtime_error("a SETITEM without a dict, key and value");
