@@ -3,6 +3,8 @@
 #
 #   benches/run.sh comm [--quick|--smoke]          dtrain's allreduce against MPI, Gloo and memcpy in one
 #                                                   run, markdown report (comm.sh)
+#   benches/run.sh tails                           small-message allreduce latency: mean, p50, p99, max
+#                                                   against OpenMPI, shm and tcp (tails.sh)
 #   benches/run.sh milnce [WORLD...]                MIL-NCE training, dtrain against PyTorch DDP (milnce.sh)
 #   benches/run.sh milnce-video [WORLD...]          raw-video MIL-NCE, dtrain against PyTorch + PyAV (milnce_video.sh)
 #   benches/run.sh instr-cost [BASE [HEAD [ITERS]]] instructions per 4 KiB allreduce, two revisions,
@@ -42,6 +44,7 @@ case $1 in
   -h|--help) usage; exit 0 ;;
   --help-bench) need "$build/bin/dtrain-bench"; exec "$build/bin/dtrain-bench" --help ;;
   comm) shift; exec bash "$here/comm.sh" "$@" ;;
+  tails) shift; exec bash "$here/tails.sh" "$@" ;;
   milnce) shift; exec bash "$here/milnce.sh" "$@" ;;
   milnce-video) shift; exec bash "$here/milnce_video.sh" "$@" ;;
   instr-cost) shift; exec bash "$here/instr_cost.sh" "$@" ;;

@@ -1,5 +1,6 @@
 // Collective benchmarks, printed as nccl-tests columns:
-//   size (bytes), count (elements), type, time_us, algbw and busbw (GB/s), #wrong, then p50/p90 us.
+//   size (bytes), count (elements), type, time_us, algbw and busbw (GB/s), #wrong, then rank 0's p50,
+//   p90, p99 and max us per call.
 // size is the bytes each rank contributes to allreduce / broadcast / reduce_scatter (the input) and
 // the output bytes of allgather, as nccl-tests counts them. time_us is the mean time of one op, the
 // slowest rank's; the percentiles are rank 0's per-op times. busbw = algbw x 2(n-1)/n for allreduce,
@@ -193,8 +194,8 @@ int run(Coll c, const Options& o) {
   if (r == 0) {
     fmt::print("# dtrain-bench {}: world={} transport={} dtype={} algo={}\n", name(c), n, pg->transportName(),
                comm::dtypeName(t), o.algo);
-    fmt::print("# {:>10} {:>10} {:>6} {:>10} {:>8} {:>8} {:>7} {:>10} {:>10}\n", "size", "count", "type", "time_us",
-               "algbw", "busbw", "#wrong", "p50_us", "p90_us");
+    fmt::print("# {:>10} {:>10} {:>6} {:>10} {:>8} {:>8} {:>7} {:>10} {:>10} {:>10} {:>10}\n", "size", "count", "type",
+               "time_us", "algbw", "busbw", "#wrong", "p50_us", "p90_us", "p99_us", "max_us");
     std::fflush(stdout);  // the header says the group is formed; tests watch for it
   }
   // The sizes measured: the nominal bytes (which size the warm-up) and the element count.
@@ -249,15 +250,16 @@ int run(Coll c, const Options& o) {
     double algbw = static_cast<double>(size_bytes) / (mean_us * 1e-6) / 1e9;
     if (r == 0) {
       progress.clear();
-      fmt::print("  {:>10} {:>10} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7} {:>10.1f} {:>10.1f}\n", size_bytes, count,
-                 comm::dtypeName(t), mean_us, algbw, algbw * busFactor(c, n), bad, percentile(times, 0.5),
-                 percentile(times, 0.9));
+      fmt::print("  {:>10} {:>10} {:>6} {:>10.1f} {:>8.3f} {:>8.3f} {:>7} {:>10.1f} {:>10.1f} {:>10.1f} {:>10.1f}\n",
+                 size_bytes, count, comm::dtypeName(t), mean_us, algbw, algbw * busFactor(c, n), bad,
+                 percentile(times, 0.5), percentile(times, 0.9), percentile(times, 0.99), percentile(times, 1.0));
       std::fflush(stdout);
     }
     if (log) {
       log->write(Record("bench").set("name", name(c)).set("transport", pg->transportName()).set("dtype", comm::dtypeName(t))
                      .set("algo", o.algo).set("size_bytes", size_bytes).set("count", count).set("iters", iters)
                      .set("time_us", mean_us).set("p50_us", percentile(times, 0.5)).set("p90_us", percentile(times, 0.9))
+                     .set("p99_us", percentile(times, 0.99)).set("max_us", percentile(times, 1.0))
                      .set("algbw_GBps", algbw).set("busbw_GBps", algbw * busFactor(c, n)).set("wrong", bad));
       if (o.timeline_blocks > 0) log->write(Record("timeline_cost").set("size_bytes", size_bytes).set("paused_us", tl.paused_us)
                                                 .set("recording_us", tl.recording_us).set("ratio", tl.ratio));

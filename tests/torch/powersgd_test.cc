@@ -235,7 +235,10 @@ void matchesPyTorch(int world) {
     }
     Trained got = train(soloGroup(server), c, kBatch);
     for (const auto& l : layouts) EXPECT_EQ(l.get<std::vector<std::vector<size_t>>>(), got.layout);
-    compare(shapes, got.grads, want, 1e-5, c.name());
+    // One process: the same arithmetic as PyTorch's hook in another order of ops, whose last bits PowerSGD
+    // carries on (1.05e-5 at step 7 of layerwise rank 3 with error feedback, on one VM's CPU); another
+    // seed differs by 1e-3 and more (below).
+    compare(shapes, got.grads, want, 3e-5, c.name());
     if (k == 0) {  // the test can fail: another seed gives other gradients past the start
       Case other = c;
       other.seed = 1;

@@ -66,6 +66,11 @@ struct GroupOptions {
   // host buffers over this group's transport), "nccl" (fails when a rank shares its GPU) or "staged".
   // The same on every rank. DTRAIN_CUDA_COMM.
   std::string cuda_path = "auto";
+  // How long a rank that waits for its peers busy-polls before it sleeps, in microseconds (shm and tcp):
+  // -1 picks the default (100 us; none when this host's ranks outnumber its cores), 0 never spins; set
+  // with more ranks than cores, each try yields the core. Longer spins catch more answers without a
+  // wake-up (small messages' latency and tails) and cost a core while they last. DTRAIN_SPIN_US.
+  int spin_us = -1;
 
   // What initWorld() uses when InitOptions::group is not given: the defaults overridden by the DTRAIN_*
   // variables above, listen_host resolved as described there. Reads the environment on every call.
@@ -87,7 +92,7 @@ struct P2POp {
 // Payload bytes this process has sent so far in the collectives and point-to-point ops of all its
 // process groups (every send the algorithms hand to a transport; for shm's direct allreduce, which
 // shares a staging area instead of sending, what its peers read of this rank's: 2(n-1)/n of the
-// buffer, as a ring sends). Monotonic; take differences (dtrain::BytesSentMeter).
+// buffer, as a ring sends; n-1 times a buffer of at most 16 KiB, which every rank reads whole). Monotonic; take differences (dtrain::BytesSentMeter).
 uint64_t bytesSent();
 
 class ProcessGroup {

@@ -10,6 +10,11 @@
 // matters most when ranks outnumber cores. Each slice has a single reducer, so every rank ends with
 // the same bits. The first wait on staged inputs also compares every rank's call (Staging::waitFor
 // with calls): nothing was written to an output before it, so a mismatch leaves every output untouched.
+//
+// Small buffers (at most kOneShotMaxBytes, one chunk) take a one-wait path instead: every rank stages
+// its whole input and, once all are staged, reduces all n of them itself in rank order, so every rank
+// computes the same bits. One wait per call instead of two and no result chunk: at these sizes the
+// waits are the cost (each is a cache line crossing cores, or a wake-up), not the n-fold reduction.
 #include <algorithm>
 #include <cstring>
 
@@ -20,11 +25,39 @@ namespace dtrain::comm::algo {
 
 using transport::Staging;
 
+namespace {
+
+// 4 KiB at world 2 on the 2-core VM: see docs/PERFORMANCE.md, "Small-message tails".
+constexpr size_t kOneShotMaxBytes = 16u << 10;
+
+void allreduceOneShot(Context& c, Staging& st, const void* in, void* out, size_t count, DType t, ReduceOp op) {
+  const int n = c.size;
+  const size_t bytes = count * dtypeSize(t);
+  const uint64_t g = st.nextChunk();
+  const uint64_t slots = st.slots();
+  const uint64_t slot = (g - 1) % slots;
+  if (g > slots) st.waitFor(Staging::kDone, g - slots, c.deadline, c.label, "to finish an earlier chunk");
+  std::memcpy(st.chunk(slot, c.rank), in, bytes);
+  st.publish(Staging::kInReady, g);
+  st.waitFor(Staging::kInReady, g, c.deadline, c.label, "to stage its input", /*calls=*/true);
+  reduceTo(out, st.chunk(slot, 0), st.chunk(slot, 1), count, t, op);
+  for (int q = 2; q < n; ++q) reduceTo(out, out, st.chunk(slot, q), count, t, op);
+  if (op == ReduceOp::avg) divideBy(out, count, t, n);
+  st.publish(Staging::kDone, g);
+  // What the peers read of this rank's: its staged input, once each.
+  bytes_sent.fetch_add(bytes * static_cast<size_t>(n - 1), std::memory_order_relaxed);
+}
+
+}  // namespace
+
 void allreduceDirect(Context& c, Staging& st, const void* in, void* out, size_t count, DType t, ReduceOp op) {
   const int n = c.size, me = c.rank;
   const size_t es = dtypeSize(t);
   const size_t chunk_elems = std::max<size_t>(st.chunkBytes() / es, 1);
   const uint64_t slots = st.slots();
+  if (count * es <= std::min(kOneShotMaxBytes, st.chunkBytes()) && count > 0) {
+    return allreduceOneShot(c, st, in, out, count, t, op);
+  }
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   std::vector<size_t> sl(n + 1);

@@ -90,7 +90,7 @@ class OpQueue : public WorkExecutor {
       t.issuer_may_help = !issuingAndMovingOn() && std::this_thread::get_id() != worker_id_;
       last_push_ = t.pushed_at;
       queue_.push_back(std::move(t));
-      wake = !watching_;
+      wake = !watching_ || !t.issuer_may_help;  // an op nobody will help must start now
     }
     if (wake) worker_cv_.notify_one();
   }
@@ -138,10 +138,13 @@ class OpQueue : public WorkExecutor {
   // DDP bucket's, starts that much later). And while ops keep coming, the worker looks at the queue on a
   // timer instead of being woken by every push (a push then costs no system call); the timer slows down,
   // up to kMaxLook, while every op it finds was taken by its issuer, and the worker sleeps until the next
-  // push once a look finds that nothing was pushed since the one before. An op nobody waits for that
-  // comes during such a loop may so start up to kMaxLook late.
+  // push once a look finds that nothing was pushed since the one before. An op issued under
+  // IssueAndMoveOn (a DDP bucket's) always wakes the worker; one issued by a thread that goes on without
+  // waiting for it may start up to kMaxLook late during such a loop. Each look preempts a thread of this
+  // rank for a few microseconds: at 1 ms, a 4 KiB allreduce loop at world 2 on 2 cores had a p99 of
+  // 10-14 us against a p50 of 3-4 (docs/PERFORMANCE.md, "Small-message tails").
   static constexpr std::chrono::microseconds kIssuerWindow{100};
-  static constexpr std::chrono::microseconds kMaxLook{1000};
+  static constexpr std::chrono::microseconds kMaxLook{10000};
 
   void workerLoop() {
     std::unique_lock<std::mutex> lk(mu_);
@@ -381,7 +384,7 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
       hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
       kind = std::count(hosts.begin(), hosts.end(), hosts[0]) == size ? "shm" : "tcp";
     }
-    const transport::TransportOptions to{opts.timeout, opts.listen_host, opts.segment_bytes, opts.secret};
+    const transport::TransportOptions to{opts.timeout, opts.listen_host, opts.segment_bytes, opts.secret, opts.spin_us};
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
     Impl* raw = impl.get();

@@ -26,7 +26,7 @@ constexpr const char* kVariables[] = {
     "SLURM_JOB_NODELIST", "SLURM_STEP_NODELIST", "SLURM_LAUNCH_NODE_IPADDR",
     // the store and the process group
     "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_USE_AGENT_STORE", "DTRAIN_TIMEOUT", "DTRAIN_TRANSPORT",
-    "DTRAIN_SEGMENT_BYTES", "DTRAIN_DEBUG", "DTRAIN_IFNAME", "DTRAIN_CUDA_COMM",
+    "DTRAIN_SEGMENT_BYTES", "DTRAIN_SPIN_US", "DTRAIN_DEBUG", "DTRAIN_IFNAME", "DTRAIN_CUDA_COMM",
     // the job secret connections prove (src/comm/net/auth.cc)
     "DTRAIN_SECRET", "DTRAIN_SECRET_FILE",
     // the dtrain-run agents' stores of in-memory snapshots (dtrain/snapshot.h)

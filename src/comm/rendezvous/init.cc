@@ -58,6 +58,7 @@ GroupOptions groupOptions(const Environment& env) {
     DTRAIN_CHECK(end && *end == 0 && v > 0, InvalidArgument, "DTRAIN_SEGMENT_BYTES='{}' is not a positive integer", s);
     o.segment_bytes = static_cast<size_t>(v);
   }
+  o.spin_us = env.integer("DTRAIN_SPIN_US", -1, 0);
   const char* debug = env.get("DTRAIN_DEBUG");
   o.check_fingerprints = debug && std::strcmp(debug, "detail") == 0;
   o.secret = jobSecret(env);

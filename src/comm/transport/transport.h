@@ -140,6 +140,7 @@ struct TransportOptions {
   std::string listen_host;      // tcp: address to listen on and advertise
   size_t segment_bytes = 0;     // shm: ring capacity per peer pair; tcp: reduce staging. 0 = default
   std::string secret;           // tcp: the job secret connections must prove (net/auth.h); "": none
+  int spin_us = -1;             // shm, tcp: busy-wait budget before sleeping (spin.h); -1: the default
 };
 
 class Staging;

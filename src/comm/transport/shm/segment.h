@@ -15,14 +15,9 @@
 #include <cstdint>
 #include <thread>
 
+#include "comm/transport/spin.h"
 #include "comm/transport/transport.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define DTRAIN_CPU_RELAX() _mm_pause()
-#else
-#define DTRAIN_CPU_RELAX() std::atomic_signal_fence(std::memory_order_seq_cst)
-#endif
 
 namespace dtrain::comm::transport::shm {
 
@@ -81,26 +76,6 @@ inline size_t pow2Floor(size_t v) {
   size_t p = 1;
   while (p * 2 <= v) p *= 2;
   return p;
-}
-
-// Cores this process may run on (its affinity mask, which taskset and cgroups narrow), not the
-// machine's count.
-inline int usableCores() {
-  cpu_set_t set;
-  if (sched_getaffinity(0, sizeof set, &set) == 0) return std::max(1, CPU_COUNT(&set));
-  return static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
-}
-
-// Brief busy-waiting before sleeping on the futex, yielding now and then: when the peer we wait for
-// shares our core (another job, or more ranks than cores) it gets to run instead of us burning the
-// time slice. ~1000 pauses cover a typical small-message round trip (a few microseconds).
-constexpr unsigned kSpins = 1024;
-inline void spinPause(unsigned i) {
-  if ((i & 63) == 63) {
-    sched_yield();
-  } else {
-    DTRAIN_CPU_RELAX();
-  }
 }
 
 inline long futexWait(std::atomic<uint32_t>* addr, uint32_t expected, std::chrono::milliseconds d) {

@@ -123,7 +123,7 @@ class ShmTransport : public Transport, public Staging {
     ring_mask_.assign(size, 0);
     // The fewest cores any rank has: every rank must pick the same algorithm for the same call.
     oversubscribed_ = size > cores;
-    spin_ = oversubscribed_ ? 0 : kSpins;
+    spin_ = spinBudget(opts.spin_us, oversubscribed_);
   }
 
   // A peer that still waits for this rank (its process lives on: a thread, a caller that goes on) learns
@@ -451,13 +451,10 @@ class ShmTransport : public Transport, public Staging {
         if (p != rank_ && !ready(p)) w += (w.empty() ? "" : ", ") + peerName(p);
       return fmt::format("{} {}", w, doing);
     };
-    for (unsigned spins = 0;;) {
+    for (SpinWait spin(spin_);;) {
       uint32_t bell = me->doorbell.load(std::memory_order_seq_cst);
       if (allReady()) return;
-      if (spins < spin_) {
-        spinPause(spins++);
-        continue;
-      }
+      if (spin.spin()) continue;
       for (int p = 0; p < size_; ++p) {
         if (p != rank_ && kill(pids_[p], 0) != 0 && errno == ESRCH && !ready(p)) {
           checkAborts(label, describe);  // a rank that failed and exited left its reason: report that
@@ -491,9 +488,8 @@ class ShmTransport : public Transport, public Staging {
 
   void waitForBell(uint32_t bell, Deadline deadline, const Label& label) {
     auto* me = slot(rank_);
-    for (unsigned i = 0; i < spin_; ++i) {
+    for (SpinWait spin(spin_); spin.spin();) {
       if (me->doorbell.load(std::memory_order_acquire) != bell) return;
-      spinPause(i);
     }
     for (;;) {
       sleepSlice(bell, deadline, label, [this] { return waitingFor(); });
@@ -585,7 +581,7 @@ class ShmTransport : public Transport, public Staging {
   std::vector<uint8_t> ring_mask_;
   std::vector<std::vector<Op*>> sq_, rq_;  // the current run's sends and receives per peer
   std::vector<size_t> sqi_, rqi_;           // how many of each are complete
-  unsigned spin_ = 0;
+  SpinPolicy spin_{};  // how a wait spins before it sleeps (spin.h)
   bool oversubscribed_ = false;  // more ranks than cores: never spin, prefer fewer waits
 };
 

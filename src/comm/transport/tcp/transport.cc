@@ -26,6 +26,7 @@
 
 #include "comm/net/auth.h"
 #include "comm/net/socket.h"
+#include "comm/transport/spin.h"
 #include "comm/transport/tcp/hello.h"
 #include "comm/transport/transport.h"
 #include "dtrain/comm/error.h"
@@ -46,6 +47,7 @@ class TcpTransport : public Transport {
     net::Socket listener = net::Socket::listen(host, 0, std::max(size, 16));
     std::string me = fmt::format("{}:{}", host.find(':') != std::string::npos ? "[" + host + "]" : host,
                                  listener.localPort());
+    store.set(fmt::format("tcp/host/{}", rank), toBytes(hostId()));
     store.set(fmt::format("tcp/addr/{}", rank), toBytes(me));
     if (rank == 0) {
       std::random_device rd;
@@ -81,6 +83,7 @@ class TcpTransport : public Transport {
       peers_[p].sock = std::move(s);
     }
     acceptHigherRanks(listener, deadline, opts.timeout, opts.secret);
+    spin_ = spinBudget(opts.spin_us, oversubscribedHere(store));
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       peers_[p].sock.setNonBlocking(true);
@@ -174,6 +177,19 @@ class TcpTransport : public Transport {
     }
   }
 
+  // Whether this host's ranks of the group outnumber its usable cores. Every rank publishes its host id
+  // before its address, so once the mesh is complete every peer's is in the store; one that is not (a
+  // peer that is not a dtrain rank) counts as elsewhere. Only this rank's waits depend on the answer.
+  bool oversubscribedHere(Store& store) const {
+    const std::string host = hostId();
+    int here = 1;
+    for (int p = 0; p < size_; ++p) {
+      const std::string key = fmt::format("tcp/host/{}", p);
+      if (p != rank_ && store.check({key})) here += toString(store.get(key)) == host;
+    }
+    return here > usableCores();
+  }
+
   const char* name() const override { return "tcp"; }
 
   std::string peerName(int p) const override {
@@ -207,6 +223,7 @@ class TcpTransport : public Transport {
     size_t remaining = ops.size();
     std::vector<pollfd> pfds;
     std::vector<int> pfd_peer;
+    SpinWait spin(spin_);  // busy-poll the sockets for a while before sleeping in poll()
     while (remaining > 0) {
       bool progress = false;
       for (int i = 0; i < size_; ++i) {
@@ -234,7 +251,12 @@ class TcpTransport : public Transport {
           }
         }
       }
-      if (remaining == 0 || progress) continue;
+      if (remaining == 0) continue;
+      if (progress) {
+        spin.reset();
+        continue;
+      }
+      if (spin.spin()) continue;
 
       pfds.clear();
       pfd_peer.clear();
@@ -500,6 +522,7 @@ class TcpTransport : public Transport {
   std::vector<Peer> peers_;
   size_t staging_bytes_;
   uint64_t nonce_ = 0;
+  SpinPolicy spin_{};  // how a wait spins before it sleeps (spin.h)
 };
 
 }  // namespace
