@@ -36,7 +36,7 @@ mpirun=(mpirun --allow-run-as-root --oversubscribe --bind-to none)
 echo "# Small-message allreduce: dtrain against OpenMPI, $bytes bytes, $iters calls per run, $reps repetitions"
 echo
 echo "- date: $(date -u '+%F %T') UTC; commit $(git -C "$root" rev-parse --short HEAD 2>/dev/null || echo '?')"
-echo "- machine: nproc $(nproc); load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
+echo "- machine: $(getconf _NPROCESSORS_ONLN) cores; load average at start: $(cut -d' ' -f1-3 /proc/loadavg)"
 echo "- DTRAIN_SPIN_US: ${SPIN_US:-unset (default)}"
 echo
 results=$tmp/results.txt
@@ -52,7 +52,7 @@ for r in $(seq 1 "$reps"); do
       sed -E "s/^mpi world=([0-9]+) bytes=[0-9]+ time_us=([0-9.]+) .* p50_us=([0-9.]+) p99_us=([0-9.]+) max_us=([0-9.]+)/mpi $p \1 $r \2 \3 \4 \5/" \
         <<<"$line" >>"$results"
       out=$(env ${SPIN_US:+DTRAIN_SPIN_US=$SPIN_US} "$tmp/dtrain-run" --standalone --nproc-per-node "$w" "$tmp/dtrain-bench" \
-              allreduce --transport "$p" --min-bytes "$bytes" --max-bytes "$bytes" --iters "$iters")
+              allreduce --transport "$p" --min-bytes "$bytes" --max-bytes "$bytes" --iters "$iters" | sed -E 's/^\[rank [0-9]+\]: //')
       grep -q '^# 0 wrong elements in all' <<<"$out" || { echo "tails.sh: dtrain-bench failed or was wrong:"; echo "$out"; } >&2
       grep -q '^# 0 wrong elements in all' <<<"$out" || exit 1
       # size count type time_us algbw busbw #wrong p50 p90 p99 max

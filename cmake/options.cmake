@@ -44,3 +44,10 @@ if(DTRAIN_BUILD_TESTS AND DTRAIN_TORCH)
     endif()
   endforeach()
 endif()
+# Unity build of the libtorch-heavy multi-file targets (the torch layer dtrain and milnce_lib; dtrain-bench's
+# families each keep an Options of their own, so it compiles file by file):
+# their files compiled in batches, so the libtorch templates every file instantiates are compiled once a
+# batch instead of once a file (a fresh build's largest cost; scripts/test.sh builds twice). OFF compiles
+# file by file, as an edit-compile loop on one file wants.
+option(DTRAIN_UNITY_BUILD "Compile the torch layer and milnce_lib in batches (CMake UNITY_BUILD)" ON)
+set(DTRAIN_UNITY_BATCH 8 CACHE STRING "Files per batch of the unity build")

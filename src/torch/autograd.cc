@@ -15,6 +15,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
 #include "torch/device/tensor_comm.h"
+#include "torch/saved_group.h"
 
 namespace dtrain {
 namespace {
@@ -22,18 +23,8 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// ctx->saved_data holds IValues only, so the group reaches backward as its address (an int64). The
-// caller keeps the group alive for as long as the graph may run backward (documented in autograd.h);
-// the group cannot be co-owned here because the API takes it by reference.
-constexpr const char* kGroupKey = "pg";
-
-void saveGroup(AutogradContext* ctx, comm::ProcessGroup& pg) {
-  ctx->saved_data[kGroupKey] = static_cast<int64_t>(reinterpret_cast<intptr_t>(&pg));
-}
-
-comm::ProcessGroup& savedGroup(AutogradContext* ctx) {
-  return *reinterpret_cast<comm::ProcessGroup*>(static_cast<intptr_t>(ctx->saved_data.at(kGroupKey).toInt()));
-}
+using detail::saveGroup;  // the group reaches backward as its address (saved_group.h)
+using detail::savedGroup;
 
 std::string joinSizes(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
 

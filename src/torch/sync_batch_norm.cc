@@ -15,6 +15,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
 #include "torch/device/tensor_comm.h"
+#include "torch/saved_group.h"
 
 namespace dtrain {
 namespace {
@@ -86,11 +87,7 @@ GlobalStats gatherStats(const at::Tensor& x, double eps, comm::ProcessGroup& pg)
   return s;
 }
 
-// ctx->saved_data holds IValues only: the group travels as its address. The caller (the module, or
-// whoever calls syncBatchNorm) keeps it alive while the graph may run backward.
-comm::ProcessGroup& savedGroup(AutogradContext* ctx) {
-  return *reinterpret_cast<comm::ProcessGroup*>(static_cast<intptr_t>(ctx->saved_data.at("pg").toInt()));
-}
+using detail::savedGroup;  // the module, or syncBatchNorm's caller, keeps the group alive (saved_group.h)
 
 struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& input, const at::Tensor& weight,
@@ -107,7 +104,7 @@ struct SyncBatchNormFn : torch::autograd::Function<SyncBatchNormFn> {
     if (bias.numel() > 0) y = y + perChannel(bias.to(y.scalar_type()), x);
 
     ctx->save_for_backward({x, weight, s.mean, s.invstd});
-    ctx->saved_data["pg"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(pg));
+    detail::saveGroup(ctx, *pg);
     ctx->saved_data["count"] = s.count;
     return y.to(x.scalar_type());
   }

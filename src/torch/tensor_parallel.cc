@@ -10,6 +10,7 @@
 #include "dtrain/autograd.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
+#include "torch/saved_group.h"
 
 namespace dtrain {
 namespace {
@@ -17,14 +18,7 @@ namespace {
 using torch::autograd::AutogradContext;
 using torch::autograd::variable_list;
 
-// ctx->saved_data holds IValues only: the group travels as its address. The caller keeps the group
-// alive while the graph may run backward (the layers hold it by shared_ptr).
-void saveGroup(AutogradContext* ctx, comm::ProcessGroup* pg) {
-  ctx->saved_data["pg"] = static_cast<int64_t>(reinterpret_cast<intptr_t>(pg));
-}
-comm::ProcessGroup& savedGroup(AutogradContext* ctx) {
-  return *reinterpret_cast<comm::ProcessGroup*>(static_cast<intptr_t>(ctx->saved_data.at("pg").toInt()));
-}
+using detail::savedGroup;  // the layers hold their group by shared_ptr (saved_group.h)
 
 // The sum over the group, without a graph: dtrain::allReduce's forward.
 at::Tensor sumOverGroup(const at::Tensor& x, comm::ProcessGroup& pg) {
@@ -40,7 +34,7 @@ at::Tensor gatherLastDim(const at::Tensor& x, comm::ProcessGroup& pg, AllGatherG
 
 struct CopyToFn : torch::autograd::Function<CopyToFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::ProcessGroup* pg) {
-    saveGroup(ctx, pg);
+    detail::saveGroup(ctx, *pg);
     return x;
   }
   static variable_list backward(AutogradContext* ctx, variable_list grads) {
@@ -57,7 +51,7 @@ struct ReduceFromFn : torch::autograd::Function<ReduceFromFn> {
 
 struct ScatterToFn : torch::autograd::Function<ScatterToFn> {
   static at::Tensor forward(AutogradContext* ctx, const at::Tensor& x, comm::ProcessGroup* pg) {
-    saveGroup(ctx, pg);
+    detail::saveGroup(ctx, *pg);
     auto [begin, end] = partitionRange(x.size(-1), pg->size(), pg->rank());
     return x.narrow(-1, begin, end - begin).contiguous();
   }

@@ -30,7 +30,7 @@ void checkLamb(const LambOptions& o, const std::string& where) {
               where);
 }
 
-void checkGroups(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+void checkLambGroups(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   for (size_t i = 0; i < groups.size(); ++i)
     checkLamb(static_cast<const LambOptions&>(groups[i].options()), detail::groupName(i));
 }
@@ -92,7 +92,7 @@ Lamb::Lamb(std::vector<torch::optim::OptimizerParamGroup> param_groups, LambOpti
     : Optimizer(param_groups, std::make_unique<LambOptions>(defaults)) {
   compat::keepGroupOptions(param_groups_, param_groups);  // libtorch 2.15 replaced them with the defaults
   checkLamb(defaults, "the defaults");
-  checkGroups(param_groups_);
+  checkLambGroups(param_groups_);
 }
 
 Lamb::Lamb(std::vector<torch::Tensor> params, LambOptions defaults)
@@ -102,7 +102,7 @@ torch::Tensor Lamb::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = detail::evaluate(closure);
   checkLamb(static_cast<const LambOptions&>(defaults()), "the defaults");
-  checkGroups(param_groups_);  // options may have been changed since construction
+  checkLambGroups(param_groups_);  // options may have been changed since construction
   // FusedLAMB: g / max(‖G‖ / max_grad_norm, 1), one norm over all groups.
   last_grad_norm_ = globalGradNorm(param_groups_);
   double max_norm = static_cast<const LambOptions&>(defaults()).max_grad_norm();

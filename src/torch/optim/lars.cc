@@ -22,7 +22,7 @@ void checkLars(const LarsOptions& o, const std::string& where) {
   checkOption(o.eps() > 0, "Lars", "eps must be > 0", o.eps(), where);
 }
 
-void checkGroups(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
+void checkLarsGroups(const std::vector<torch::optim::OptimizerParamGroup>& groups) {
   for (size_t i = 0; i < groups.size(); ++i)
     checkLars(static_cast<const LarsOptions&>(groups[i].options()), detail::groupName(i));
 }
@@ -61,7 +61,7 @@ Lars::Lars(std::vector<torch::optim::OptimizerParamGroup> param_groups, LarsOpti
     : Optimizer(param_groups, std::make_unique<LarsOptions>(defaults)) {
   compat::keepGroupOptions(param_groups_, param_groups);  // libtorch 2.15 replaced them with the defaults
   checkLars(defaults, "the defaults");
-  checkGroups(param_groups_);
+  checkLarsGroups(param_groups_);
 }
 
 Lars::Lars(std::vector<torch::Tensor> params, LarsOptions defaults)
@@ -70,7 +70,7 @@ Lars::Lars(std::vector<torch::Tensor> params, LarsOptions defaults)
 torch::Tensor Lars::step(LossClosure closure) {
   torch::NoGradGuard no_grad;
   torch::Tensor loss = detail::evaluate(closure);
-  checkGroups(param_groups_);  // options may have been changed since construction
+  checkLarsGroups(param_groups_);  // options may have been changed since construction
   for (auto& group : param_groups_) {
     const auto& o = static_cast<const LarsOptions&>(group.options());
     for (auto& p : group.params()) {
