@@ -107,6 +107,13 @@ std::string zipLayoutProblem(const char* data, size_t size, std::vector<ZipEntry
       }
       e += 4 + len;
     }
+    // PyTorch's writer sets bits 3 (sizes in a data descriptor) and 11 (UTF-8 names); 1-2 only qualify a
+    // compression method. Encrypted (0, 6), patched (5) or masked (13) entries make libtorch's reader fail
+    // in its constructor, where libtorch 1.13 leaks its zip reader (found by fuzzing): refused here first.
+    const uint64_t flags = z.u(at + 8, 2);
+    if (flags & ~uint64_t{0x080E})
+      return fmt::format("its zip entry '{}' uses zip features PyTorch does not write (flags {:#06x}: encrypted or "
+                         "patched data)", name, flags);
     if (method != 0 || csize != usize)
       return fmt::format("its zip entry '{}' is compressed (method {}, {} bytes for {}); PyTorch stores entries as they are",
                          name, method, csize, usize);

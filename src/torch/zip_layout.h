@@ -18,7 +18,8 @@ struct ZipEntry {
 };
 
 // "" when the archive's end record, its central directory (zip64 included) and every entry's local
-// header and data lie inside the `size` bytes at `data`, and every entry is stored (not compressed) with
+// header and data lie inside the `size` bytes at `data`, no entry is encrypted or patched (general-purpose
+// flags other than PyTorch's), and every entry is stored (not compressed) with
 // equal compressed and uncompressed sizes, as PyTorch writes them, and matches its CRC-32; otherwise what is wrong, for an error
 // message ("its zip archive has no end record (the file was cut short)", "entry 'archive/data/0' claims
 // 2147483648 bytes at offset 4096, past the central directory at 8011", ...).
