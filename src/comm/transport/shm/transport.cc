@@ -462,7 +462,15 @@ class ShmTransport : public Transport, public Staging {
                                     rank_, label.what, peerName(p), doing));
         }
       }
-      sleepSlice(bell, deadline, label, describe);
+      try {
+        sleepSlice(bell, deadline, label, describe);
+      } catch (const Error&) {
+        // A peer may finish its part of this wait and fail right after (the one-wait allreduce lets it
+        // return once everyone staged): what this wait needed is there, so this op completes, and the
+        // failure is raised by the next op that needs that peer.
+        if (allReady()) return;
+        throw;
+      }
     }
   }
 
