@@ -10,13 +10,12 @@
 // while the sender is still writing. Every position moves in multiples of 8, so a reduce receive
 // always sees whole elements, even across the ring's wrap-around.
 //
-// Waiting: a rank that can make no progress reads its doorbell, checks once more, then sleeps on the
-// doorbell futex in short slices (after a brief spin when ranks have a core each). Whoever moves data
-// that a peer may wait for rings the peer's doorbell and wakes it only if it is asleep. On each slice
-// a sleeper checks the abort records (a failed rank writes its error there) and whether the peers it
-// waits for are still alive, so a dead peer is named within a fraction of a second, not at the timeout.
+// Waiting: a rank that can make no progress reads its doorbell, checks once more, spins (spin.h), then
+// sleeps on the doorbell futex in short slices. Whoever moves data a peer may wait for rings the peer's
+// doorbell and wakes it only if it is asleep. Each slice checks the abort records (a failed rank writes
+// its error there) and that the peers waited for are alive: a dead peer is named within a fraction of a
+// second. A peer that did its part of a wait and then failed is raised by the next op needing it.
 #include <fcntl.h>
-#include <sched.h>
 #include <linux/futex.h>
 #include <signal.h>
 #include <sys/mman.h>
@@ -464,10 +463,7 @@ class ShmTransport : public Transport, public Staging {
       }
       try {
         sleepSlice(bell, deadline, label, describe);
-      } catch (const Error&) {
-        // A peer may finish its part of this wait and fail right after (the one-wait allreduce lets it
-        // return once everyone staged): what this wait needed is there, so this op completes, and the
-        // failure is raised by the next op that needs that peer.
+      } catch (const Error&) {  // a peer did its part of this wait, then failed: the next op raises it
         if (allReady()) return;
         throw;
       }
