@@ -384,7 +384,9 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
       hosts = algo::exchangeHostIds(*store, rank, size, kind == "shm", opts.allreduce_algorithm);
       kind = std::count(hosts.begin(), hosts.end(), hosts[0]) == size ? "shm" : "tcp";
     }
-    const transport::TransportOptions to{opts.timeout, opts.listen_host, opts.segment_bytes, opts.secret, opts.spin_us};
+    const int ranks_on_host = hosts.empty() ? 0 : static_cast<int>(std::count(hosts.begin(), hosts.end(), hosts[rank]));
+    const transport::TransportOptions to{opts.timeout, opts.listen_host, opts.segment_bytes, opts.secret, opts.spin_us,
+                                         ranks_on_host};
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
     Impl* raw = impl.get();

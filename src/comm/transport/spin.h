@@ -12,7 +12,6 @@
 #include <atomic>
 #include <chrono>
 #include <thread>
-#include <utility>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -32,54 +31,55 @@ inline int usableCores() {
 }
 
 // How long a waiter spins before sleeping when nothing sets it (GroupOptions::spin_us, DTRAIN_SPIN_US):
-// shm 4 KiB allreduce at world 2 on the 2-core VM (docs/PERFORMANCE.md, "Small-message tails").
+// shm 4 KiB allreduce at world 2 on the 2-core VM (docs/PERFORMANCE.md, "Closer to the machine's limit").
 inline constexpr int kDefaultSpinUs = 100;
+
+// How a transport's waits spin: for `budget`, yielding the core when (tries & yield_mask) == 0. 1023
+// yields every 1024th try (tens of microseconds); 0 yields on every try, for ranks that share cores,
+// where the peer waited for may be the one that needs this core. A yield that lets another task run
+// preempts this one: yielding every 64th try cost a 4 KiB allreduce loop at world 2 over a thousand
+// involuntary switches a second.
+struct SpinPolicy {
+  std::chrono::microseconds budget{0};
+  unsigned yield_mask = 1023;
+};
+
+// The policy of a transport: `asked` (>= 0) when set, else the default; when this host's ranks
+// outnumber its cores, no spinning by default (a spinning rank takes the core its peer needs) and, when
+// asked for, a yield on every try.
+inline SpinPolicy spinBudget(int asked, bool oversubscribed) {
+  if (oversubscribed) return {std::chrono::microseconds(asked >= 0 ? asked : 0), 0u};
+  return {std::chrono::microseconds(asked >= 0 ? asked : kDefaultSpinUs), 1023u};
+}
 
 // One idle period's spinning: reset() when progress was made, then spin() while nothing moves; spin()
 // pauses once and says whether the budget allows another try (false: sleep now).
 class SpinWait {
  public:
-  // yield_mask: yield the core when (tries & yield_mask) == 0 (1023: every 1024th try, tens of
-  // microseconds; 0: every try, for ranks that share cores, where the peer waited for may be the one
-  // that needs this core). A yield that lets another task run preempts this one: yielding every 64th
-  // try cost a 4 KiB allreduce loop at world 2 over a thousand involuntary switches a second.
-  explicit SpinWait(std::chrono::microseconds budget, unsigned yield_mask = 63)
-      : budget_(budget), yield_mask_(yield_mask) {}
-  explicit SpinWait(std::pair<std::chrono::microseconds, unsigned> budget) : SpinWait(budget.first, budget.second) {}
+  explicit SpinWait(const SpinPolicy& policy) : policy_(policy) {}
   void reset() {
     tries_ = 0;
     spent_ = false;
   }
   bool spin() {
-    if (spent_ || budget_.count() <= 0) return false;
+    if (spent_ || policy_.budget.count() <= 0) return false;
     if (tries_ == 0) start_ = std::chrono::steady_clock::now();
     ++tries_;
-    if ((tries_ & yield_mask_) == 0) {
+    if ((tries_ & policy_.yield_mask) == 0) {
       sched_yield();
     } else {
       DTRAIN_CPU_RELAX();
     }
     // The clock (vDSO, ~20 ns) every 8 tries: a pause is 10-140 cycles depending on the CPU.
-    if ((tries_ & 7) == 0 && std::chrono::steady_clock::now() - start_ >= budget_) spent_ = true;
+    if ((tries_ & 7) == 0 && std::chrono::steady_clock::now() - start_ >= policy_.budget) spent_ = true;
     return !spent_;
   }
-  std::chrono::microseconds budget() const { return budget_; }
 
  private:
-  std::chrono::microseconds budget_;
-  unsigned yield_mask_;
+  SpinPolicy policy_;
   std::chrono::steady_clock::time_point start_{};
   unsigned tries_ = 0;
   bool spent_ = false;
 };
-
-// The budget a transport uses and how often its spins yield: `asked` (>= 0) when set, else the default,
-// yielding every 1024th try; when this host's ranks outnumber its cores, no spinning by default (a
-// spinning rank takes the core its peer needs) and, when asked for, a yield on every try.
-using SpinPolicy = std::pair<std::chrono::microseconds, unsigned>;
-inline SpinPolicy spinBudget(int asked, bool oversubscribed) {
-  if (oversubscribed) return {std::chrono::microseconds(asked >= 0 ? asked : 0), 0u};
-  return {std::chrono::microseconds(asked >= 0 ? asked : kDefaultSpinUs), 1023u};
-}
 
 }  // namespace dtrain::comm::transport

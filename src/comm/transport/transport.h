@@ -141,6 +141,8 @@ struct TransportOptions {
   size_t segment_bytes = 0;     // shm: ring capacity per peer pair; tcp: reduce staging. 0 = default
   std::string secret;           // tcp: the job secret connections must prove (net/auth.h); "": none
   int spin_us = -1;             // shm, tcp: busy-wait budget before sleeping (spin.h); -1: the default
+  int ranks_on_host = 0;        // tcp: the group's ranks on this host, when the group exchanged host ids
+                                // (0: unknown, the transport exchanges them through the store itself)
 };
 
 class Staging;

@@ -3,7 +3,6 @@
 // spinning primitives its waits use. Only shm/transport.cc includes it.
 #pragma once
 #include <linux/futex.h>
-#include <sched.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -13,11 +12,9 @@
 #include <climits>
 #include <cstddef>
 #include <cstdint>
-#include <thread>
 
 #include "comm/transport/spin.h"
 #include "comm/transport/transport.h"
-
 
 namespace dtrain::comm::transport::shm {
 

@@ -47,7 +47,7 @@ class TcpTransport : public Transport {
     net::Socket listener = net::Socket::listen(host, 0, std::max(size, 16));
     std::string me = fmt::format("{}:{}", host.find(':') != std::string::npos ? "[" + host + "]" : host,
                                  listener.localPort());
-    store.set(fmt::format("tcp/host/{}", rank), toBytes(hostId()));
+    if (opts.ranks_on_host == 0) store.set(fmt::format("tcp/host/{}", rank), toBytes(hostId()));
     store.set(fmt::format("tcp/addr/{}", rank), toBytes(me));
     if (rank == 0) {
       std::random_device rd;
@@ -83,7 +83,8 @@ class TcpTransport : public Transport {
       peers_[p].sock = std::move(s);
     }
     acceptHigherRanks(listener, deadline, opts.timeout, opts.secret);
-    spin_ = spinBudget(opts.spin_us, oversubscribedHere(store));
+    const int here = opts.ranks_on_host > 0 ? opts.ranks_on_host : ranksOnHost(store);
+    spin_ = spinBudget(opts.spin_us, here > usableCores());
     for (int p = 0; p < size; ++p) {
       if (p == rank) continue;
       peers_[p].sock.setNonBlocking(true);
@@ -177,17 +178,18 @@ class TcpTransport : public Transport {
     }
   }
 
-  // Whether this host's ranks of the group outnumber its usable cores. Every rank publishes its host id
-  // before its address, so once the mesh is complete every peer's is in the store; one that is not (a
-  // peer that is not a dtrain rank) counts as elsewhere. Only this rank's waits depend on the answer.
-  bool oversubscribedHere(Store& store) const {
+  // This group's ranks on this host, when the group did not say (DTRAIN_TRANSPORT=tcp): every rank
+  // publishes its host id before its address, so once the mesh is complete every peer's is in the store;
+  // one that is not (a peer that is not a dtrain rank) counts as elsewhere. Only this rank's waits (how
+  // they spin) depend on the answer.
+  int ranksOnHost(Store& store) const {
     const std::string host = hostId();
     int here = 1;
     for (int p = 0; p < size_; ++p) {
       const std::string key = fmt::format("tcp/host/{}", p);
       if (p != rank_ && store.check({key})) here += toString(store.get(key)) == host;
     }
-    return here > usableCores();
+    return here;
   }
 
   const char* name() const override { return "tcp"; }
