@@ -51,13 +51,13 @@ void allreduceOneShot(Context& c, Staging& st, const void* in, void* out, size_t
 }  // namespace
 
 void allreduceDirect(Context& c, Staging& st, const void* in, void* out, size_t count, DType t, ReduceOp op) {
-  const int n = c.size, me = c.rank;
   const size_t es = dtypeSize(t);
-  const size_t chunk_elems = std::max<size_t>(st.chunkBytes() / es, 1);
-  const uint64_t slots = st.slots();
-  if (count * es <= std::min(kOneShotMaxBytes, st.chunkBytes()) && count > 0) {
+  if (count > 0 && count * es <= std::min(kOneShotMaxBytes, st.chunkBytes())) {
     return allreduceOneShot(c, st, in, out, count, t, op);
   }
+  const int n = c.size, me = c.rank;
+  const size_t chunk_elems = std::max<size_t>(st.chunkBytes() / es, 1);
+  const uint64_t slots = st.slots();
   const char* src = static_cast<const char*>(in);
   char* dst = static_cast<char*>(out);
   std::vector<size_t> sl(n + 1);

@@ -88,9 +88,9 @@ class OpQueue : public WorkExecutor {
     {
       std::lock_guard<std::mutex> g(mu_);
       t.issuer_may_help = !issuingAndMovingOn() && std::this_thread::get_id() != worker_id_;
+      wake = !watching_ || !t.issuer_may_help;  // an op nobody will help must start now
       last_push_ = t.pushed_at;
       queue_.push_back(std::move(t));
-      wake = !watching_ || !t.issuer_may_help;  // an op nobody will help must start now
     }
     if (wake) worker_cv_.notify_one();
   }
