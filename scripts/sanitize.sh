@@ -32,6 +32,7 @@ asan_tests=${ASAN_TESTS:-store_test auth_test work_test local_step_test collecti
 # ranks are processes, and their threads are the group's, which work_test and local_step_test drive.
 tsan_tests=${TSAN_TESTS:-store_test work_test local_step_test timeline_test flight_recorder_test}
 parts=("$@")
+fuzz_summary=()
 ((${#parts[@]})) || parts=(fuzz asan tsan)
 supp=$root/tests/sanitize
 export LSAN_OPTIONS="suppressions=$supp/lsan.supp:print_suppressions=0"
@@ -62,7 +63,10 @@ run_tests() {  # run_tests DIR TESTS...
     n=$(ctest --test-dir "$dir" -N -L "^$t\$" | sed -n 's/^Total Tests: //p')
     ((${n:-0} > 0)) || { echo "sanitize.sh: $t lists no tests in $dir (did it build?)" >&2; return 1; }
   done
-  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re" -E "_world[45]( |\$)${EXCLUDE:+|$EXCLUDE}"
+  # The log keeps the failed tests' names for the summary at the end (CI shows only the output's tail).
+  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re" -E "_world[45]( |\$)${EXCLUDE:+|$EXCLUDE}" \
+    2>&1 | tee "$dir/ctest.log"
+  return "${PIPESTATUS[0]}"
 }
 
 fuzz() {
@@ -71,7 +75,8 @@ fuzz() {
   local harnesses=()
   for src in "$root"/tests/fuzz/*_fuzz.cc "$root"/tests/fuzz/torch/*_fuzz.cc; do harnesses+=("$(basename "$src" .cc)"); done
   cmake --build "$dir" -j"$jobs" --target "${harnesses[@]}" || return 1
-  local failed=0 summary=()
+  local failed=0
+  fuzz_summary=()  # global: the summary at the end names the failed harnesses
   # JOBS harnesses at a time, each on its own copy of its corpus; then their logs in order.
   echo "== sanitize.sh: fuzzing ${harnesses[*]}, ${fuzz_seconds}s each, $jobs at a time"
   for h in "${harnesses[@]}"; do
@@ -100,15 +105,15 @@ fuzz() {
       execs=$(grep -o 'stat::number_of_executed_units: [0-9]*' "$work/log.txt" | grep -o '[0-9]*$' || echo 0)
       cov=$(sed -n 's/.*cov: \([0-9]*\).*/\1/p' <<<"$stat")
       ft=$(sed -n 's/.* ft: \([0-9]*\).*/\1/p' <<<"$stat")
-      summary+=("$(printf '%-22s %8s runs %6s/s  cov %5s edges  ft %5s' "$h" "$execs" "$((execs / fuzz_seconds))" "$cov" "$ft")")
+      fuzz_summary+=("$(printf '%-22s %8s runs %6s/s  cov %5s edges  ft %5s' "$h" "$execs" "$((execs / fuzz_seconds))" "$cov" "$ft")")
     else
       failed=1
-      summary+=("$h: FAILED (input and log in $work)")
+      fuzz_summary+=("$h: FAILED (input and log in $work): $(grep -m1 -E 'ERROR|runtime error|SUMMARY' "$work/log.txt" || true)")
       grep -E 'ERROR|runtime error|SUMMARY|Test unit written' "$work/log.txt" | head -8 || true
     fi
   done
   echo "== sanitize.sh: fuzzing, ${fuzz_seconds}s a harness (ASan + UBSan)"
-  printf '  %s\n' "${summary[@]}"
+  printf '  %s\n' "${fuzz_summary[@]}"
   return "$failed"
 }
 
@@ -138,11 +143,29 @@ tsan() {
 }
 
 # Each part is called from `||`, where bash turns set -e off: every step above that can fail says `|| return 1`.
+# A failed part is named again at the end, with its failed tests or harnesses: CI shows only the tail.
 status=0
+results=()
 for part in "${parts[@]}"; do
   case $part in
-    fuzz|asan|tsan) "$part" || status=1 ;;
+    fuzz|asan|tsan)
+      rm -f "$base-${part/fuzz/asan}/ctest.log"
+      if "$part"; then
+        results+=("$part: passed")
+      else
+        status=1
+        results+=("$part: FAILED")
+        if [[ $part == fuzz ]]; then
+          mapfile -t -O "${#results[@]}" results < <(printf '%s\n' "${fuzz_summary[@]}" | grep FAILED | sed 's/^/    /')
+        elif [[ -f $base-${part/fuzz/asan}/ctest.log ]]; then
+          mapfile -t -O "${#results[@]}" results < \
+            <(sed -n '/tests FAILED:/,$p' "$base-$part/ctest.log" | grep -E '^\s+[0-9]+ - ' | sed 's/^\s*/    /')
+        fi
+      fi
+      ;;
     *) echo "sanitize.sh: unknown part '$part' (fuzz, asan or tsan)" >&2; exit 2 ;;
   esac
 done
+echo "== sanitize.sh: summary"
+printf '  %s\n' "${results[@]}"
 exit "$status"

@@ -26,7 +26,13 @@ timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
   local label=$1 start=$SECONDS
   shift
-  "$@"
+  # CI shows only the tail of the output: a failing part says so last, with the times of those before it.
+  "$@" || {
+    local rc=$?
+    echo; echo "test.sh: FAILED: $label (exit $rc, after $((SECONDS - start)) s); the parts before it:"
+    printf '  %s\n' "${timings[@]}"
+    exit "$rc"
+  }
   timings+=("$label: $((SECONDS - start)) s")
   echo "test.sh: $label took $((SECONDS - start)) s"
 }

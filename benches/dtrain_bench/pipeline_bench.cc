@@ -1,9 +1,14 @@
 // dtrain-bench pipeline: a deep MLP (--layers x Linear(width, width) + ReLU) cut into P stages (one per
 // rank, run it under dtrain-run --nproc-per-node P), trained with the GPipe and the 1F1B schedule for
-// each micro-batch count M. Per configuration it prints, over the timed steps:
+// each micro-batch count M, and with the interleaved 1F1B schedule (--chunks V model chunks a rank; M
+// a multiple of P, other counts are listed as not run). Per configuration it prints, over the timed steps:
 //   step_ms        wall time of a step (forwards and backwards of every micro-batch)
 //   bubble         measured idle share of a step, averaged over stages: 1 - (F + B compute) / step
-//   theory         (P-1)/(M+P-1), the bubble when every F and B takes the same time and messages are free
+//   theory         (P-1)/(M+P-1), the bubble when every F and B takes the same time and messages are free;
+//                  (P-1)/(VM+P-1) interleaved
+//   ideal_ms       issue 29's yardstick: one process running the whole model over the M micro-batches in
+//                  turn (rank 0, timed alone: the compute at the micro-batch size), / P, x (1 + theory)
+//   vs_ideal       step_ms / ideal_ms (1.10 = 10% slower than the formula)
 //   peak_act       micro-batches of activations held at the peak, per stage (GPipe: M; 1F1B: P - s)
 //   peak_MB        bytes of the tensors the stage's modules produced for them, at that peak
 //   speedup        one process running the whole model on the whole batch (rank 0, timed alone) / step_ms
@@ -36,7 +41,8 @@ struct Options {
   int steps = 4;
   int warmup = 1;
   std::vector<int> micro{1, 2, 4, 8, 16};
-  std::string schedule = "both";
+  std::string schedule = "all";
+  int chunks = 2;
   Observe observe;
 };
 
@@ -51,6 +57,10 @@ torch::nn::Sequential deepMlp(const Options& o) {
 }
 
 at::Tensor lossFn(const at::Tensor& out, const at::Tensor& y) { return torch::mse_loss(out, y); }
+
+std::string schedName(PipelineSchedule s, int chunks) {
+  return s == PipelineSchedule::interleaved ? fmt::format("interl.V={}", chunks) : scheduleName(s);
+}
 
 std::string joinInts(const std::vector<double>& v, const char* fmt) {
   std::string s;
@@ -68,8 +78,10 @@ struct Bench {
   std::shared_ptr<comm::ProcessGroup> pg;
   int P, rank;
   torch::nn::Sequential stage;
+  std::vector<torch::nn::Sequential> chunks;  // the interleaved schedule's
   at::Tensor x, y;
   double ref_ms = 0, ref_loss = 0;
+  std::map<int, double> micro_ms;  // M -> one process over the M micro-batches in turn
   std::map<std::string, at::Tensor> ref_grads;
   MetricsLog* log = nullptr;
   int64_t steps_logged = 0;
@@ -80,13 +92,15 @@ struct Bench {
 int64_t measure(Bench& b, PipelineSchedule sched, int M) {
   const Options& o = b.o;
   const int P = b.P, rank = b.rank;
-  Pipeline pipe(b.stage, b.pg, PipelineOptions{M, sched});
+  const bool interleaved = sched == PipelineSchedule::interleaved;
+  Pipeline pipe(interleaved ? b.chunks : std::vector<torch::nn::Sequential>{b.stage}, b.pg, PipelineOptions{M, sched});
+  auto stage = pipe.module();
   double step_ms = 0, busy_ms = 0, loss = 0;
   int64_t wrong = 0;
   const PipelineStats* st = nullptr;
   BytesSentMeter sent;
   for (int i = 0; i < o.warmup + o.steps; ++i) {
-    b.stage->zero_grad();
+    stage->zero_grad();
     loss = pipe.step(rank == 0 ? b.x : at::Tensor(), rank == P - 1 ? b.y : at::Tensor(), lossFn);
     st = &pipe.stats();
     if (i < o.warmup) {
@@ -107,7 +121,7 @@ int64_t measure(Bench& b, PipelineSchedule sched, int M) {
   // Verify against the one-process run: the loss (counted once, on the last stage) and every
   // gradient element of this rank's stage; the counts are summed over the ranks.
   if (rank == P - 1 && !(std::abs(loss - b.ref_loss) <= 1e-4 * std::abs(b.ref_loss))) wrong += 1;
-  for (auto& p : b.stage->named_parameters()) {
+  for (auto& p : stage->named_parameters()) {
     const at::Tensor& want = b.ref_grads.at(p.key());
     const double tol = 1e-4 * std::max(1.0, want.abs().max().item<double>());
     wrong += (p.value().grad() - want).abs().gt(tol).sum().item<int64_t>();
@@ -126,14 +140,17 @@ int64_t measure(Bench& b, PipelineSchedule sched, int M) {
     peaks.push_back(all[4 * s + 2]);
     mbs.push_back(all[4 * s + 3]);
   }
-  const double theory = static_cast<double>(P - 1) / (M + P - 1);
-  std::printf("%-6s %4d %9.1f %8.3f %8.3f %14s %16s %8.2f %7lld\n", scheduleName(sched), M, step, bubble, theory,
-              joinInts(peaks, "%.0f").c_str(), joinInts(mbs, "%.1f").c_str(), b.ref_ms / step,
-              static_cast<long long>(wrong));
+  const int V = interleaved ? o.chunks : 1;
+  const double theory = static_cast<double>(P - 1) / (V * M + P - 1);
+  const double ideal = b.micro_ms.at(M) / P * (1 + theory);
+  std::printf("%-11s %4d %9.1f %8.3f %8.3f %9.1f %8.3f %14s %16s %8.2f %7lld\n", schedName(sched, V).c_str(), M, step,
+              bubble, theory, ideal, step / ideal, joinInts(peaks, "%.0f").c_str(), joinInts(mbs, "%.1f").c_str(),
+              b.ref_ms / step, static_cast<long long>(wrong));
   std::fflush(stdout);
   if (b.log) {
     b.log->write(Record("bench").set("name", "pipeline").set("schedule", scheduleName(sched)).set("micro_batches", M)
-                     .set("stages", P).set("step_ms", step).set("bubble_fraction", bubble).set("theory_bubble", theory)
+                     .set("stages", P).set("chunks", V).set("step_ms", step).set("bubble_fraction", bubble)
+                     .set("theory_bubble", theory).set("ideal_ms", ideal)
                      .set("speedup", b.ref_ms / step).set("wrong", wrong));
   }
   return wrong;
@@ -150,6 +167,18 @@ void reference(Bench& b, torch::nn::Sequential& model) {
       if (i > 0) b.ref_ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
     }
     b.ref_ms /= b.o.steps;
+    // The same work cut into M micro-batches (smaller GEMMs), gradients accumulated.
+    for (int M : b.o.micro) {
+      double ms = 0;
+      auto xs = at::tensor_split(b.x, M, 0), ys = at::tensor_split(b.y, M, 0);
+      for (int i = 0; i <= b.o.steps; ++i) {
+        model->zero_grad();
+        auto t0 = std::chrono::steady_clock::now();
+        for (int m = 0; m < M; ++m) lossFn(model->forward(xs[m]), ys[m]).backward();
+        if (i > 0) ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+      }
+      b.micro_ms[M] = ms / b.o.steps;
+    }
   }
   b.pg->barrier()->wait();
   model->zero_grad();
@@ -165,9 +194,12 @@ int run(const Options& o) {
   const int P = dist.size(), rank = dist.rank();
   auto model = deepMlp(o);
   auto g = at::make_generator<at::CPUGeneratorImpl>(1);
-  Bench b{o, dist.world(), P, rank, nullptr, at::randn({o.batch, o.width}, g), at::randn({o.batch, o.width}, g), 0, 0, {}, nullptr, 0};
+  Bench b{o, dist.world(), P, rank};
+  b.x = at::randn({o.batch, o.width}, g);
+  b.y = at::randn({o.batch, o.width}, g);
   reference(b, model);
   b.stage = pipelineStage(model, rank, P);
+  b.chunks = pipelineChunks(model, rank, P, o.chunks);
   int64_t stage_params = 0;
   for (auto& p : b.stage->parameters()) stage_params += p.numel();
   auto log = o.observe.open(rank == 0, "pipeline", P, Record().set("layers", o.layers).set("width", o.width)
@@ -179,20 +211,25 @@ int run(const Options& o) {
                 "transport=%s one-process step %.1f ms\n",
                 P, o.layers, o.width, o.batch, static_cast<long long>(stage_params), b.pg->transportName().c_str(),
                 b.ref_ms);
-    std::printf("%-6s %4s %9s %8s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory", "peak_act",
-                "peak_MB", "speedup", "#wrong");
+    std::printf("%-11s %4s %9s %8s %8s %9s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory",
+                "ideal_ms", "vs_ideal", "peak_act", "peak_MB", "speedup", "#wrong");
     std::fflush(stdout);
   }
   std::vector<PipelineSchedule> schedules;
-  if (o.schedule != "1f1b") schedules.push_back(PipelineSchedule::gpipe);
-  if (o.schedule != "gpipe") schedules.push_back(PipelineSchedule::one_f_one_b);
+  if (o.schedule == "all" || o.schedule == "both" || o.schedule == "gpipe") schedules.push_back(PipelineSchedule::gpipe);
+  if (o.schedule == "all" || o.schedule == "both" || o.schedule == "1f1b") schedules.push_back(PipelineSchedule::one_f_one_b);
+  if (o.schedule == "all" || o.schedule == "interleaved") schedules.push_back(PipelineSchedule::interleaved);
   Progress progress("pipeline", static_cast<int64_t>(schedules.size() * o.micro.size()),
                     o.observe.progress(rank == 0, "configuration"));
   int64_t total_wrong = 0, done = 0;
   for (auto sched : schedules) {
     for (int M : o.micro) {
       progress.clear();  // rank 0's row goes where the bar was
-      total_wrong += measure(b, sched, M);
+      if (sched == PipelineSchedule::interleaved && M % P != 0) {  // the schedule needs a multiple of P
+        if (rank == 0) std::printf("%-11s %4d   not run: M is not a multiple of P = %d\n", schedName(sched, o.chunks).c_str(), M, P);
+      } else {
+        total_wrong += measure(b, sched, M);
+      }
       progress.update(++done, fmt::format("{} M={}", scheduleName(sched), M));
     }
   }
@@ -214,7 +251,9 @@ void addPipelineCommand(CLI::App& app) {
   sub->add_option("--warmup", o->warmup, "untimed steps first");
   sub->add_option("--micro", o->micro, "micro-batch counts")->delimiter(',');
   o->observe.addOptions(sub);
-  sub->add_option("--schedule", o->schedule, "gpipe, 1f1b or both")->check(CLI::IsMember({"gpipe", "1f1b", "both"}));
+  sub->add_option("--schedule", o->schedule, "gpipe, 1f1b, interleaved, both (gpipe and 1f1b) or all")
+      ->check(CLI::IsMember({"gpipe", "1f1b", "interleaved", "both", "all"}));
+  sub->add_option("--chunks", o->chunks, "model chunks a rank under the interleaved schedule")->check(CLI::Range(1, 64));
   sub->callback([o] { runAndExit("pipeline", [&] { return run(*o); }); });
 }
 

@@ -34,16 +34,32 @@
 //  - one_f_one_b (PipeDream-Flush): min(P-s-1, M) warm-up forwards, then alternate one forward and
 //    one backward, then the remaining backwards. Same bubble, but stage s never holds more than P-s
 //    micro-batches of activations (stats().peak_stored_activations proves it).
+//  - interleaved (Megatron-LM's interleaved 1F1B): the model is cut into P x V parts and rank s holds
+//    V of them, parts s, s+P, s+2P, ... (pipelineChunks), so a micro-batch goes round the ranks V
+//    times. The bubble shrinks to (P-1)/(V*M + P-1) of the step, for V times the messages. M must be
+//    a multiple of P. Rank s runs 2(P-s-1) + (V-1)P warm-up forwards (all of them when M = P), then
+//    one forward and one backward in turn, then drains; forwards go through the chunks in groups of P
+//    micro-batches.
 //
-// Activations travel with a small header (magic, step, micro-batch, schedule, dtype and shape), so
-// a stage learns its input's shape from the sender, and a rank running another schedule, another
-// micro-batch count or expecting another dtype fails with an error naming both ranks instead of
-// hanging. A rank whose forward or backward throws aborts the group: its pipeline peers fail
-// promptly with its message. Every wait is bounded by the group's timeout.
+// \code
+//   auto chunks = dtrain::pipelineChunks(model, dist.rank(), dist.size(), /*chunks=*/2);
+//   dtrain::Pipeline pipe(chunks, dist.world(), {8, dtrain::PipelineSchedule::interleaved});
+//   torch::optim::SGD opt(pipe.module()->parameters(), 0.1);   // every chunk of this rank
+// \endcode
+//
+// Activations and gradients travel with a small header (magic, step, micro-batch, chunk, dtype and
+// shape), so a stage learns its input's shape from the sender, and a rank running another schedule,
+// another micro-batch count or expecting another dtype fails with an error naming both ranks instead
+// of hanging. Sends do not wait for the receiver: each direction between two neighbouring ranks is a
+// two-rank group of its own (made from pg by the constructor), sends are issued to it and the stage
+// computes on while they go; a receive takes the messages of its sender in order and keeps those a
+// later action needs. A rank whose forward or backward throws aborts the group and those channels:
+// its pipeline peers fail promptly with its message. Every wait is bounded by the group's timeout.
 //
 // Hybrid with data parallelism: build a DistributedDataParallel on the stage over the data group
 // (see mesh.h) and attach it: gradients are averaged across replicas during the last micro-batch's
-// backward only (the others run under noSync()).
+// backward only (the others run under noSync()). Not with the interleaved schedule (a rank's chunks
+// finish their backwards at different times): attaching one is an InvalidArgument.
 #pragma once
 #include <torch/nn/modules/container/sequential.h>
 
@@ -61,7 +77,7 @@ namespace dtrain {
 class DistributedDataParallel;
 class FullyShardedDataParallel;
 
-enum class PipelineSchedule { gpipe, one_f_one_b };
+enum class PipelineSchedule { gpipe, one_f_one_b, interleaved };
 const char* scheduleName(PipelineSchedule s);
 
 struct PipelineOptions {
@@ -80,6 +96,13 @@ std::vector<size_t> balanceByParameters(const torch::nn::Sequential& model, int 
 // 1..P-1 start (strictly increasing, in (0, size)); empty: balanceByParameters.
 torch::nn::Sequential pipelineStage(const torch::nn::Sequential& model, int stage, int stages,
                                     const std::vector<size_t>& split_points = {});
+
+// For the interleaved schedule: the model cut into stages x chunks parts (as pipelineStage cuts it
+// into stages x chunks stages; split_points: the stages*chunks - 1 indices where parts start, empty:
+// balanced by parameters); rank `stage` holds parts stage, stage + stages, ... (its chunk c is part
+// c * stages + stage). Names are kept as in pipelineStage.
+std::vector<torch::nn::Sequential> pipelineChunks(const torch::nn::Sequential& model, int stage, int stages,
+                                                  int chunks, const std::vector<size_t>& split_points = {});
 
 // What one rank did during the last step() (or, from forwardStats(), the last forward()), for tests
 // and for the bubble measurement.
@@ -105,6 +128,7 @@ struct PipelineSpan {
   char kind;  // 'F' or 'B'
   int micro;
   double start_ms, end_ms;
+  int chunk = 0;  // of this rank's chunks (interleaved schedule)
 };
 
 class Pipeline {
@@ -114,6 +138,10 @@ class Pipeline {
   // Collective over pg (one stage per rank; stage = pg->rank()): checks that every rank runs the same
   // schedule and micro-batch count. The group must outlive the Pipeline.
   Pipeline(torch::nn::Sequential stage, std::shared_ptr<comm::ProcessGroup> pg, PipelineOptions options = {});
+  // The interleaved schedule's form: this rank's chunks in order (pipelineChunks); the same number on
+  // every rank. With one chunk, the same as above (and the only form for gpipe and one_f_one_b).
+  Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<comm::ProcessGroup> pg,
+           PipelineOptions options = {});
   ~Pipeline();
   Pipeline(const Pipeline&) = delete;
   Pipeline& operator=(const Pipeline&) = delete;
@@ -135,7 +163,10 @@ class Pipeline {
 
   int stage() const;
   int stages() const;
+  // The stage's modules: the Sequential given, or with chunks, one Sequential of every chunk's modules
+  // in order (the same modules and names), for the optimizer and checkpoints.
   torch::nn::Sequential& module();
+  int chunks() const;
   const PipelineOptions& options() const;
   // The last step()'s figures and spans; a forward() (evaluation) leaves them as they are.
   const PipelineStats& stats() const;
@@ -151,5 +182,15 @@ class Pipeline {
 
 // The order of forwards (F) and backwards (B) of stage `stage`: pairs (kind, micro-batch).
 std::vector<std::pair<char, int>> pipelineOrder(PipelineSchedule schedule, int stage, int stages, int micro_batches);
+
+// The same with the chunk of each action, for every schedule (chunks is 1 for gpipe and one_f_one_b).
+// InvalidArgument for an interleaved schedule whose micro-batch count is not a multiple of stages.
+struct PipelineAction {
+  char kind;  // 'F' or 'B'
+  int micro;
+  int chunk;
+};
+std::vector<PipelineAction> pipelineActions(PipelineSchedule schedule, int stage, int stages, int micro_batches,
+                                            int chunks = 1);
 
 }  // namespace dtrain

@@ -2,9 +2,11 @@
 // whole batch: GPipe and 1F1B with 4 and 8 micro-batches (loss and updated parameters within 1e-5),
 // the activation counts of each schedule, uneven micro-batches with user split points, evaluation,
 // blocking sends through a tiny shm ring, step statistics that survive evaluation, and the errors for
-// mismatched stages.
+// mismatched stages; the interleaved schedule (2-3 chunks a rank) the same way, and its order.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+
+#include <set>
 
 #include "dtrain/comm/error.h"
 #include "dtrain/pipeline.h"
@@ -46,22 +48,34 @@ struct Case {
   int stages;
   PipelineSchedule schedule;
   int micro;
+  int chunks = 1;
 };
 
 std::string caseName(const testing::TestParamInfo<Case>& i) {
-  return fmt::format("P{}_{}_M{}", i.param.stages, scheduleName(i.param.schedule), i.param.micro);
+  return fmt::format("P{}_{}_M{}{}", i.param.stages, scheduleName(i.param.schedule), i.param.micro,
+                     i.param.chunks > 1 ? fmt::format("_V{}", i.param.chunks) : "");
 }
 
 // Trains `steps` steps with the pipeline on `world` ranks and, on each rank, the reference (one
 // process, whole model, whole batch); compares the loss of every step and the stage's parameters.
+// The activations a stage holds at its peak under each schedule.
+int expectedPeak(const PipelineOptions& po, int stage, int stages, int chunks) {
+  if (po.schedule == PipelineSchedule::gpipe) return po.micro_batches;
+  if (po.schedule == PipelineSchedule::one_f_one_b) return std::min(stages - stage, po.micro_batches);
+  const int total = po.micro_batches * chunks;
+  const int warmup = po.micro_batches == stages ? total : std::min(2 * (stages - stage - 1) + (chunks - 1) * stages, total);
+  return warmup == total ? total : warmup + 1;
+}
+
 void trainAndCompare(int world, PipelineOptions po, int64_t rows, std::vector<size_t> splits = {},
-                     size_t segment_bytes = 0, int64_t width = 16, const std::string& transport = "auto") {
+                     size_t segment_bytes = 0, int64_t width = 16, const std::string& transport = "auto",
+                     int chunks = 1) {
   StoreServer server;
   auto results = runRanks(world, [&](int rank) {
     auto pg = group(server, rank, world, segment_bytes, transport);
     auto model = makeModel(width), ref = makeModel(width);
-    auto stage = pipelineStage(model, rank, world, splits);
-    Pipeline pipe(stage, pg, po);
+    Pipeline pipe(pipelineChunks(model, rank, world, chunks, splits), pg, po);
+    auto stage = pipe.module();
     torch::optim::SGD opt(stage->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     torch::optim::SGD ref_opt(ref->parameters(), torch::optim::SGDOptions(0.1).momentum(0.9));
     for (int step = 0; step < 3; ++step) {
@@ -79,14 +93,12 @@ void trainAndCompare(int world, PipelineOptions po, int64_t rows, std::vector<si
 
       const auto& st = pipe.stats();
       EXPECT_EQ(st.stored_activations, 0);
-      const int expect_peak = po.schedule == PipelineSchedule::gpipe ? po.micro_batches
-                                                                     : std::min(world - rank, po.micro_batches);
-      EXPECT_EQ(st.peak_stored_activations, expect_peak) << "rank " << rank;
+      EXPECT_EQ(st.peak_stored_activations, expectedPeak(po, rank, world, chunks)) << "rank " << rank;
       if (po.schedule == PipelineSchedule::one_f_one_b) {
         EXPECT_LE(st.peak_stored_activations, world);
       }
       EXPECT_GT(st.peak_activation_bytes, 0);
-      EXPECT_EQ(pipe.timeline().size(), 2u * po.micro_batches);
+      EXPECT_EQ(pipe.timeline().size(), 2u * po.micro_batches * chunks);
     }
     auto ref_params = ref->named_parameters();
     size_t compared = 0;
@@ -106,7 +118,7 @@ TEST_P(PipelineVsOneProcess, LossAndParametersMatch) {
   PipelineOptions po;
   po.schedule = c.schedule;
   po.micro_batches = c.micro;
-  trainAndCompare(c.stages, po, /*rows=*/16);
+  trainAndCompare(c.stages, po, /*rows=*/16, {}, 0, 16, "auto", c.chunks);
 }
 
 INSTANTIATE_TEST_SUITE_P(Schedules, PipelineVsOneProcess,
@@ -115,8 +127,70 @@ INSTANTIATE_TEST_SUITE_P(Schedules, PipelineVsOneProcess,
                                          Case{2, PipelineSchedule::one_f_one_b, 8},
                                          Case{3, PipelineSchedule::gpipe, 4}, Case{3, PipelineSchedule::gpipe, 8},
                                          Case{3, PipelineSchedule::one_f_one_b, 4},
-                                         Case{3, PipelineSchedule::one_f_one_b, 8}),
+                                         Case{3, PipelineSchedule::one_f_one_b, 8},
+                                         // Interleaved: 2 or 3 chunks a rank (the 7-module model in 4 or 6
+                                         // parts), M = P (all warm-up) and M = 2P, 4P (steady 1F1B).
+                                         Case{2, PipelineSchedule::interleaved, 2, 2},
+                                         Case{2, PipelineSchedule::interleaved, 4, 2},
+                                         Case{2, PipelineSchedule::interleaved, 8, 3},
+                                         Case{3, PipelineSchedule::interleaved, 3, 2},
+                                         Case{3, PipelineSchedule::interleaved, 6, 2}),
                          caseName);
+
+// Interleaved chunks through a 4 KiB shm ring and over tcp: sends that cannot complete before the
+// receiver takes them, with each rank's chunks sending both ways round the ring.
+TEST(Pipeline, InterleavedWithBlockingSendsAndOverTcp) {
+  PipelineOptions po{4, PipelineSchedule::interleaved};
+  trainAndCompare(2, po, /*rows=*/64, {}, /*segment_bytes=*/4096, /*width=*/64, "auto", 3);
+  trainAndCompare(2, po, /*rows=*/64, {}, /*segment_bytes=*/0, /*width=*/64, "tcp", 2);
+}
+
+// One rank with three chunks: the chunks hand activations and gradients to each other without messages.
+TEST(Pipeline, InterleavedOnOneRank) {
+  auto pg = comm::ProcessGroup::create(nullptr, 0, 1);
+  auto model = makeModel(), ref = makeModel();
+  Pipeline pipe(pipelineChunks(model, 0, 1, 3), pg, PipelineOptions{3, PipelineSchedule::interleaved});
+  EXPECT_EQ(pipe.chunks(), 3);
+  EXPECT_EQ(pipe.module()->size(), 7u);
+  auto [x, y] = batch(0, 7);
+  double loss = pipe.step(x, y, lossFn);
+  auto ref_loss = lossFn(ref->forward(x), y);
+  ref_loss.backward();
+  EXPECT_NEAR(loss, ref_loss.item<double>(), 1e-12);
+  auto rp = ref->named_parameters();
+  for (const auto& p : pipe.module()->named_parameters())
+    EXPECT_LE(relDiff(p.value().grad(), rp[p.key()].grad()), 1e-12) << p.key();
+  torch::NoGradGuard g;
+  EXPECT_LE(relDiff(pipe.forward(x), makeModel()->forward(x)), 1e-12);
+}
+
+// The interleaved schedule's order: every (chunk, micro-batch) has one forward and, after it, one
+// backward; chunks run forwards in groups of P micro-batches; the warm-up is 2(P-s-1) + (V-1)P.
+TEST(Pipeline, InterleavedOrder) {
+  const int P = 4, V = 2, M = 8;
+  for (int s = 0; s < P; ++s) {
+    auto order = pipelineActions(PipelineSchedule::interleaved, s, P, M, V);
+    ASSERT_EQ(order.size(), 2u * M * V);
+    std::set<std::pair<int, int>> fwd, bwd;
+    int warmup = 0;
+    for (const auto& a : order) {
+      ASSERT_TRUE(a.chunk >= 0 && a.chunk < V && a.micro >= 0 && a.micro < M);
+      if (a.kind == 'F') {
+        EXPECT_TRUE(fwd.insert({a.chunk, a.micro}).second);
+        if (bwd.empty()) ++warmup;
+      } else {
+        EXPECT_TRUE(fwd.count({a.chunk, a.micro})) << "backward before forward";
+        EXPECT_TRUE(bwd.insert({a.chunk, a.micro}).second);
+      }
+    }
+    EXPECT_EQ(warmup, 2 * (P - s - 1) + (V - 1) * P + 1) << "stage " << s;  // + the first steady forward
+    EXPECT_EQ(order[0].chunk, 0);
+    EXPECT_EQ(order[P].chunk, 1);  // P micro-batches through chunk 0, then chunk 1
+    EXPECT_EQ(order[P].micro, 0);
+  }
+  EXPECT_THROW(pipelineActions(PipelineSchedule::interleaved, 0, 4, 6, 2), InvalidArgument);
+  EXPECT_THROW(pipelineActions(PipelineSchedule::one_f_one_b, 0, 4, 8, 2), InvalidArgument);
+}
 
 // 10 rows in 4 micro-batches (3, 3, 2, 2): each weighs by its share of the batch. User split points.
 TEST(Pipeline, UnevenMicroBatchesAndSplitPoints) {
@@ -156,6 +230,24 @@ TEST(Pipeline, ForwardOnlyEqualsWholeModel) {
     auto model = makeModel();
     Pipeline pipe(pipelineStage(model, rank, 2), pg, PipelineOptions{3, PipelineSchedule::gpipe});
     auto [x, y] = batch(0, 7);
+    at::Tensor out = pipe.forward(rank == 0 ? x : at::Tensor());
+    if (rank == 1) {
+      torch::NoGradGuard g;
+      EXPECT_LE(relDiff(out, makeModel()->forward(x)), 1e-12);
+    } else {
+      EXPECT_FALSE(out.defined());
+    }
+  });
+  expectAllOk(results);
+}
+
+TEST(Pipeline, InterleavedForwardOnlyEqualsWholeModel) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    auto model = makeModel();
+    Pipeline pipe(pipelineChunks(model, rank, 2, 2), pg, PipelineOptions{4, PipelineSchedule::interleaved});
+    auto [x, y] = batch(0, 9);
     at::Tensor out = pipe.forward(rank == 0 ? x : at::Tensor());
     if (rank == 1) {
       torch::NoGradGuard g;
@@ -294,6 +386,41 @@ TEST(PipelineErrors, DtypeMismatchNamesTheSender) {
                 std::string::npos)
           << m;
     }
+  });
+  expectAllOk(results);
+}
+
+// Bad interleaved configurations fail in the constructor on every rank, naming what is wrong.
+TEST(PipelineErrors, InterleavedConfigurations) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    auto model = makeModel();
+    try {  // 3 micro-batches on 2 stages
+      Pipeline pipe(pipelineChunks(model, rank, 2, 2), pg, PipelineOptions{3, PipelineSchedule::interleaved});
+      ADD_FAILURE() << "constructed";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("multiple of the 2 stages, not 3"), std::string::npos) << e.what();
+    }
+    try {  // 2 chunks, but 1F1B
+      Pipeline pipe(pipelineChunks(model, rank, 2, 2), pg, PipelineOptions{4, PipelineSchedule::one_f_one_b});
+      ADD_FAILURE() << "constructed";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("one chunk per rank, not 2"), std::string::npos) << e.what();
+    }
+    // The ranks disagree on the chunk count.
+    try {
+      Pipeline pipe(pipelineChunks(model, rank, 2, 1 + rank), pg, PipelineOptions{2, PipelineSchedule::interleaved});
+      ADD_FAILURE() << "constructed";
+    } catch (const InvalidArgument& e) {
+      EXPECT_NE(std::string(e.what()).find("rank 0: 2 micro-batches, interleaved; rank 1: 2 micro-batches, "
+                                           "interleaved with 2 chunks"),
+                std::string::npos)
+          << e.what();
+    }
+    Pipeline pipe(pipelineChunks(model, rank, 2, 2), pg, PipelineOptions{2, PipelineSchedule::interleaved});
+    // Refused before the pointer is looked at (never dereferenced here).
+    EXPECT_THROW(pipe.attachDataParallel(reinterpret_cast<DistributedDataParallel*>(&pipe)), InvalidArgument);
   });
   expectAllOk(results);
 }

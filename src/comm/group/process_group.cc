@@ -552,9 +552,12 @@ WorkPtr submitLocal(ProcessGroup::Impl& m, std::string what, const char* op, std
 }  // namespace
 
 WorkPtr ProcessGroup::abort(const std::string& reason) {
-  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken.
+  // Thrown inside the op, it takes the normal failure path: peers are told, the group is broken. The
+  // reason names this process by its rank in the world (a sub-group's peers show it to their users).
   return submitLocal(*impl_, "abort", "abort",
-                     [msg = fmt::format("[rank {}] {}", impl_->rank, reason)]() -> void { throw Error(msg); });
+                     [msg = fmt::format("[rank {}] {}", impl_->info->globalRank(impl_->rank), reason)]() -> void {
+                       throw Error(msg);
+                     });
 }
 
 WorkPtr ProcessGroup::localStep(std::string what, std::function<void()> fn) {
