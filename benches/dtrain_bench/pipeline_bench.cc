@@ -2,13 +2,17 @@
 // rank, run it under dtrain-run --nproc-per-node P), trained with the GPipe and the 1F1B schedule for
 // each micro-batch count M, and with the interleaved 1F1B schedule (--chunks V model chunks a rank; M
 // a multiple of P, other counts are listed as not run). Per configuration it prints, over the timed steps:
-//   step_ms        wall time of a step (forwards and backwards of every micro-batch)
+//   step_ms        wall time of a step (forwards and backwards of every micro-batch): the median over the
+//                  timed steps, of the slowest rank
 //   bubble         measured idle share of a step, averaged over stages: 1 - (F + B compute) / step
 //   theory         (P-1)/(M+P-1), the bubble when every F and B takes the same time and messages are free;
 //                  (P-1)/(VM+P-1) interleaved
 //   ideal_ms       issue 29's yardstick: one process running the whole model over the M micro-batches in
 //                  turn (rank 0, timed alone: the compute at the micro-batch size), / P, x (1 + theory)
 //   vs_ideal       step_ms / ideal_ms (1.10 = 10% slower than the formula)
+//   ceil_ms        the same yardstick on this machine's ceiling: every rank computing its own chunks over
+//                  the M micro-batches at the same time, no messages (the slowest rank), x (1 + theory)
+//   vs_ceil        step_ms / ceil_ms: what the schedule and its messages add to the compute they cannot hide
 //   peak_act       micro-batches of activations held at the peak, per stage (GPipe: M; 1F1B: P - s)
 //   peak_MB        bytes of the tensors the stage's modules produced for them, at that peak
 //   speedup        one process running the whole model on the whole batch (rank 0, timed alone) / step_ms
@@ -21,6 +25,7 @@
 
 #include <torch/torch.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
@@ -89,17 +94,44 @@ struct Bench {
 
 // One configuration: warm-up and timed steps (each a step record), the check against the reference,
 // the row. Returns the wrong results over every rank.
+// The pipeline's ceiling on this machine: every rank computes its own chunks' forwards and backwards
+// over the M micro-batches at the same time, with no messages and no waiting (inputs and output
+// gradients drawn at random); this rank's time in ms. Two ranks computing at once on a shared memory
+// system are slower than one alone, which the one-process yardstick does not see. Run before every
+// pipeline step, so that both see the machine in the same state (this VM's speed drifts by 20-30%).
+double concurrentOnce(Bench& b, std::vector<torch::nn::Sequential>& chunks, int M) {
+  auto rows = at::tensor_split(at::arange(b.o.batch), M, 0);
+  b.pg->barrier()->wait();
+  auto t0 = std::chrono::steady_clock::now();
+  for (auto& chunk : chunks) {
+    for (int m = 0; m < M; ++m) {
+      auto x = at::randn({rows[m].size(0), b.o.width}).requires_grad_(true);
+      auto out = chunk->forward(x);
+      out.backward(at::randn_like(out));
+    }
+  }
+  return std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+}
+
+double median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : (v[(v.size() - 1) / 2] + v[v.size() / 2]) / 2;
+}
+
 int64_t measure(Bench& b, PipelineSchedule sched, int M) {
   const Options& o = b.o;
   const int P = b.P, rank = b.rank;
   const bool interleaved = sched == PipelineSchedule::interleaved;
-  Pipeline pipe(interleaved ? b.chunks : std::vector<torch::nn::Sequential>{b.stage}, b.pg, PipelineOptions{M, sched});
+  auto chunks = interleaved ? b.chunks : std::vector<torch::nn::Sequential>{b.stage};
+  Pipeline pipe(chunks, b.pg, PipelineOptions{M, sched});
+  std::vector<double> compute_each, step_each;  // per timed step: the ceiling's compute, the step
   auto stage = pipe.module();
   double step_ms = 0, busy_ms = 0, loss = 0;
   int64_t wrong = 0;
   const PipelineStats* st = nullptr;
   BytesSentMeter sent;
   for (int i = 0; i < o.warmup + o.steps; ++i) {
+    const double compute = concurrentOnce(b, chunks, M);
     stage->zero_grad();
     loss = pipe.step(rank == 0 ? b.x : at::Tensor(), rank == P - 1 ? b.y : at::Tensor(), lossFn);
     st = &pipe.stats();
@@ -109,6 +141,8 @@ int64_t measure(Bench& b, PipelineSchedule sched, int M) {
     }
     step_ms += st->step_ms;
     busy_ms += st->forward_ms + st->backward_ms;
+    compute_each.push_back(compute);
+    step_each.push_back(st->step_ms);
     if (b.log) {  // rank 0's stage: its own idle share; the loss is known on the last stage only
       Record r("step");
       r.set("step", ++b.steps_logged).set("time_s", b.log->seconds()).set("schedule", scheduleName(sched))
@@ -127,30 +161,33 @@ int64_t measure(Bench& b, PipelineSchedule sched, int M) {
     wrong += (p.value().grad() - want).abs().gt(tol).sum().item<int64_t>();
   }
   b.pg->allreduce(&wrong, 1, comm::DType::i64)->wait();
-  std::array<double, 4> mine{step_ms / o.steps, 1.0 - busy_ms / step_ms, static_cast<double>(st->peak_stored_activations),
-                             static_cast<double>(st->peak_activation_bytes) / (1 << 20)};
-  std::vector<double> all(4 * static_cast<size_t>(P));
-  b.pg->allgather(mine.data(), all.data(), 4, comm::DType::f64)->wait();
+  // Medians over the timed steps (this VM stalls now and then), the slowest rank's.
+  std::array<double, 5> mine{median(step_each), 1.0 - busy_ms / step_ms, static_cast<double>(st->peak_stored_activations),
+                             static_cast<double>(st->peak_activation_bytes) / (1 << 20), median(compute_each)};
+  std::vector<double> all(5 * static_cast<size_t>(P));
+  b.pg->allgather(mine.data(), all.data(), 5, comm::DType::f64)->wait();
   if (rank != 0) return wrong;
-  double step = 0, bubble = 0;
+  double step = 0, bubble = 0, compute_ms = 0;
   std::vector<double> peaks, mbs;
   for (int s = 0; s < P; ++s) {
-    step = std::max(step, all[4 * s]);
-    bubble += all[4 * s + 1] / P;
-    peaks.push_back(all[4 * s + 2]);
-    mbs.push_back(all[4 * s + 3]);
+    step = std::max(step, all[5 * s]);
+    bubble += all[5 * s + 1] / P;
+    peaks.push_back(all[5 * s + 2]);
+    mbs.push_back(all[5 * s + 3]);
+    compute_ms = std::max(compute_ms, all[5 * s + 4]);
   }
   const int V = interleaved ? o.chunks : 1;
   const double theory = static_cast<double>(P - 1) / (V * M + P - 1);
   const double ideal = b.micro_ms.at(M) / P * (1 + theory);
-  std::printf("%-11s %4d %9.1f %8.3f %8.3f %9.1f %8.3f %14s %16s %8.2f %7lld\n", schedName(sched, V).c_str(), M, step,
-              bubble, theory, ideal, step / ideal, joinInts(peaks, "%.0f").c_str(), joinInts(mbs, "%.1f").c_str(),
-              b.ref_ms / step, static_cast<long long>(wrong));
+  const double ceiling = compute_ms * (1 + theory);
+  std::printf("%-11s %4d %9.1f %8.3f %8.3f %9.1f %8.3f %9.1f %8.3f %14s %16s %8.2f %7lld\n", schedName(sched, V).c_str(), M,
+              step, bubble, theory, ideal, step / ideal, ceiling, step / ceiling, joinInts(peaks, "%.0f").c_str(),
+              joinInts(mbs, "%.1f").c_str(), b.ref_ms / step, static_cast<long long>(wrong));
   std::fflush(stdout);
   if (b.log) {
     b.log->write(Record("bench").set("name", "pipeline").set("schedule", scheduleName(sched)).set("micro_batches", M)
                      .set("stages", P).set("chunks", V).set("step_ms", step).set("bubble_fraction", bubble)
-                     .set("theory_bubble", theory).set("ideal_ms", ideal)
+                     .set("theory_bubble", theory).set("ideal_ms", ideal).set("ceiling_ms", ceiling)
                      .set("speedup", b.ref_ms / step).set("wrong", wrong));
   }
   return wrong;
@@ -169,15 +206,15 @@ void reference(Bench& b, torch::nn::Sequential& model) {
     b.ref_ms /= b.o.steps;
     // The same work cut into M micro-batches (smaller GEMMs), gradients accumulated.
     for (int M : b.o.micro) {
-      double ms = 0;
+      std::vector<double> each;
       auto xs = at::tensor_split(b.x, M, 0), ys = at::tensor_split(b.y, M, 0);
       for (int i = 0; i <= b.o.steps; ++i) {
         model->zero_grad();
         auto t0 = std::chrono::steady_clock::now();
         for (int m = 0; m < M; ++m) lossFn(model->forward(xs[m]), ys[m]).backward();
-        if (i > 0) ms += std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count();
+        if (i > 0) each.push_back(std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());
       }
-      b.micro_ms[M] = ms / b.o.steps;
+      b.micro_ms[M] = median(each);
     }
   }
   b.pg->barrier()->wait();
@@ -211,8 +248,8 @@ int run(const Options& o) {
                 "transport=%s one-process step %.1f ms\n",
                 P, o.layers, o.width, o.batch, static_cast<long long>(stage_params), b.pg->transportName().c_str(),
                 b.ref_ms);
-    std::printf("%-11s %4s %9s %8s %8s %9s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory",
-                "ideal_ms", "vs_ideal", "peak_act", "peak_MB", "speedup", "#wrong");
+    std::printf("%-11s %4s %9s %8s %8s %9s %8s %9s %8s %14s %16s %8s %7s\n", "sched", "M", "step_ms", "bubble", "theory",
+                "ideal_ms", "vs_ideal", "ceil_ms", "vs_ceil", "peak_act", "peak_MB", "speedup", "#wrong");
     std::fflush(stdout);
   }
   std::vector<PipelineSchedule> schedules;

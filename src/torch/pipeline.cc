@@ -150,10 +150,13 @@ struct Pipeline::Impl {
     reapSends(false);
     comm::IssueAndMoveOn move_on;  // the channel's thread sends; this one computes on
     const auto& ch = out.at(dst);
-    sent.push_back({ch->send(h.data_ptr(), kHeaderLen, comm::DType::i64, 1, kTagHeader), h});
-    sent.push_back({ch->send(data.data_ptr(), static_cast<size_t>(data.numel()), toCommDType(data.scalar_type()), 1,
-                             kTagData),
-                    data});
+    // Header and data as one op of the channel (one hand-over to its thread); the receiver takes them
+    // as two, learning the data's shape from the header.
+    auto work = ch->sendRecv({{comm::P2POp::kSend, h.data_ptr(), kHeaderLen, comm::DType::i64, 1, kTagHeader},
+                              {comm::P2POp::kSend, data.data_ptr(), static_cast<size_t>(data.numel()),
+                               toCommDType(data.scalar_type()), 1, kTagData}});
+    sent.push_back({work, h});
+    sent.push_back({work, data});
   }
 
   // One message from src: its header, checked, then its data.
