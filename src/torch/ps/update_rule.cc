@@ -21,6 +21,26 @@ int64_t stateSlots(const PSOptions& o) {
 }
 
 namespace {
+
+// y[i] = fma(a, x[i], y[i]). Without FMA in the compiler's target (x86-64's baseline has none), std::fma
+// is a call into libm per element, a third of the server's time on a sparse push (perf); where the
+// CPU has FMA the loop is compiled for it (the same fused result, 8 lanes at a time).
+void fmaLoopPortable(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+#if defined(__x86_64__) && defined(__GNUC__) && !defined(__FMA__)
+__attribute__((target("avx2,fma"))) void fmaLoopAvx2(float a, const float* x, float* y, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) y[i] = std::fma(a, x[i], y[i]);
+}
+const bool kCpuHasFma = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+void fmaLoop(float a, const float* x, float* y, int64_t n) {
+  if (kCpuHasFma) fmaLoopAvx2(a, x, y, n);
+  else fmaLoopPortable(a, x, y, n);
+}
+#else
+void fmaLoop(float a, const float* x, float* y, int64_t n) { fmaLoopPortable(a, x, y, n); }
+#endif
+
 UpdateRule::Kind kindOf(const PSOptions& o, bool assign_sums) {
   switch (o.update) {
     case PSOptions::Update::sum_only:
@@ -64,7 +84,7 @@ void UpdateRule::apply(float* state, int64_t slot_stride, const float* grad, int
       for (int64_t i = 0; i < n; ++i) p[i] += grad[i];
       return;
     case Kind::sgd:  // p.add_(grad, -lr)
-      for (int64_t i = 0; i < n; ++i) p[i] = std::fma(-lr_, grad[i], p[i]);
+      fmaLoop(-lr_, grad, p, n);
       return;
     case Kind::sgd_momentum: {
       float* buf = state + slot_stride;
@@ -73,7 +93,7 @@ void UpdateRule::apply(float* state, int64_t slot_stride, const float* grad, int
       } else {
         for (int64_t i = 0; i < n; ++i) buf[i] = buf[i] * momentum_ + grad[i];  // buf.mul_(momentum).add_(grad)
       }
-      for (int64_t i = 0; i < n; ++i) p[i] = std::fma(-lr_, buf[i], p[i]);  // p.add_(buf, -lr)
+      fmaLoop(-lr_, buf, p, n);  // p.add_(buf, -lr)
       return;
     }
     case Kind::adam: {
