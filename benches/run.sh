@@ -5,6 +5,8 @@
 #                                                   run, markdown report (comm.sh)
 #   benches/run.sh tails                           small-message allreduce latency: mean, p50, p99, max
 #                                                   against OpenMPI, shm and tcp (tails.sh)
+#   benches/run.sh sparse-ps                       the sparse parameter server against PyTorch sparse DDP
+#                                                   over Gloo and against the TCP transport (sparse_ps.sh)
 #   benches/run.sh milnce [WORLD...]                MIL-NCE training, dtrain against PyTorch DDP (milnce.sh)
 #   benches/run.sh milnce-video [WORLD...]          raw-video MIL-NCE, dtrain against PyTorch + PyAV (milnce_video.sh)
 #   benches/run.sh instr-cost [BASE [HEAD [ITERS]]] instructions per 4 KiB allreduce, two revisions,
@@ -45,6 +47,7 @@ case $1 in
   --help-bench) need "$build/bin/dtrain-bench"; exec "$build/bin/dtrain-bench" --help ;;
   comm) shift; exec bash "$here/comm.sh" "$@" ;;
   tails) shift; exec bash "$here/tails.sh" "$@" ;;
+  sparse-ps) shift; exec bash "$here/sparse_ps.sh" "$@" ;;
   milnce) shift; exec bash "$here/milnce.sh" "$@" ;;
   milnce-video) shift; exec bash "$here/milnce_video.sh" "$@" ;;
   instr-cost) shift; exec bash "$here/instr_cost.sh" "$@" ;;
