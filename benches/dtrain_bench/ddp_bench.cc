@@ -55,6 +55,7 @@ struct Options {
   std::string hook = "none";
   int local_sgd = 0;
   std::string device = "cpu";
+  double bucket_mb = 25, first_bucket_mb = 1;  // DDPOptions' defaults (PyTorch's)
   Observe observe;
 };
 
@@ -62,7 +63,8 @@ struct Options {
 Record runConfig(const Options& o) {
   return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
       .set("threads", o.threads).set("hook", o.hook)
-      .set("local_sgd", o.local_sgd).set("device", o.device);
+      .set("local_sgd", o.local_sgd).set("device", o.device).set("bucket_mb", o.bucket_mb)
+      .set("first_bucket_mb", o.first_bucket_mb);
 }
 
 // Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
@@ -88,7 +90,10 @@ int runDdp(const Options& o) {
   const torch::Device device = selectDevice(o.device, dist.localRank());
   auto net = referenceMlp();
   net->to(device);
-  DistributedDataParallel ddp(net.ptr(), dist.world());
+  DDPOptions ddp_options;
+  ddp_options.bucket_bytes = static_cast<size_t>(o.bucket_mb * (1 << 20));
+  ddp_options.first_bucket_bytes = static_cast<size_t>(o.first_bucket_mb * (1 << 20));
+  DistributedDataParallel ddp(net.ptr(), dist.world(), ddp_options);
   const CommHookSpec spec = parseCommHookSpec(o.hook, "--hook");
   if (auto hook = makeCommHook(spec)) ddp.registerCommHook(hook);
   std::unique_ptr<PeriodicModelAverager> averager;  // local SGD: gradients within the host, parameters every N steps
@@ -188,6 +193,8 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--batch", o->batch, "batch per rank (per replica for dp)");
   sub->add_option("--warmup", o->warmup, "untimed steps first");
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
+  sub->add_option("--bucket-mb", o->bucket_mb, "ddp: bucket cap in MiB (DDPOptions::bucket_bytes)")->check(CLI::PositiveNumber);
+  sub->add_option("--first-bucket-mb", o->first_bucket_mb, "ddp: first bucket's cap in MiB")->check(CLI::PositiveNumber);
   sub->add_option("--threads", o->threads, "dp: replica threads");
   o->observe.addOptions(sub);
   sub->add_option("--device", o->device, "ddp: cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto");
