@@ -44,6 +44,7 @@ struct Options {
   int64_t dim = 64;
   int64_t rows = 10000;
   int dense_steps = 5;
+  double partition_kb = 4096;  // PSOptions::partition_bytes: the largest message (rows per pull/push message)
   Observe observe;
 };
 
@@ -52,6 +53,7 @@ ps::PSOptions psOptions(const Options& o) {
   p.update = ps::PSOptions::Update::sgd;
   p.lr = 0.01;
   p.momentum = o.mode == "mlp" ? 0.9 : 0.0;  // sparse: plain SGD so the row check is order-independent
+  p.partition_bytes = static_cast<size_t>(o.partition_kb * 1024);
   return p;
 }
 
@@ -330,6 +332,8 @@ void addPsCommand(CLI::App& app) {
   sub->add_option("--dim", o->dim, "sparse: floats per row");
   sub->add_option("--rows", o->rows, "sparse: random rows touched per step");
   sub->add_option("--dense-steps", o->dense_steps, "sparse: timed dense allreduce steps");
+  sub->add_option("--partition-kb", o->partition_kb, "PSOptions::partition_bytes in KiB (the largest message)")
+      ->check(CLI::PositiveNumber);
   o->observe.addOptions(sub);
   sub->callback([o] { runAndExit("ps", [&] { return run(*o); }); });
 }
