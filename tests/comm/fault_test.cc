@@ -147,6 +147,34 @@ TEST_P(Faults, APeerThatDestroysItsGroupIsNamedAtOnce) {
   }
 }
 
+// An abort in a sub-group reaches its peers with the reason naming the aborting process by its rank in
+// the world, not in the sub-group (world rank 2 is rank 0 of the group {2, 0}; a pipeline's channel
+// groups made the sub-group's numbering show up as "[rank 0] pipeline stage 1/2" on the other stage).
+TEST_P(Faults, ASubGroupsAbortNamesTheWorldRank) {
+  StoreServer server;
+  auto results = runRanks(3, [&](int rank) {
+    auto pg = ProcessGroup::create(server.client(), rank, 3, opts(GetParam(), std::chrono::seconds(30)));
+    auto sub = pg->newGroup({2, 0});
+    if (rank == 1) {
+      ASSERT_EQ(sub, nullptr);
+      return;
+    }
+    ASSERT_NE(sub, nullptr);
+    if (rank == 2) {
+      EXPECT_THROW(sub->abort("gave up on purpose")->wait(), Error);
+      return;
+    }
+    float x = 0;
+    try {
+      sub->recv(&x, 1, DType::f32, 0)->wait();
+      ADD_FAILURE() << "the receive succeeded from an aborted peer";
+    } catch (const Error& e) {
+      EXPECT_NE(std::string(e.what()).find("[rank 2] gave up on purpose"), std::string::npos) << e.what();
+    }
+  });
+  expectAllOk(results);
+}
+
 // Under DTRAIN_DEBUG=detail, ranks that call different collectives get a ProtocolError listing which
 // ranks called what. Without it, the always-on fingerprint check (frame headers on tcp, published
 // fingerprints on shm) catches it as a ProtocolError on every rank naming both calls.
