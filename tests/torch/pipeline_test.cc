@@ -4,9 +4,12 @@
 // blocking sends through a tiny shm ring, step statistics that survive evaluation, and the errors for
 // mismatched stages; the interleaved schedule (2-3 chunks a rank) the same way, and its order.
 #include <gtest/gtest.h>
+#include <signal.h>
 #include <torch/torch.h>
+#include <unistd.h>
 
 #include <set>
+#include <thread>
 
 #include "dtrain/comm/error.h"
 #include "dtrain/pipeline.h"
@@ -423,6 +426,48 @@ TEST(PipelineErrors, InterleavedConfigurations) {
     EXPECT_THROW(pipe.attachDataParallel(reinterpret_cast<DistributedDataParallel*>(&pipe)), InvalidArgument);
   });
   expectAllOk(results);
+}
+
+// A stage that dies in the middle of a step (SIGKILL, its channels and group left as they were) is
+// named by the other stages within the group's timeout, whichever channel they were waiting on; with the
+// interleaved schedule rank 0 and rank 2 also talk round the ring.
+TEST(PipelineErrors, AKilledStageIsNamedByTheOthers) {
+  for (auto schedule : {PipelineSchedule::one_f_one_b, PipelineSchedule::interleaved}) {
+    StoreServer server;
+    auto results = runRanks(3, [&](int rank) {
+      comm::GroupOptions o;
+      o.timeout = std::chrono::seconds(5);
+      auto pg = comm::ProcessGroup::create(server.client(), rank, 3, o);
+      auto model = makeModel(64);
+      const int chunks = schedule == PipelineSchedule::interleaved ? 2 : 1;
+      Pipeline pipe(pipelineChunks(model, rank, 3, chunks), pg, PipelineOptions{6, schedule});
+      auto [x, y] = batch(0, 600);
+      auto step = [&] { pipe.step(rank == 0 ? x : at::Tensor(), rank == 2 ? y : at::Tensor(), lossFn); };
+      step();
+      if (rank == 1) {
+        std::thread([] {
+          std::this_thread::sleep_for(std::chrono::milliseconds(2));
+          kill(getpid(), SIGKILL);
+        }).detach();
+      }
+      const auto t0 = std::chrono::steady_clock::now();
+      try {
+        for (int i = 0; i < 100000; ++i) step();
+        ADD_FAILURE() << "rank " << rank << ": steps kept succeeding after rank 1 was killed";
+      } catch (const Error& e) {
+        const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+        std::string m = e.what();
+        printf("%s rank %d after %.2fs: %s\n", scheduleName(schedule), rank, secs, m.c_str());
+        EXPECT_NE(m.find("rank 1"), std::string::npos) << m;
+        EXPECT_NE(m.find(fmt::format("[rank {}] pipeline stage {}/3", rank, rank)), std::string::npos) << m;
+        EXPECT_LT(secs, 2.0 * 5) << m;
+      }
+    }, std::chrono::seconds(60));
+    for (const auto& c : results) {
+      if (c.rank == 1) EXPECT_EQ(c.signal, SIGKILL) << c.describe();
+      else EXPECT_TRUE(c.ok()) << c.describe();
+    }
+  }
 }
 
 TEST(PipelineErrors, StagesDisagreeOnTheSchedule) {
