@@ -85,15 +85,17 @@ struct Pipeline::Impl {
   std::vector<Micro> micro;  // chunk * M + micro-batch
   int64_t stored_bytes = 0;
 
-  // The channels: out[peer] carries this rank's messages to peer, in[peer] peer's to this rank.
-  std::map<int, std::shared_ptr<comm::ProcessGroup>> out, in;
-  using Key = std::tuple<int64_t, int64_t, int64_t>;  // kind, chunk, micro-batch
-  std::map<int, std::map<Key, at::Tensor>> early;     // per sender: messages taken before they were needed
   struct Sent {
     comm::WorkPtr work;
     at::Tensor keep;  // the buffer, alive until the send completed
   };
+  // Declared before the channels, so destroyed after them: a send still in flight when a failed
+  // Pipeline is destroyed keeps its buffer until its channel's thread has stopped.
   std::deque<Sent> sent;
+  // The channels: out[peer] carries this rank's messages to peer, in[peer] peer's to this rank.
+  std::map<int, std::shared_ptr<comm::ProcessGroup>> out, in;
+  using Key = std::tuple<int64_t, int64_t, int64_t>;  // kind, chunk, micro-batch
+  std::map<int, std::map<Key, at::Tensor>> early;     // per sender: messages taken before they were needed
 
   int next() const { return (stage + 1) % stages; }
   int prev() const { return (stage + stages - 1) % stages; }
@@ -276,7 +278,8 @@ struct Pipeline::Impl {
         // Expected: the abort op fails with msg by design (or the group had failed already).
       }
     }
-    sent.clear();  // failed with the aborts
+    // `sent` keeps its buffers (until the next step or the Pipeline's end): the aborts ran after those
+    // sends, but a send's buffer is released only once nothing can read it.
     rethrowWithContext(fmt::format("[rank {}] {}", pg->rank(), context));
   }
 
@@ -509,7 +512,12 @@ Pipeline::Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<co
     auto named = seq->named_children();
     for (size_t i = 0; i < seq->size(); ++i) {
       m.mods.back().push_back(*(seq->begin() + static_cast<std::ptrdiff_t>(i)));
-      if (m.V > 1) m.all->push_back(named[i].key(), m.mods.back().back());
+      if (m.V == 1) continue;
+      // pipelineChunks keeps the model's names, unique across chunks; chunks built by hand may each
+      // start at "0": those get their chunk's index in front ("chunk1_0"; names cannot hold dots).
+      std::string name = named[i].key();
+      if (m.all->named_children().contains(name)) name = fmt::format("chunk{}_{}", c, name);
+      m.all->push_back(name, m.mods.back().back());
     }
   }
   for (const auto& p : m.all->parameters()) {

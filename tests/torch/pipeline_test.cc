@@ -167,6 +167,23 @@ TEST(Pipeline, InterleavedOnOneRank) {
   EXPECT_LE(relDiff(pipe.forward(x), makeModel()->forward(x)), 1e-12);
 }
 
+// Chunks built by hand, each a Sequential of its own whose modules are named from "0": module() keeps
+// every chunk's modules (a clash takes the chunk's index in front), and the step is one process's.
+TEST(Pipeline, InterleavedChunksBuiltByHand) {
+  auto pg = comm::ProcessGroup::create(nullptr, 0, 1);
+  auto ref = makeModel();
+  std::vector<torch::nn::Sequential> chunks(2);
+  for (size_t i = 0; i < ref->size(); ++i)
+    chunks[i < 3 ? 0 : 1]->push_back(*(ref->begin() + static_cast<std::ptrdiff_t>(i)));
+  Pipeline pipe(chunks, pg, PipelineOptions{2, PipelineSchedule::interleaved});
+  EXPECT_EQ(pipe.module()->size(), 7u);
+  EXPECT_TRUE(pipe.module()->named_children().contains("chunk1_0"));
+  auto [x, y] = batch(0, 6);
+  double loss = pipe.step(x, y, lossFn);
+  EXPECT_NEAR(loss, lossFn(makeModel()->forward(x), y).item<double>(), 1e-12);
+  EXPECT_EQ(pipe.module()->parameters().size(), ref->parameters().size());
+}
+
 // The interleaved schedule's order: every (chunk, micro-batch) has one forward and, after it, one
 // backward; chunks run forwards in groups of P micro-batches; the warm-up is 2(P-s-1) + (V-1)P.
 TEST(Pipeline, InterleavedOrder) {
