@@ -88,10 +88,13 @@ struct Pipeline::Impl {
   struct Sent {
     comm::WorkPtr work;
     at::Tensor keep;  // the buffer, alive until the send completed
+    int dst;
   };
   // Declared before the channels, so destroyed after them: a send still in flight when a failed
-  // Pipeline is destroyed keeps its buffer until its channel's thread has stopped.
+  // Pipeline is destroyed keeps its buffer until its channel's thread has stopped. `orphans` keeps the
+  // buffers of ops that were given up on (a wait that failed or timed out) for as long.
   std::deque<Sent> sent;
+  std::vector<at::Tensor> orphans;
   // The channels: out[peer] carries this rank's messages to peer, in[peer] peer's to this rank.
   std::map<int, std::shared_ptr<comm::ProcessGroup>> out, in;
   using Key = std::tuple<int64_t, int64_t, int64_t>;  // kind, chunk, micro-batch
@@ -124,10 +127,21 @@ struct Pipeline::Impl {
   void reapSends(bool all) {
     while (!sent.empty() && (all || sent.front().work->isCompleted())) {
       auto t0 = Clock::now();
-      sent.front().work->wait();
+      try {
+        sent.front().work->wait();
+      } catch (...) {
+        rethrowWithContext("sending to stage " + std::to_string(sent.front().dst) + channelNote(sent.front().dst, true));
+      }
       stats.comm_ms += pipeMsSince(t0);
       sent.pop_front();
     }
+  }
+
+  // The channel errors below come from two-rank groups, which number their ranks 0 (sender) and 1.
+  std::string channelNote(int peer, bool sending) const {
+    const int from = sending ? stage : peer, to = sending ? peer : stage;
+    return fmt::format(" (on the channel stage {} -> stage {}, whose ranks 0 and 1 are stages {} and {}): ", from, to,
+                       from, to);
   }
 
   // Sends t (a chunk's output, or the gradient of a chunk's input) to `dst`, whose chunk `chunk`
@@ -157,15 +171,20 @@ struct Pipeline::Impl {
     auto work = ch->sendRecv({{comm::P2POp::kSend, h.data_ptr(), kHeaderLen, comm::DType::i64, 1, kTagHeader},
                               {comm::P2POp::kSend, data.data_ptr(), static_cast<size_t>(data.numel()),
                                toCommDType(data.scalar_type()), 1, kTagData}});
-    sent.push_back({work, h});
-    sent.push_back({work, data});
+    sent.push_back({work, h, dst});
+    sent.push_back({work, data, dst});
   }
 
   // One message from src: its header, checked, then its data.
   std::pair<Key, at::Tensor> takeMessage(int src, Mode mode) {
     const auto& ch = in.at(src);
     at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
-    ch->recv(h.data_ptr(), kHeaderLen, comm::DType::i64, 0, kTagHeader)->wait();
+    try {
+      ch->recv(h.data_ptr(), kHeaderLen, comm::DType::i64, 0, kTagHeader)->wait();
+    } catch (...) {
+      orphans.push_back(h);  // a receive that timed out may still be running
+      throw;
+    }
     const auto* p = h.data_ptr<int64_t>();
     DTRAIN_CHECK(p[0] == kMagic, ProtocolError, "rank {} (stage {}) sent something that is not a pipeline header", src,
                  src);
@@ -190,7 +209,12 @@ struct Pipeline::Impl {
           src, src, c10::toString(type), shapeStr(shape), c10::toString(*param_dtype)));
     }
     at::Tensor x = at::empty(shape, at::TensorOptions().dtype(type));
-    ch->recv(x.data_ptr(), static_cast<size_t>(x.numel()), toCommDType(type), 0, kTagData)->wait();
+    try {
+      ch->recv(x.data_ptr(), static_cast<size_t>(x.numel()), toCommDType(type), 0, kTagData)->wait();
+    } catch (...) {
+      orphans.push_back(x);
+      throw;
+    }
     return {Key{p[3], p[4], p[5]}, x};
   }
 
@@ -209,7 +233,15 @@ struct Pipeline::Impl {
       }
       DTRAIN_CHECK(src != stage, ProtocolError, "chunk {} of this stage has no {} for micro-batch {}", c,
                    kind == kActivation ? "input" : "gradient", m);
-      auto [key, x] = takeMessage(src, mode);
+      std::pair<Key, at::Tensor> msg;
+      try {
+        msg = takeMessage(src, mode);
+      } catch (...) {
+        rethrowWithContext(fmt::format("receiving the {} of micro-batch {}{} from stage {}{}",
+                                       kind == kActivation ? "activation" : "gradient", m,
+                                       V > 1 ? fmt::format(" (chunk {})", c) : "", src, channelNote(src, false)));
+      }
+      auto& [key, x] = msg;
       DTRAIN_CHECK(kept.emplace(key, std::move(x)).second, ProtocolError,
                    "rank {} sent the {} of chunk {} micro-batch {} twice", src,
                    std::get<0>(key) == kActivation ? "activation" : "gradient", std::get<1>(key), std::get<2>(key));
@@ -249,6 +281,8 @@ struct Pipeline::Impl {
     spans.clear();
     micro.assign(static_cast<size_t>(opts.micro_batches * V), Micro{});
     early.clear();
+    for (auto& sd : sent)  // left by a failed step: kept while an op may still read them
+      if (!sd.work->isCompleted()) orphans.push_back(sd.keep);
     sent.clear();
   }
 
@@ -459,6 +493,34 @@ struct Pipeline::Impl {
     return stage == stages - 1 ? at::cat(outputs, 0) : at::Tensor();
   }
 
+  // Takes the rank's chunks: their modules, module() and the dtype and device of the parameters.
+  void setUpChunks(std::vector<torch::nn::Sequential> chunks) {
+    chunk_seqs = std::move(chunks);
+    all = V == 1 ? chunk_seqs[0] : torch::nn::Sequential();
+    for (int c = 0; c < V; ++c) {
+      auto& seq = chunk_seqs[static_cast<size_t>(c)];
+      DTRAIN_CHECK(seq->size() > 0, InvalidArgument, "stage {} chunk {} has no modules", stage, c);
+      mods.emplace_back();
+      auto named = seq->named_children();
+      for (size_t i = 0; i < seq->size(); ++i) {
+        mods.back().push_back(*(seq->begin() + static_cast<std::ptrdiff_t>(i)));
+        if (V == 1) continue;
+        // pipelineChunks keeps the model's names, unique across chunks; chunks built by hand may each
+        // start at "0": those get their chunk's index in front ("chunk1_0"; names cannot hold dots).
+        std::string name = named[i].key();
+        if (all->named_children().contains(name)) name = fmt::format("chunk{}_{}", c, name);
+        all->push_back(name, mods.back().back());
+      }
+    }
+    for (const auto& p : all->parameters()) {
+      if (at::isFloatingType(p.scalar_type())) {
+        param_dtype = p.scalar_type();
+        device = p.device();
+        break;
+      }
+    }
+  }
+
   // The channels between neighbours (both directions; round the ring too for interleaved chunks).
   // Collective over pg: every rank walks the same list; newGroup returns a group to its two members.
   void openChannels() {
@@ -493,39 +555,17 @@ Pipeline::Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<co
   m.stage = m.pg->rank();
   m.stages = m.pg->size();
   m.V = static_cast<int>(chunks.size());
-  DTRAIN_CHECK(m.V >= 1, InvalidArgument, "[rank {}] Pipeline: no chunks", m.stage);
-  DTRAIN_CHECK(options.micro_batches >= 1, InvalidArgument, "[rank {}] Pipeline: {} micro-batches", m.stage,
-               options.micro_batches);
-  // The schedule's own checks (one chunk for gpipe and 1F1B, M a multiple of P when interleaved).
+  // This rank's own checks; a refusal is told to the other ranks (through the allgather below) before it
+  // is thrown, so they fail at once instead of waiting for this rank until the timeout.
+  std::string refused;
   try {
+    DTRAIN_CHECK(m.V >= 1, InvalidArgument, "no chunks");
+    DTRAIN_CHECK(options.micro_batches >= 1, InvalidArgument, "{} micro-batches", options.micro_batches);
+    // The schedule's own checks (one chunk for gpipe and 1F1B, M a multiple of P when interleaved).
     pipelineActions(options.schedule, m.stage, m.stages, options.micro_batches, m.V);
-  } catch (const Error& e) {
-    throw InvalidArgument(fmt::format("[rank {}] Pipeline: {}", m.stage, e.what()));
-  }
-  m.chunk_seqs = std::move(chunks);
-  m.all = m.V == 1 ? m.chunk_seqs[0] : torch::nn::Sequential();
-  for (int c = 0; c < m.V; ++c) {
-    auto& seq = m.chunk_seqs[static_cast<size_t>(c)];
-    DTRAIN_CHECK(seq->size() > 0, InvalidArgument, "[rank {}] Pipeline: stage {} chunk {} has no modules", m.stage,
-                 m.stage, c);
-    m.mods.emplace_back();
-    auto named = seq->named_children();
-    for (size_t i = 0; i < seq->size(); ++i) {
-      m.mods.back().push_back(*(seq->begin() + static_cast<std::ptrdiff_t>(i)));
-      if (m.V == 1) continue;
-      // pipelineChunks keeps the model's names, unique across chunks; chunks built by hand may each
-      // start at "0": those get their chunk's index in front ("chunk1_0"; names cannot hold dots).
-      std::string name = named[i].key();
-      if (m.all->named_children().contains(name)) name = fmt::format("chunk{}_{}", c, name);
-      m.all->push_back(name, m.mods.back().back());
-    }
-  }
-  for (const auto& p : m.all->parameters()) {
-    if (at::isFloatingType(p.scalar_type())) {
-      m.param_dtype = p.scalar_type();
-      m.device = p.device();
-      break;
-    }
+    m.setUpChunks(std::move(chunks));
+  } catch (const std::exception& e) {
+    refused = e.what();
   }
   m.stats.stage = m.stage;
   m.stats.stages = m.stages;
@@ -534,18 +574,22 @@ Pipeline::Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<co
 
   // Every stage must run the same schedule with the same micro-batch and chunk counts, or they would
   // wait for messages that never come. All ranks see all configurations, so all throw together.
-  std::array<int64_t, 3> mine{options.micro_batches, static_cast<int64_t>(options.schedule), m.V};
-  std::vector<int64_t> all(3 * static_cast<size_t>(m.stages));
-  m.pg->allgather(mine.data(), all.data(), 3, comm::DType::i64)->wait();
+  std::array<int64_t, 4> mine{options.micro_batches, static_cast<int64_t>(options.schedule), m.V, refused.empty() ? 0 : 1};
+  std::vector<int64_t> all(4 * static_cast<size_t>(m.stages));
+  m.pg->allgather(mine.data(), all.data(), 4, comm::DType::i64)->wait();
+  if (!refused.empty()) throw InvalidArgument(fmt::format("[rank {}] Pipeline: {}", m.stage, refused));
   bool same = true;
-  std::string each;
+  std::string each, who;
   for (int r = 0; r < m.stages; ++r) {
-    const int64_t* a = &all[3 * static_cast<size_t>(r)];
+    const int64_t* a = &all[4 * static_cast<size_t>(r)];
     same &= a[0] == mine[0] && a[1] == mine[1] && a[2] == mine[2];
     each += fmt::format("{}rank {}: {} micro-batches, {}", r ? "; " : "", r, a[0],
                         scheduleName(static_cast<PipelineSchedule>(a[1])));
     if (a[2] != 1) each += fmt::format(" with {} chunks", a[2]);
+    if (a[3] != 0) who += fmt::format("{}{}", who.empty() ? "" : ", ", r);
   }
+  DTRAIN_CHECK(who.empty(), InvalidArgument, "[rank {}] Pipeline: rank(s) {} refused their configuration ({})", m.stage,
+               who, each);
   DTRAIN_CHECK(same, InvalidArgument, "[rank {}] Pipeline: the stages disagree on the schedule: {}", m.stage, each);
   m.openChannels();
 }
