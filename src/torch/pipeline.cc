@@ -1,26 +1,11 @@
 // Pipeline parallelism (see pipeline.h): the executor that runs one stage's schedule
-// (pipeline_schedule.cc) over point-to-point messages.
-//
-// Each direction between two neighbouring ranks is a two-rank group of its own, a channel, made from
-// the pipeline's group when the Pipeline is built. A forward's output and a backward's input gradient
-// are issued to the channel towards the rank that needs them and the stage computes on while the
-// channel's thread sends them (IssueAndMoveOn): a send never waits for the receiver to reach its
-// receive, so no pairing of sends with receives is needed to keep blocking transports from deadlocking
-// (the schedules' dependencies have no cycle, and a receive waits only for its sender to get there).
-// Every message is a header (what it is: activation or gradient, step, micro-batch, the receiver's
-// chunk, dtype and shape) and then the data, because the receiver has to learn the shape before it can
-// post a receive of the exact length. A channel delivers in the sender's order; a receive takes
-// messages from it until the one it wants arrives and keeps the others for later actions (the
-// interleaved schedule's sender and receiver walk their chunks in different orders).
+// (pipeline_schedule.cc), its messages going through pipeline_channels.h's channels.
 #include <fmt/format.h>
 #include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>
 #include <array>
-#include <deque>
-#include <map>
-#include <tuple>
 
 #include "comm/trace/trace_internal.h"
 #include "dtrain/comm/error.h"
@@ -29,20 +14,14 @@
 #include "dtrain/pipeline.h"
 #include "dtrain/tensor.h"
 #include "errors.h"
+#include "pipeline_channels.h"
 
 namespace dtrain {
 namespace {
 
 using Clock = std::chrono::steady_clock;
 
-constexpr int64_t kMagic = 0x5049504532LL;  // "PIPE2"
-constexpr int kMaxDims = 8;
-// magic, mode, step, kind, chunk, micro, scalar type, ndim, dims[8]
-constexpr int kHeaderFields = 8;
-constexpr int kHeaderLen = kHeaderFields + kMaxDims;
-constexpr uint32_t kTagHeader = 0x5001, kTagData = 0x5002;
-enum Kind : int64_t { kActivation = 0, kGradient = 1 };
-enum Mode : int64_t { kStepMode = 0, kForwardMode = 1 };
+using Ch = detail::PipelineChannels;
 
 double pipeMsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
@@ -84,21 +63,7 @@ struct Pipeline::Impl {
   };
   std::vector<Micro> micro;  // chunk * M + micro-batch
   int64_t stored_bytes = 0;
-
-  struct Sent {
-    comm::WorkPtr work;
-    at::Tensor keep;  // the buffer, alive until the send completed
-    int dst;
-  };
-  // Declared before the channels, so destroyed after them: a send still in flight when a failed
-  // Pipeline is destroyed keeps its buffer until its channel's thread has stopped. `orphans` keeps the
-  // buffers of ops that were given up on (a wait that failed or timed out) for as long.
-  std::deque<Sent> sent;
-  std::vector<at::Tensor> orphans;
-  // The channels: out[peer] carries this rank's messages to peer, in[peer] peer's to this rank.
-  std::map<int, std::shared_ptr<comm::ProcessGroup>> out, in;
-  using Key = std::tuple<int64_t, int64_t, int64_t>;  // kind, chunk, micro-batch
-  std::map<int, std::map<Key, at::Tensor>> early;     // per sender: messages taken before they were needed
+  Ch channels;
 
   int next() const { return (stage + 1) % stages; }
   int prev() const { return (stage + stages - 1) % stages; }
@@ -121,131 +86,6 @@ struct Pipeline::Impl {
     if (c >= 0 && V > 1) s += fmt::format(" on chunk {}", c);
     if (!detail.empty()) s += " (" + detail + ")";
     return s + ": ";
-  }
-
-  // Completed sends are dropped from the front (an error of theirs surfaces here); all = wait for all.
-  void reapSends(bool all) {
-    while (!sent.empty() && (all || sent.front().work->isCompleted())) {
-      auto t0 = Clock::now();
-      try {
-        sent.front().work->wait();
-      } catch (...) {
-        rethrowWithContext("sending to stage " + std::to_string(sent.front().dst) + channelNote(sent.front().dst, true));
-      }
-      stats.comm_ms += pipeMsSince(t0);
-      sent.pop_front();
-    }
-  }
-
-  // The channel errors below come from two-rank groups, which number their ranks 0 (sender) and 1.
-  std::string channelNote(int peer, bool sending) const {
-    const int from = sending ? stage : peer, to = sending ? peer : stage;
-    return fmt::format(" (on the channel stage {} -> stage {}, whose ranks 0 and 1 are stages {} and {}): ", from, to,
-                       from, to);
-  }
-
-  // Sends t (a chunk's output, or the gradient of a chunk's input) to `dst`, whose chunk `chunk`
-  // takes it, without waiting for it to arrive.
-  void send(int dst, Kind kind, int chunk, int m, Mode mode, const at::Tensor& t) {
-    DTRAIN_CHECK(t.dim() <= kMaxDims, InvalidArgument, "the {} has {} dims, at most {} can be sent",
-                 kind == kActivation ? "output" : "input gradient", t.dim(), kMaxDims);
-    at::Tensor data = t.detach().contiguous();
-    if (data.device().is_cuda()) data = data.cpu();  // CUDA tensors travel through the host
-    const Key key{kind, chunk, m};
-    if (dst == stage) {  // one stage (interleaved chunks on one rank): no message
-      early[stage][key] = data;
-      return;
-    }
-    checkCommTensor(data, kind == kActivation ? "pipeline activation" : "pipeline gradient");
-    at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
-    auto* p = h.data_ptr<int64_t>();
-    std::array<int64_t, kHeaderFields> fields{kMagic, mode, step_no, kind, chunk, m,
-                                              static_cast<int64_t>(data.scalar_type()), data.dim()};
-    std::copy(fields.begin(), fields.end(), p);
-    for (int64_t d = 0; d < data.dim(); ++d) p[kHeaderFields + d] = data.size(d);
-    reapSends(false);
-    comm::IssueAndMoveOn move_on;  // the channel's thread sends; this one computes on
-    const auto& ch = out.at(dst);
-    // Header and data as one op of the channel (one hand-over to its thread); the receiver takes them
-    // as two, learning the data's shape from the header.
-    auto work = ch->sendRecv({{comm::P2POp::kSend, h.data_ptr(), kHeaderLen, comm::DType::i64, 1, kTagHeader},
-                              {comm::P2POp::kSend, data.data_ptr(), static_cast<size_t>(data.numel()),
-                               toCommDType(data.scalar_type()), 1, kTagData}});
-    sent.push_back({work, h, dst});
-    sent.push_back({work, data, dst});
-  }
-
-  // One message from src: its header, checked, then its data.
-  std::pair<Key, at::Tensor> takeMessage(int src, Mode mode) {
-    const auto& ch = in.at(src);
-    at::Tensor h = at::zeros({kHeaderLen}, at::kLong);
-    try {
-      ch->recv(h.data_ptr(), kHeaderLen, comm::DType::i64, 0, kTagHeader)->wait();
-    } catch (...) {
-      orphans.push_back(h);  // a receive that timed out may still be running
-      throw;
-    }
-    const auto* p = h.data_ptr<int64_t>();
-    DTRAIN_CHECK(p[0] == kMagic, ProtocolError, "rank {} (stage {}) sent something that is not a pipeline header", src,
-                 src);
-    const char* modes[] = {"step", "forward"};
-    DTRAIN_CHECK(p[1] == mode && p[2] == step_no, ProtocolError,
-                 "rank {} (stage {}) sent a message of {} {}, this rank is in {} {}: do all stages call the same "
-                 "sequence of step() / forward()?",
-                 src, src, (p[1] == 0 || p[1] == 1) ? modes[p[1]] : "?", p[2], modes[mode], step_no);
-    DTRAIN_CHECK((p[3] == kActivation || p[3] == kGradient) && p[4] >= 0 && p[4] < V && p[5] >= 0 &&
-                     p[5] < opts.micro_batches,
-                 ProtocolError, "rank {} sent a header for kind {}, chunk {}, micro-batch {}", src, p[3], p[4], p[5]);
-    const int64_t ndim = p[7];
-    DTRAIN_CHECK(ndim >= 0 && ndim <= kMaxDims, ProtocolError, "rank {} sent a header with {} dims", src, ndim);
-    std::vector<int64_t> shape(p + kHeaderFields, p + kHeaderFields + ndim);
-    for (int64_t d : shape) DTRAIN_CHECK(d >= 0, ProtocolError, "rank {} sent a negative dim", src);
-    const auto type = static_cast<c10::ScalarType>(p[6]);
-    toCommDType(type, "pipeline activation");
-    if (p[3] == kActivation && param_dtype && at::isFloatingType(type) && type != *param_dtype) {
-      throw InvalidArgument(fmt::format(
-          "rank {} (stage {}) sends a {} activation of shape {}, but this stage's parameters are {}: "
-          "every stage must use the same floating dtype",
-          src, src, c10::toString(type), shapeStr(shape), c10::toString(*param_dtype)));
-    }
-    at::Tensor x = at::empty(shape, at::TensorOptions().dtype(type));
-    try {
-      ch->recv(x.data_ptr(), static_cast<size_t>(x.numel()), toCommDType(type), 0, kTagData)->wait();
-    } catch (...) {
-      orphans.push_back(x);
-      throw;
-    }
-    return {Key{p[3], p[4], p[5]}, x};
-  }
-
-  // The message `kind` for chunk c, micro-batch m, from src: kept from earlier, or taken from the
-  // channel (with those before it).
-  at::Tensor receive(int src, Kind kind, int c, int m, Mode mode) {
-    auto& kept = early[src];
-    const Key want{kind, c, m};
-    const auto t0 = Clock::now();
-    for (;;) {
-      if (auto it = kept.find(want); it != kept.end()) {
-        at::Tensor x = std::move(it->second);
-        kept.erase(it);
-        stats.comm_ms += pipeMsSince(t0);
-        return x;
-      }
-      DTRAIN_CHECK(src != stage, ProtocolError, "chunk {} of this stage has no {} for micro-batch {}", c,
-                   kind == kActivation ? "input" : "gradient", m);
-      std::pair<Key, at::Tensor> msg;
-      try {
-        msg = takeMessage(src, mode);
-      } catch (...) {
-        rethrowWithContext(fmt::format("receiving the {} of micro-batch {}{} from stage {}{}",
-                                       kind == kActivation ? "activation" : "gradient", m,
-                                       V > 1 ? fmt::format(" (chunk {})", c) : "", src, channelNote(src, false)));
-      }
-      auto& [key, x] = msg;
-      DTRAIN_CHECK(kept.emplace(key, std::move(x)).second, ProtocolError,
-                   "rank {} sent the {} of chunk {} micro-batch {} twice", src,
-                   std::get<0>(key) == kActivation ? "activation" : "gradient", std::get<1>(key), std::get<2>(key));
-    }
   }
 
   // Chunk c's modules one by one, so that the bytes of what they produce can be counted.
@@ -280,10 +120,7 @@ struct Pipeline::Impl {
     stats.peak_activation_bytes = stored_bytes = 0;
     spans.clear();
     micro.assign(static_cast<size_t>(opts.micro_batches * V), Micro{});
-    early.clear();
-    for (auto& sd : sent)  // left by a failed step: kept while an op may still read them
-      if (!sd.work->isCompleted()) orphans.push_back(sd.keep);
-    sent.clear();
+    channels.beginStep(step_no);
   }
 
   // Tells the pipeline peers why this rank stops (they fail promptly with the message instead of
@@ -296,15 +133,12 @@ struct Pipeline::Impl {
       msg = context + errorText(e);
     }
     micro.clear();
-    early.clear();
+    channels.dropKept();
     stats.stored_activations = 0;
     // Every abort is issued before any is waited for: one behind a send that its receiver has not
     // taken yet runs once that receiver learns of this failure through another.
-    std::vector<std::shared_ptr<comm::ProcessGroup>> groups{pg};
-    for (auto& [peer, ch] : in) groups.push_back(ch);
-    for (auto& [peer, ch] : out) groups.push_back(ch);
-    std::vector<comm::WorkPtr> aborts;
-    for (auto& g : groups) aborts.push_back(g->abort(msg));
+    std::vector<comm::WorkPtr> aborts{pg->abort(msg)};
+    channels.abortAll(msg, aborts);
     for (auto& w : aborts) {
       try {
         w->wait();
@@ -312,8 +146,6 @@ struct Pipeline::Impl {
         // Expected: the abort op fails with msg by design (or the group had failed already).
       }
     }
-    // `sent` keeps its buffers (until the next step or the Pipeline's end): the aborts ran after those
-    // sends, but a send's buffer is released only once nothing can read it.
     rethrowWithContext(fmt::format("[rank {}] {}", pg->rank(), context));
   }
 
@@ -327,9 +159,9 @@ struct Pipeline::Impl {
 
   // The input of chunk c's forward of micro-batch m: the batch's rows, or the activation of the virtual
   // stage before (rank prev's chunk c, or for rank 0 the last rank's chunk c - 1).
-  at::Tensor forwardInput(int c, int m, Mode mode, const std::vector<at::Tensor>& inputs) {
+  at::Tensor forwardInput(int c, int m, Ch::Mode mode, const std::vector<at::Tensor>& inputs) {
     if (firstVirtual(c)) return inputs[static_cast<size_t>(m)];
-    return receive(prev(), kActivation, c, m, mode);
+    return channels.receive(prev(), Ch::kActivation, c, m, mode, stats.comm_ms);
   }
   // Where chunk c's output goes: rank next's chunk c, or from the last rank rank 0's chunk c + 1.
   int outputChunk(int c) const { return stage == stages - 1 ? c + 1 : c; }
@@ -346,7 +178,7 @@ struct Pipeline::Impl {
   void runForward(const PipelineAction& a, Batch& b, std::string& detail, Clock::time_point t_step) {
     const int c = a.chunk, m = a.micro;
     Micro& mb = slot(c, m);
-    mb.input = forwardInput(c, m, kStepMode, b.inputs);
+    mb.input = forwardInput(c, m, Ch::kStepMode, b.inputs);
     if (!firstVirtual(c)) {
       if (at::isFloatingType(mb.input.scalar_type())) mb.input.requires_grad_(true);
       detail = fmt::format("input {} {} from rank {}", c10::toString(mb.input.scalar_type()),
@@ -368,7 +200,7 @@ struct Pipeline::Impl {
       b.loss_sum += mb.output.item<double>();
     } else {
       mb.output = out;
-      send(next(), kActivation, outputChunk(c), m, kStepMode, out);
+      channels.send(next(), Ch::kActivation, outputChunk(c), m, Ch::kStepMode, out);
     }
     noteStored(1, mb.bytes);
     traceMicro("pipeline fwd mb=", m, c, t0);
@@ -380,7 +212,7 @@ struct Pipeline::Impl {
     const int c = a.chunk, m = a.micro;
     Micro& mb = slot(c, m);
     at::Tensor grad;
-    if (!lastVirtual(c)) grad = receive(next(), kGradient, c, m, kStepMode);
+    if (!lastVirtual(c)) grad = channels.receive(next(), Ch::kGradient, c, m, Ch::kStepMode, stats.comm_ms);
     const auto t0 = Clock::now();
     if (mb.output.requires_grad()) {
       auto run = [&] {
@@ -399,7 +231,7 @@ struct Pipeline::Impl {
     }
     if (!firstVirtual(c)) {
       at::Tensor gx = mb.input.grad();
-      send(prev(), kGradient, inputChunk(c), m, kStepMode, gx.defined() ? gx : at::zeros_like(mb.input));
+      channels.send(prev(), Ch::kGradient, inputChunk(c), m, Ch::kStepMode, gx.defined() ? gx : at::zeros_like(mb.input));
     }
     noteStored(-1, -mb.bytes);
     mb = Micro{};
@@ -442,7 +274,7 @@ struct Pipeline::Impl {
       }
       what = "final sends";
       m = c = -1;
-      reapSends(true);
+      channels.reapSends(true, stats.comm_ms);
       stats.step_ms = pipeMsSince(t_step);
       what = "loss broadcast";
       pg->broadcast(&b.loss_sum, 1, comm::DType::f64, stages - 1)->wait();
@@ -475,17 +307,17 @@ struct Pipeline::Impl {
         if (a.kind != 'F') continue;
         m = a.micro;
         c = a.chunk;
-        at::Tensor x = forwardInput(c, m, kForwardMode, inputs);
+        at::Tensor x = forwardInput(c, m, Ch::kForwardMode, inputs);
         const auto t0 = Clock::now();
         int64_t bytes = 0;
         at::Tensor y = runModules(c, x, bytes);
         traceMicro("pipeline fwd mb=", m, c, t0);
         stats.forward_ms += pipeMsSince(t0);
         if (lastVirtual(c)) outputs[static_cast<size_t>(m)] = y;
-        else send(next(), kActivation, outputChunk(c), m, kForwardMode, y);
+        else channels.send(next(), Ch::kActivation, outputChunk(c), m, Ch::kForwardMode, y);
       }
       m = c = -1;
-      reapSends(true);
+      channels.reapSends(true, stats.comm_ms);
       stats.step_ms = pipeMsSince(t_step);
     } catch (...) {
       fail(where("forward", m, c));
@@ -521,25 +353,6 @@ struct Pipeline::Impl {
     }
   }
 
-  // The channels between neighbours (both directions; round the ring too for interleaved chunks).
-  // Collective over pg: every rank walks the same list; newGroup returns a group to its two members.
-  void openChannels() {
-    if (stages == 1) return;
-    std::vector<std::pair<int, int>> links;
-    for (int r = 0; r + 1 < stages; ++r) {
-      links.emplace_back(r, r + 1);
-      links.emplace_back(r + 1, r);
-    }
-    if (V > 1 && stages > 2) {
-      links.emplace_back(stages - 1, 0);
-      links.emplace_back(0, stages - 1);
-    }
-    for (auto [from, to] : links) {
-      auto g = pg->newGroup({from, to});
-      if (stage == from) out[to] = g;
-      if (stage == to) in[from] = g;
-    }
-  }
 };
 
 Pipeline::Pipeline(torch::nn::Sequential stage, std::shared_ptr<comm::ProcessGroup> pg, PipelineOptions options)
@@ -591,7 +404,7 @@ Pipeline::Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<co
   DTRAIN_CHECK(who.empty(), InvalidArgument, "[rank {}] Pipeline: rank(s) {} refused their configuration ({})", m.stage,
                who, each);
   DTRAIN_CHECK(same, InvalidArgument, "[rank {}] Pipeline: the stages disagree on the schedule: {}", m.stage, each);
-  m.openChannels();
+  m.channels.open(*m.pg, m.V, options.micro_batches, m.param_dtype);
 }
 
 Pipeline::~Pipeline() = default;
