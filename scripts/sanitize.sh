@@ -149,7 +149,7 @@ results=()
 for part in "${parts[@]}"; do
   case $part in
     fuzz|asan|tsan)
-      rm -f "$base-${part/fuzz/asan}/ctest.log"
+      rm -f "$base-$part/ctest.log"  # asan and tsan write one (fuzz none)
       if "$part"; then
         results+=("$part: passed")
       else
@@ -157,7 +157,7 @@ for part in "${parts[@]}"; do
         results+=("$part: FAILED")
         if [[ $part == fuzz ]]; then
           mapfile -t -O "${#results[@]}" results < <(printf '%s\n' "${fuzz_summary[@]}" | grep FAILED | sed 's/^/    /')
-        elif [[ -f $base-${part/fuzz/asan}/ctest.log ]]; then
+        elif [[ -f $base-$part/ctest.log ]]; then
           mapfile -t -O "${#results[@]}" results < \
             <(sed -n '/tests FAILED:/,$p' "$base-$part/ctest.log" | grep -E '^\s+[0-9]+ - ' | sed 's/^\s*/    /')
         fi

@@ -3,7 +3,6 @@
 #include "dtrain/autograd.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <array>
@@ -15,6 +14,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/tensor.h"
 #include "torch/device/tensor_comm.h"
+#include "torch/errors.h"
 #include "torch/saved_group.h"
 
 namespace dtrain {
@@ -25,8 +25,7 @@ using torch::autograd::variable_list;
 
 using detail::saveGroup;  // the group reaches backward as its address (saved_group.h)
 using detail::savedGroup;
-
-std::string joinSizes(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
+using detail::shapeText;
 
 // What allGather learns about every rank's input before moving data.
 struct GatherLayout {
@@ -66,7 +65,7 @@ GatherLayout exchangeLayout(const at::Tensor& x, comm::ProcessGroup& pg) {
       } else {
         std::vector<int64_t> s{rows};
         s.insert(s.end(), dims.begin() + j * trailing, dims.begin() + (j + 1) * trailing);
-        shape = joinSizes(s);
+        shape = shapeText(s);
       }
       shapes += fmt::format("{}rank {}: {} {}", j ? "; " : "", j, c10::toString(type), shape);
     }

@@ -26,7 +26,6 @@ constexpr const char* kPrefix = detail::kCheckpointPrefix;
 constexpr const char* kSuffix = ".pt";
 constexpr const char* kTmpPrefix = detail::kCheckpointTmpPrefix;
 
-std::string shapeString(const at::Tensor& t) { return fmt::format("[{}]", fmt::join(t.sizes(), ", ")); }
 
 // The parameters and buffers of a module by qualified name (the names PyTorch's state_dict uses).
 std::map<std::string, at::Tensor> namedTensors(const torch::nn::Module& module) {
@@ -61,7 +60,7 @@ void CheckpointState::restoreModel(torch::nn::Module& module, bool strict) const
     }
     if (it->second.sizes() != dst.sizes())
       throw InvalidArgument(fmt::format("restoreModel: '{}' has shape {} in the checkpoint but {} in the module",
-                                        name, shapeString(it->second), shapeString(dst)));
+                                        name, detail::shapeText(it->second.sizes()), detail::shapeText(dst.sizes())));
   }
   for (const auto& [name, src] : model)
     if (!targets.count(name)) unexpected.push_back(name);

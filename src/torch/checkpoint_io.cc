@@ -80,7 +80,6 @@ std::string digestOf(const c10::impl::GenericDict& dict) {
 
 constexpr const char* kFormat = kCheckpointFormat;
 
-std::string shapeString(const at::Tensor& t) { return fmt::format("[{}]", fmt::join(t.sizes(), ", ")); }
 
 [[noreturn]] void throwErrno(const std::string& what, const std::string& path) {
   throw Error(fmt::format("checkpoint: {} {}: {}", what, path, std::strerror(errno)));
@@ -416,7 +415,7 @@ std::string DictReader::bytes(const std::string& key) const {
   auto t = tensor(key);
   if (t.scalar_type() != torch::kUInt8 || t.dim() != 1)
     fail(key, fmt::format("is a {} tensor of shape {}, expected 1-D uint8", c10::toString(t.scalar_type()),
-                          shapeString(t)));
+                          detail::shapeText(t.sizes())));
   t = t.contiguous();
   return std::string(reinterpret_cast<const char*>(t.data_ptr<uint8_t>()), static_cast<size_t>(t.numel()));
 }

@@ -1,6 +1,8 @@
 #include "errors.h"
 
 #include <c10/util/Exception.h>
+#include <fmt/format.h>
+#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 
 #include "dtrain/comm/error.h"
 
@@ -27,5 +29,7 @@ std::exception_ptr sameType(const std::exception& e, const std::string& msg) {
   if (dynamic_cast<const InvalidArgument*>(&e)) return std::make_exception_ptr(InvalidArgument(msg));
   return std::make_exception_ptr(Error(msg));
 }
+
+std::string shapeText(c10::IntArrayRef sizes) { return fmt::format("[{}]", fmt::join(sizes, ", ")); }
 
 }  // namespace dtrain::detail

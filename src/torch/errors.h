@@ -1,5 +1,8 @@
 // Exception helpers shared by the torch layer's sources (internal; not installed).
 #pragma once
+#include <c10/util/ArrayRef.h>
+
+#include <cstdint>
 #include <exception>
 #include <string>
 
@@ -14,5 +17,8 @@ std::string errorText(const std::exception& e);
 
 // An exception of e's dtrain type (as above) carrying msg.
 std::exception_ptr sameType(const std::exception& e, const std::string& msg);
+
+// A shape as error messages show it: "[4, 16]".
+std::string shapeText(c10::IntArrayRef sizes);
 
 }  // namespace dtrain::detail

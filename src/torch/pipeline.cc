@@ -1,7 +1,6 @@
 // Pipeline parallelism (see pipeline.h): the executor that runs one stage's schedule
 // (pipeline_schedule.cc), its messages going through pipeline_channels.h's channels.
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -27,19 +26,17 @@ double pipeMsSince(Clock::time_point t0) {
   return std::chrono::duration<double, std::milli>(Clock::now() - t0).count();
 }
 
-std::string shapeStr(c10::IntArrayRef s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
-
 int64_t tensorBytes(const at::Tensor& t) {
   return t.defined() ? static_cast<int64_t>(t.numel()) * static_cast<int64_t>(t.element_size()) : 0;
 }
 
 using detail::errorText;
+using detail::shapeText;
 using detail::rethrowWithContext;
 
 }  // namespace
 
 struct Pipeline::Impl {
-  std::vector<torch::nn::Sequential> chunk_seqs;
   std::vector<std::vector<torch::nn::AnyModule>> mods;  // per chunk
   torch::nn::Sequential all;                            // every chunk's modules (module())
   std::shared_ptr<comm::ProcessGroup> pg;
@@ -182,7 +179,7 @@ struct Pipeline::Impl {
     if (!firstVirtual(c)) {
       if (at::isFloatingType(mb.input.scalar_type())) mb.input.requires_grad_(true);
       detail = fmt::format("input {} {} from rank {}", c10::toString(mb.input.scalar_type()),
-                           shapeStr(mb.input.sizes()), prev());
+                           shapeText(mb.input.sizes()), prev());
     }
     const auto t0 = Clock::now();
     mb.bytes = tensorBytes(mb.input);
@@ -191,10 +188,10 @@ struct Pipeline::Impl {
       const at::Tensor& t = b.targets[static_cast<size_t>(m)];
       DTRAIN_CHECK(out.dim() >= 1 && out.size(0) == t.size(0), InvalidArgument,
                    "output of shape {} does not match its {} target rows (the batch has {} rows)",
-                   shapeStr(out.sizes()), t.size(0), static_cast<int64_t>(b.rows));
+                   shapeText(out.sizes()), t.size(0), static_cast<int64_t>(b.rows));
       at::Tensor l = b.loss_fn(out, t);
       DTRAIN_CHECK(l.defined() && l.numel() == 1, InvalidArgument, "the loss function must return a scalar, got shape {}",
-                   l.defined() ? shapeStr(l.sizes()) : "undefined");
+                   l.defined() ? shapeText(l.sizes()) : "undefined");
       // Mean over the micro-batch's rows, weighted by its share of the batch: the batch mean.
       mb.output = l.reshape({}) * (static_cast<double>(t.size(0)) / b.rows);
       b.loss_sum += mb.output.item<double>();
@@ -326,11 +323,10 @@ struct Pipeline::Impl {
   }
 
   // Takes the rank's chunks: their modules, module() and the dtype and device of the parameters.
-  void setUpChunks(std::vector<torch::nn::Sequential> chunks) {
-    chunk_seqs = std::move(chunks);
-    all = V == 1 ? chunk_seqs[0] : torch::nn::Sequential();
+  void setUpChunks(const std::vector<torch::nn::Sequential>& chunks) {
+    all = V == 1 ? chunks[0] : torch::nn::Sequential();
     for (int c = 0; c < V; ++c) {
-      auto& seq = chunk_seqs[static_cast<size_t>(c)];
+      const auto& seq = chunks[static_cast<size_t>(c)];
       DTRAIN_CHECK(seq->size() > 0, InvalidArgument, "stage {} chunk {} has no modules", stage, c);
       mods.emplace_back();
       auto named = seq->named_children();
@@ -376,7 +372,7 @@ Pipeline::Pipeline(std::vector<torch::nn::Sequential> chunks, std::shared_ptr<co
     DTRAIN_CHECK(options.micro_batches >= 1, InvalidArgument, "{} micro-batches", options.micro_batches);
     // The schedule's own checks (one chunk for gpipe and 1F1B, M a multiple of P when interleaved).
     pipelineActions(options.schedule, m.stage, m.stages, options.micro_batches, m.V);
-    m.setUpChunks(std::move(chunks));
+    m.setUpChunks(chunks);
   } catch (const std::exception& e) {
     refused = e.what();
   }

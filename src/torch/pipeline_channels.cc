@@ -2,7 +2,6 @@
 #include "pipeline_channels.h"
 
 #include <fmt/format.h>
-#include <fmt/ranges.h>  // fmt::join (in format.h up to fmt 10)
 #include <torch/torch.h>
 
 #include <algorithm>
@@ -25,8 +24,6 @@ constexpr int kHeaderLen = kHeaderFields + kMaxDims;
 constexpr uint32_t kTagHeader = 0x5001, kTagData = 0x5002;
 
 double msSince(Clock::time_point t0) { return std::chrono::duration<double, std::milli>(Clock::now() - t0).count(); }
-
-std::string shapeText(c10::IntArrayRef s) { return fmt::format("[{}]", fmt::join(s, ", ")); }
 
 }  // namespace
 
