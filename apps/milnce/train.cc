@@ -406,8 +406,12 @@ class Job {
       for (int a = 0; a < accum_; ++a) {
         int64_t m = s * accum_ + a;
         const std::vector<int64_t> rows = rowsOf(m);
+        // Each line reaches the file before its rows are used: a rank killed after its gradients were
+        // reduced (the step then commits on the others) has logged what it read. A line of a step that
+        // did not commit is dropped by the audit (elastic_check.py), as the resume point says.
         if (samples_log_.is_open())
-          samples_log_ << fmt::format("epoch {} step {}: {}\n", epoch, step_ + 1, fmt::join(rows, " "));
+          samples_log_ << fmt::format("epoch {} step {}: {}\n", epoch, step_ + 1, fmt::join(rows, " "))
+                       << std::flush;
         dtrain::Stopwatch waited;
         Batch batch = [&] {
           DTRAIN_SPAN("data.wait", "data");
@@ -419,8 +423,6 @@ class Job {
       const double lr = learningRate(o_.lr, step_, total_, warmup_steps_);
       trainer_.optimizerStep(step_, total_, warmup_steps_);
       ++step_;
-      // Each step's lines reach the file before the next step: a rank killed later loses none of them.
-      if (samples_log_.is_open()) samples_log_.flush();
       loss_sum += loss;
       const double step_s = step_time.lap();
       log_->step(epoch, step_, loss, lr, samples_per_step / std::max(step_s, 1e-9), step_s, trainer_.commStats(),

@@ -30,11 +30,27 @@ def fail(msg):
     sys.exit(1)
 
 
+def describe(counts, names):
+    """(file, segment start, step) -> lines, as text: each segment's steps, and the steps whose line count
+    differs from the most common one (where samples went missing or were read twice)."""
+    usual = collections.Counter(counts.values()).most_common(1)[0][0]
+    by_seg = collections.defaultdict(dict)
+    for (fi, a, s), n in counts.items():
+        by_seg[(fi, a)][s] = n
+    out = []
+    for (fi, a), steps in sorted(by_seg.items()):
+        odd = {s: n for s, n in sorted(steps.items()) if n != usual}
+        gaps = [s for s in range(min(steps), max(steps) + 1) if s not in steps]
+        out.append(f"{names[fi]} (from step {a}): steps {min(steps)}-{max(steps)}, {usual} line(s) each"
+                   + (f" but {odd}" if odd else "") + (f", none at steps {gaps}" if gaps else ""))
+    return "; ".join(out)
+
+
 def main():
     run, ref, per_epoch, every = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
     # Each rank file: segments, one per process that appended to it, each from its "# start: ... from
     # step S" line. A segment's steps past the next round's start (the first later start) were lost.
-    files = []
+    files, names = [], []
     for path in sorted(glob.glob(os.path.join(run, "samples-rank*.txt"))):
         segments = []
         for line in open(path):
@@ -46,11 +62,13 @@ def main():
             if m and segments:
                 segments[-1][1].append((int(m[1]), int(m[2]), [int(x) for x in m[3].split()]))
         files.append(segments)
+        names.append(os.path.basename(path))
     starts = sorted({a for segs in files for a, _ in segs})
     resumes = [a for a in starts if a > 0]
     committed = collections.defaultdict(collections.Counter)  # epoch -> sample -> count
+    lines_at = collections.defaultdict(collections.Counter)  # epoch -> (file, segment start, step) -> lines
     lost_max = 0
-    for segs in files:
+    for fi, segs in enumerate(files):
         for a, lines in segs:
             cut = next((b for b in starts if b > a), None)
             for e, s, idx in lines:
@@ -59,11 +77,14 @@ def main():
                     continue
                 for i in idx:
                     committed[e][i] += 1
+                lines_at[e][(fi, a, s)] += 1
     if not committed:
         fail(f"no samples logged in {run}")
     for e, c in sorted(committed.items()):
         bad = {i: n for i, n in c.items() if n != 1}
         if len(c) != per_epoch or bad:
+            print(f"elastic_check: epoch {e}: committed micro-batch lines per (file, segment, step): "
+                  + describe(lines_at[e], names))
             fail(f"epoch {e}: {len(c)} distinct samples of {per_epoch}, {len(bad)} read more than once "
                  f"(e.g. {list(bad.items())[:5]})")
     print(f"elastic_check: {len(committed)} epochs, each of the {per_epoch} samples read once in committed steps; "
