@@ -117,6 +117,9 @@ int main(int argc, char** argv) {
   tr->add_option("--lr", t.lr, "Adam learning rate (peak, after warmup)");
   tr->add_option("--warmup", t.warmup, "fraction of steps for linear warmup")->check(CLI::Range(0.0, 1.0));
   tr->add_option("--seed", t.seed, "seed for the model and the loader");
+  tr->add_option("--bucket-mb", t.bucket_mb, "DDP gradient bucket cap in MiB (DTRAIN_TUNE=on tunes it instead)")
+      ->check(CLI::PositiveNumber);
+  tr->add_option("--first-bucket-mb", t.first_bucket_mb, "DDP's first bucket's cap in MiB")->check(CLI::PositiveNumber);
   tr->add_option("--comm-hook", t.comm_hook, "gradient compression: none, fp16[:always], bf16[:always], topk:RATIO, powersgd:R[:START]");
   tr->add_option("--optimizer", t.optimizer, "adam, lamb or lars (large batches)")->check(CLI::IsMember({"adam", "lamb", "lars"}));
   tr->add_option("--weight-decay", t.weight_decay, "weight decay (lamb/lars: not on biases and norm weights)")

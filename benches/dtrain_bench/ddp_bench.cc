@@ -56,6 +56,7 @@ struct Options {
   int local_sgd = 0;
   std::string device = "cpu";
   double bucket_mb = 25, first_bucket_mb = 1;  // DDPOptions' defaults (PyTorch's)
+  std::string model = "mlp";                    // ddp: mlp (the reference MLP) or conv (reference_mlp.h)
   Observe observe;
 };
 
@@ -64,7 +65,7 @@ Record runConfig(const Options& o) {
   return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
       .set("threads", o.threads).set("hook", o.hook)
       .set("local_sgd", o.local_sgd).set("device", o.device).set("bucket_mb", o.bucket_mb)
-      .set("first_bucket_mb", o.first_bucket_mb);
+      .set("first_bucket_mb", o.first_bucket_mb).set("model", o.model);
 }
 
 // Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
@@ -75,20 +76,33 @@ bool lossy(const CommHookSpec& spec, const Options& o) {
   return spec.kind == "topk" || spec.kind == "powersgd" || o.local_sgd > 0;
 }
 
-ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Options& o, const CommHookSpec& spec) {
+// `trained`: the steps net took (warm-up, bucket tuning's and timed ones).
+ParamCheck checkParams(Distributed& dist, torch::nn::Sequential& net, const Options& o, const CommHookSpec& spec,
+                       int trained) {
   if (!lossy(spec, o)) {
-    auto [gx, gy] = globalBatch(dist.size(), o.batch);
-    auto ref = trainReference(gx, gy, o.warmup + o.steps);
-    return compareParams(net, ref, spec.kind == "none" ? kTolerance : kToleranceCompressed);
+    const BenchModel m = parseBenchModel(o.model);
+    auto [gx, gy] = globalBatch(dist.size(), o.batch, m);
+    auto ref = trainReference(gx, gy, trained, m);
+    return compareParams(net, ref, spec.kind == "none" ? kTolerance : kToleranceCompressed, m);
   }
   return ranksAgree(*dist.world(), net->parameters());
+}
+
+const char* tuneName(DDPTuning::State s) {
+  switch (s) {
+    case DDPTuning::State::probing: return "probing";
+    case DDPTuning::State::cached: return "cached";
+    case DDPTuning::State::tuned: return "tuned";
+    default: return "off";
+  }
 }
 
 int runDdp(const Options& o) {
   torch::set_num_threads(1);
   auto dist = dtrain::init();
   const torch::Device device = selectDevice(o.device, dist.localRank());
-  auto net = referenceMlp();
+  const BenchModel model = parseBenchModel(o.model);
+  auto net = benchModel(model);
   net->to(device);
   DDPOptions ddp_options;
   ddp_options.bucket_bytes = static_cast<size_t>(o.bucket_mb * (1 << 20));
@@ -103,7 +117,7 @@ int runDdp(const Options& o) {
     averager = std::make_unique<PeriodicModelAverager>(dist.world(), o.local_sgd);
   }
   auto opt = makeSgd(net);
-  auto [x_cpu, y_cpu] = rankBatch(dist.rank(), o.batch);
+  auto [x_cpu, y_cpu] = rankBatch(dist.rank(), o.batch, model);
   const at::Tensor x = x_cpu.to(device), y = y_cpu.to(device);
   // The clock reads the GPU's time too: every step's work done before the barrier that ends the loop.
   auto settle = [&] {
@@ -111,10 +125,14 @@ int runDdp(const Options& o) {
   };
   auto log = o.observe.open(dist.isMain(), "ddp", dist.size(), runConfig(o).set("transport", dist.world()->transportName()));
   double hidden = 0;
-  for (int i = 0; i < o.warmup; ++i) {
+  // Warm-up, then (DTRAIN_TUNE) as many steps as bucket-size tuning takes: timed steps use its choice.
+  int trained = 0;
+  while (trained < o.warmup || ddp.tuning().state == DDPTuning::State::probing) {
     sgdStep(net, opt, x, y);
     if (averager) averager->averageParameters(net->parameters());
+    ++trained;
   }
+  trained += o.steps;
   settle();
   dist.world()->barrier()->wait();
   Progress progress("ddp", o.steps, o.observe.progress(dist.isMain(), "step"));
@@ -144,7 +162,7 @@ int runDdp(const Options& o) {
 
   if (averager) averageParameters(net->parameters(), *dist.world());  // local SGD: agree before the check
   net->to(torch::kCPU);  // the reference runs on the CPU
-  const ParamCheck mine = checkParams(dist, net, o, spec);
+  const ParamCheck mine = checkParams(dist, net, o, spec, trained);
   if (mine.wrong != 0 && lossy(spec, o)) {
     std::fprintf(stderr, "dtrain-bench ddp: rank %d: %lld of %lld parameter tensors differ between ranks (largest %.3g)\n",
                  dist.rank(), static_cast<long long>(mine.wrong), static_cast<long long>(mine.tensors), mine.max_rel);
@@ -160,15 +178,19 @@ int runDdp(const Options& o) {
   dist.world()->allreduce(&all.wrong, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
   dist.world()->allreduce(&all.tensors, 1, comm::DType::i64, comm::ReduceOp::sum)->wait();
   dist.world()->allreduce(&all.max_rel, 1, comm::DType::f64, comm::ReduceOp::max)->wait();
+  const DDPTuning tuned = ddp.tuning();
   const std::string shown = o.local_sgd > 0 ? "local-sgd:" + std::to_string(o.local_sgd) : o.hook;
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
-                "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s%s\n",
+                "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s model=%s bucket_mb=%g "
+                "first_bucket_mb=%g tune=%s%s\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
                 dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), shown.c_str(),
                 static_cast<unsigned long long>(sent_total / static_cast<uint64_t>(o.steps)),
                 static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel,
-                lossy(spec, o) ? "ranks-agree" : "reference", device.is_cpu() ? "" : (" device=" + device.str()).c_str());
+                lossy(spec, o) ? "ranks-agree" : "reference", o.model.c_str(), tuned.bucket_bytes / double(1 << 20),
+                tuned.first_bucket_bytes / double(1 << 20), tuneName(tuned.state),
+                device.is_cpu() ? "" : (" device=" + device.str()).c_str());
   }
   if (log) {
     Record r("bench");
@@ -177,6 +199,8 @@ int runDdp(const Options& o) {
         .set("samples_per_s", dist.size() * o.batch / dt)
         .set("bytes_per_step", sent_total / static_cast<uint64_t>(o.steps));
     if (dist.size() > 1) r.set("hidden_fraction", hidden / o.steps);
+    r.set("model", o.model).set("bucket_bytes", static_cast<int64_t>(tuned.bucket_bytes))
+        .set("first_bucket_bytes", static_cast<int64_t>(tuned.first_bucket_bytes)).set("tune", tuneName(tuned.state));
     log->write(r.set("wrong", all.wrong).set("tensors", all.tensors).set("max_err", all.max_rel));
   }
   return mine.wrong == 0 && all.wrong == 0 ? 0 : 1;
@@ -196,6 +220,8 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--bucket-mb", o->bucket_mb, "ddp: bucket cap in MiB (DDPOptions::bucket_bytes)")->check(CLI::PositiveNumber);
   sub->add_option("--first-bucket-mb", o->first_bucket_mb, "ddp: first bucket's cap in MiB")->check(CLI::PositiveNumber);
   sub->add_option("--threads", o->threads, "dp: replica threads");
+  sub->add_option("--model", o->model, "ddp: mlp (the reference MLP, 7.9M parameters) or conv (a small conv net on "
+                  "3x32x32 images, 2.8M)")->check(CLI::IsMember({"mlp", "conv"}));
   o->observe.addOptions(sub);
   sub->add_option("--device", o->device, "ddp: cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto");
   sub->add_option("--hook", o->hook, "ddp: none, fp16, bf16, topk:RATIO or powersgd:R[:START] (dtrain/hook_spec.h)");

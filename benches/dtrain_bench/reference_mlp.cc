@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "dtrain/comm/error.h"
 #include "dtrain/trace.h"
 
 namespace dtrain::bench {
@@ -15,17 +16,36 @@ torch::nn::Sequential referenceMlp() {
                                torch::nn::Linear(1024, 10));
 }
 
-std::pair<at::Tensor, at::Tensor> rankBatch(int rank, int rows) {
+BenchModel parseBenchModel(const std::string& name) {
+  if (name == "mlp" || name == "reference") return BenchModel::mlp;
+  if (name == "conv") return BenchModel::conv;
+  throw InvalidArgument("--model '" + name + "' (expected mlp or conv)");
+}
+
+torch::nn::Sequential benchModel(BenchModel m) {
+  if (m == BenchModel::mlp) return referenceMlp();
+  torch::manual_seed(0);
+  auto conv = [](int64_t in, int64_t out, int64_t stride) {
+    return torch::nn::Conv2d(torch::nn::Conv2dOptions(in, out, 3).stride(stride).padding(1));
+  };
+  return torch::nn::Sequential(conv(3, 64, 1), torch::nn::ReLU(), conv(64, 128, 2), torch::nn::ReLU(),
+                               conv(128, 256, 2), torch::nn::ReLU(), conv(256, 256, 1), torch::nn::ReLU(),
+                               conv(256, 512, 2), torch::nn::ReLU(),
+                               torch::nn::AdaptiveAvgPool2d(torch::nn::AdaptiveAvgPool2dOptions(1)),
+                               torch::nn::Flatten(), torch::nn::Linear(512, 1000));
+}
+
+std::pair<at::Tensor, at::Tensor> rankBatch(int rank, int rows, BenchModel m) {
   auto g = at::make_generator<at::CPUGeneratorImpl>(rank);
-  auto x = at::randn({rows, 784}, g);
-  auto y = at::randint(0, 10, {rows}, g, torch::kLong);
+  auto x = m == BenchModel::mlp ? at::randn({rows, 784}, g) : at::randn({rows, 3, 32, 32}, g);
+  auto y = at::randint(0, m == BenchModel::mlp ? 10 : 1000, {rows}, g, torch::kLong);
   return {x, y};
 }
 
-std::pair<at::Tensor, at::Tensor> globalBatch(int world, int rows_per_rank) {
+std::pair<at::Tensor, at::Tensor> globalBatch(int world, int rows_per_rank, BenchModel m) {
   std::vector<at::Tensor> xs, ys;
   for (int r = 0; r < world; ++r) {
-    auto [x, y] = rankBatch(r, rows_per_rank);
+    auto [x, y] = rankBatch(r, rows_per_rank, m);
     xs.push_back(x);
     ys.push_back(y);
   }
@@ -48,16 +68,16 @@ void sgdStep(torch::nn::Sequential& net, torch::optim::SGD& opt, const at::Tenso
   opt.step();
 }
 
-torch::nn::Sequential trainReference(const at::Tensor& x, const at::Tensor& y, int steps) {
-  auto net = referenceMlp();
+torch::nn::Sequential trainReference(const at::Tensor& x, const at::Tensor& y, int steps, BenchModel m) {
+  auto net = benchModel(m);
   auto opt = makeSgd(net);
   for (int i = 0; i < steps; ++i) sgdStep(net, opt, x, y);
   return net;
 }
 
-ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol) {
+ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol, BenchModel m) {
   torch::NoGradGuard no_grad;
-  auto init = referenceMlp();
+  auto init = benchModel(m);
   auto p = net->parameters(), q = ref->parameters(), p0 = init->parameters();
   ParamCheck c;
   c.tensors = static_cast<int64_t>(p.size());

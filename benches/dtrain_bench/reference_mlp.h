@@ -11,6 +11,7 @@
 #include <torch/torch.h>
 
 #include <cstdint>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -18,21 +19,30 @@
 
 namespace dtrain::bench {
 
+// The models a benchmark can train: the reference MLP, or a small convolutional net on 3x32x32 images
+// (conv 3-64-128-256-256-512, 3x3, ReLU, stride 2 at 128, 256 and 512; average pool; linear 512-1000;
+// 2.8M parameters): compute-heavy for its size, where the MLP is parameter-heavy.
+enum class BenchModel { mlp, conv };
+// "mlp" or "conv"; InvalidArgument otherwise.
+BenchModel parseBenchModel(const std::string& name);
+
 // Seeded: every call returns the same initial weights.
 torch::nn::Sequential referenceMlp();
+torch::nn::Sequential benchModel(BenchModel m);
 
-// Rank r's fixed batch (inputs [rows, 784], labels [rows]) from a generator seeded with r.
-std::pair<at::Tensor, at::Tensor> rankBatch(int rank, int rows);
+// Rank r's fixed batch (inputs [rows, 784] or [rows, 3, 32, 32], labels [rows]) from a generator
+// seeded with r.
+std::pair<at::Tensor, at::Tensor> rankBatch(int rank, int rows, BenchModel m = BenchModel::mlp);
 
 // The ranks' batches 0..world-1 concatenated: the global batch a data-parallel step sees.
-std::pair<at::Tensor, at::Tensor> globalBatch(int world, int rows_per_rank);
+std::pair<at::Tensor, at::Tensor> globalBatch(int world, int rows_per_rank, BenchModel m = BenchModel::mlp);
 
 // One SGD step (lr 0.01, momentum 0.9) on the mean cross entropy of (x, y); the benchmarks' step.
 void sgdStep(torch::nn::Sequential& net, torch::optim::SGD& opt, const at::Tensor& x, const at::Tensor& y);
 torch::optim::SGD makeSgd(torch::nn::Sequential& net);
 
-// referenceMlp() after `steps` SGD steps on (x, y), in this process with plain libtorch.
-torch::nn::Sequential trainReference(const at::Tensor& x, const at::Tensor& y, int steps);
+// benchModel(m) after `steps` SGD steps on (x, y), in this process with plain libtorch.
+torch::nn::Sequential trainReference(const at::Tensor& x, const at::Tensor& y, int steps, BenchModel m = BenchModel::mlp);
 
 struct ParamCheck {
   int64_t wrong = 0;    // parameter tensors beyond the tolerance
@@ -46,7 +56,8 @@ struct ParamCheck {
 // equal computation in another summation order flips a few ReLUs within steps and drifts to
 // relative errors of about 1e-3 after 30 steps, while not averaging, or averaging only some
 // buckets, is off by order 1.
-ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol);
+ParamCheck compareParams(torch::nn::Sequential& net, torch::nn::Sequential& ref, double tol,
+                         BenchModel m = BenchModel::mlp);
 
 // Data parallelism's invariant: every rank of pg holds the same parameters. Each of `params`' sums is
 // compared across ranks (min against max, collective); wrong counts those that differ, max_rel is the

@@ -63,6 +63,50 @@ struct DDPOptions {
   bool broadcast_buffers = true;
   // Rebuild buckets after the first iteration in gradient arrival order.
   bool rebuild_buckets = true;
+
+  // Bucket-size tuning (docs/PERFORMANCE.md, "Self-tuning"). When on, the synced passes after the first
+  // try the bucket caps of a fixed list (1, 2, 4, 8, 16, 25 and 64 MiB, first bucket 1 MiB, and the two
+  // sizes above; caps that give the same buckets count once), in tune_rounds rounds, one pass per cap
+  // per round, each timed from the end of the synced backward before it to its own end (the whole
+  // training step: optimizer, forward, backward, the allreduce backward did not hide).
+  // Every rank's times are combined (the slowest rank's), each cap's median is taken and the fastest
+  // cap is kept from then on. Training goes on meanwhile: every pass's gradients are averaged as
+  // always. Rank 0 appends the choice to the tuning cache (DTRAIN_TUNE_CACHE, else
+  // $XDG_CACHE_HOME/dtrain/tune.tsv, else ~/.cache/dtrain/tune.tsv), keyed by rank 0's host name,
+  // the world size, the transport, the device type and the parameters' sizes; a later run that finds
+  // its key takes the cached sizes after its first pass and times nothing.
+  //   from_env: DTRAIN_TUNE decides: on, off or refresh (unset: off). The default stays off: tuned
+  //             buckets change the order of floating-point sums, so the same command could give
+  //             different bits from run to run depending on a cache file.
+  //   on:      tune, unless the cache knows this key.    refresh: tune and replace the cached choice.
+  //   off:     keep bucket_bytes and first_bucket_bytes.
+  // Tuning stops (back to the sizes above) when a comm hook is registered or a dtrain::Join scope is
+  // active (a hook's per-bucket state, a joined rank's shadow passes); a world of one does not tune.
+  // Every rank must tune or not alike (a rank that does not would meet the others' extra collectives).
+  enum class Tune { from_env, off, on, refresh };
+  Tune tune = Tune::from_env;
+  int tune_rounds = 5;  // timed passes per candidate cap (the median is kept); >= 1
+};
+
+// What bucket-size tuning did (DistributedDataParallel::tuning()).
+struct DDPTuning {
+  enum class State { off, probing, cached, tuned };
+  State state = State::off;
+  std::string why_off;  // state off: why ("DTRAIN_TUNE is off", "one rank", "a comm hook was registered", ...)
+  // The sizes in use now (the configured ones until tuning ends).
+  size_t bucket_bytes = 0, first_bucket_bytes = 0;
+  // tuned: every candidate, in the order tried, with its median step time over the rounds (the
+  // slowest rank's time of each timed pass); `configured` marks DDPOptions' own sizes.
+  struct Candidate {
+    size_t bucket_bytes = 0, first_bucket_bytes = 0;
+    size_t buckets = 0;  // how many buckets these caps make
+    bool configured = false;
+    double median_ms = 0;
+    std::vector<double> ms;  // each round's time
+  };
+  std::vector<Candidate> candidates;
+  std::string cache_path;  // the tuning cache read (and, when tuned, written) by rank 0
+  std::string key;         // this job's key in it
 };
 
 namespace detail {
@@ -198,6 +242,8 @@ class DistributedDataParallel {
     double hiddenFraction() const { return comm_ms > 0 ? std::max(0.0, 1.0 - exposed_ms / comm_ms) : 0.0; }
   };
   Stats lastStats() const;
+  // Bucket-size tuning's state and findings (DDPOptions::tune).
+  DDPTuning tuning() const;
 
   struct Impl;
 

@@ -43,6 +43,7 @@ int64_t seqOf(const comm::Work& w) {
 
 void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& order) {
   buckets.clear();
+  layout_order = order;
   bucket_of.assign(params.size(), 0);
   offset_of.assign(params.size(), 0);
   auto groups = detail::assignBuckets(params, order, {opts.bucket_bytes, opts.first_bucket_bytes});
@@ -230,7 +231,12 @@ void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_po
 }
 
 void DistributedDataParallel::Impl::afterSyncedPass() {
-  if (synced_passes++ == 0 && opts.rebuild_buckets && pg->size() > 1) rebuildFromArrival();
+  if (synced_passes++ == 0) {
+    if (opts.rebuild_buckets && pg->size() > 1) rebuildFromArrival();
+    startTuning();
+  } else if (tune.report.state == DDPTuning::State::probing) {
+    tuneAfterPass();
+  }
 }
 
 // Rank 0's arrival order becomes everyone's bucket order (unused parameters last).
@@ -317,10 +323,13 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   DTRAIN_CHECK(pg != nullptr, InvalidArgument, "DistributedDataParallel: process group is null");
   DTRAIN_CHECK(options.bucket_bytes > 0 && options.first_bucket_bytes > 0, InvalidArgument,
                "DistributedDataParallel: bucket sizes must be positive");
+  DTRAIN_CHECK(options.tune_rounds >= 1, InvalidArgument, "DistributedDataParallel: tune_rounds must be >= 1, got {}",
+               options.tune_rounds);
   Impl& m = *impl_;
   m.module = std::move(module);
   m.pg = std::move(pg);
   m.opts = options;
+  m.tune.mode = detail::resolveTune(options.tune);
   // A weight shared by two submodules (tied) is listed under both names: it is one parameter, with its
   // first name.
   for (const auto& [name, p] : uniqueParameters(*m.module)) {
@@ -388,12 +397,20 @@ void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) {
     m.chain_pg = m.pg->newGroup(all);
   }
   if (hook && !m.hook_runner) m.hook_runner = std::make_unique<detail::HookRunner>();
+  // A hook may keep state per bucket: the layout must not change under it.
+  if (hook && m.tune.report.state == DDPTuning::State::probing) m.stopTuning("a comm hook was registered");
   m.hook = std::move(hook);
 }
 const std::vector<at::Tensor>& DistributedDataParallel::parameters() const { return impl_->params; }
 const std::vector<std::string>& DistributedDataParallel::parameterNames() const { return impl_->names; }
 comm::ProcessGroup& DistributedDataParallel::processGroup() const { return *impl_->pg; }
 DistributedDataParallel::Stats DistributedDataParallel::lastStats() const { return impl_->stats; }
+DDPTuning DistributedDataParallel::tuning() const {
+  DDPTuning t = impl_->tune.report;
+  t.bucket_bytes = impl_->opts.bucket_bytes;
+  t.first_bucket_bytes = impl_->opts.first_bucket_bytes;
+  return t;
+}
 
 std::vector<std::vector<size_t>> DistributedDataParallel::bucketLayout() const {
   std::vector<std::vector<size_t>> out;

@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "buckets.h"
 #include "ddp_hooks.h"
 #include "dtrain/compat.h"
 #include "dtrain/ddp.h"
@@ -50,6 +51,20 @@ struct JoinState {
   std::vector<int32_t> flags;  // the handshake buffer: flags[r] = 1 while rank r trains
   comm::WorkPtr handshake;
 };
+// DDPOptions::tune with from_env resolved from DTRAIN_TUNE; InvalidArgument naming a bad value.
+DDPOptions::Tune resolveTune(DDPOptions::Tune asked);
+
+// Bucket-size tuning (DDPOptions::tune), from the first synced pass. Visit v (one synced pass) tries
+// candidate v % sizes.size() in round v / sizes.size(); its time is samples[v].
+struct TuneState {
+  DDPOptions::Tune mode = DDPOptions::Tune::off;  // resolved (DTRAIN_TUNE read) by the constructor
+  DDPTuning report;
+  BucketSizes configured;
+  std::vector<BucketSizes> sizes;  // the candidates (distinct layouts)
+  size_t visit = 0;
+  Clock::time_point since;  // this visit's buckets were built then
+  std::vector<double> samples;
+};
 }  // namespace detail
 
 struct DistributedDataParallel::Impl {
@@ -64,6 +79,8 @@ struct DistributedDataParallel::Impl {
   std::vector<uintptr_t> hook_keys;
   std::vector<detail::Bucket> buckets;
   std::vector<size_t> bucket_of, offset_of;  // per parameter: its bucket and element offset there
+  std::vector<size_t> layout_order;          // the order the buckets were built in (buildBuckets)
+  detail::TuneState tune;                    // bucket-size tuning (ddp_tune.cc)
   std::shared_ptr<CommHook> hook;
   std::optional<detail::JoinState> join;
 
@@ -103,6 +120,15 @@ struct DistributedDataParallel::Impl {
   // After every synced pass (shadowed ones too): the bucket rebuild of the first pass.
   void afterSyncedPass();
   void rebuildFromArrival();
+
+  // Bucket-size tuning (ddp_tune.cc). After the first synced pass: off, the cached sizes, or probing.
+  void startTuning();
+  // After each later synced pass while probing: the next candidate, or the choice.
+  void tuneAfterPass();
+  // Back to the configured sizes (a hook or Join arrived while probing).
+  void stopTuning(const std::string& why);
+  // Rebuilds the buckets in layout_order with these caps.
+  void applyBucketSizes(const detail::BucketSizes& sizes);
 
   // Buffers (broadcast_buffers): one broadcast per dtype from root, issued now, unpacked by end.
   std::vector<comm::WorkPtr> startBufferBroadcast(int root);

@@ -42,7 +42,9 @@ constexpr const char* kVariables[] = {
     // the parameter server's roles (dtrain-run --servers S)
     "DTRAIN_ROLE", "DTRAIN_SERVER_INDEX", "DTRAIN_NUM_SERVERS", "DTRAIN_NUM_WORKERS", "DTRAIN_NUM_NODES",
     // the flight recorder (src/comm/trace/flight_recorder.cc); TMPDIR for its default dump directory
-    "DTRAIN_TRACE_BUFFER", "DTRAIN_FLIGHT_DIR", "DTRAIN_FLIGHT_PROGRESS", "TMPDIR"};
+    "DTRAIN_TRACE_BUFFER", "DTRAIN_FLIGHT_DIR", "DTRAIN_FLIGHT_PROGRESS", "TMPDIR",
+    // DDP's bucket-size tuning (src/torch/ddp_tune.cc) and where it caches its choices
+    "DTRAIN_TUNE", "DTRAIN_TUNE_CACHE", "XDG_CACHE_HOME", "HOME"};
 
 void checkKnown(const std::string& name) {
   for (const char* v : kVariables)
