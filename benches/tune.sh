@@ -35,6 +35,10 @@ done
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
 data=$tmp/data
+# Copies: a rebuild of $build during the run cannot swap a binary mid-run.
+mkdir -p "$tmp/bin"
+cp "$build/bin/dtrain-run" "$build/bin/dtrain-bench" "$build/bin/milnce" "$tmp/bin/"
+build=$tmp
 run=("$build/bin/dtrain-run" --standalone --nproc-per-node "$world")
 
 # one MODEL SETTING REP: runs one and appends "model setting rep ms chosen_mb" to $tmp/results.

@@ -66,9 +66,9 @@ struct DDPOptions {
 
   // Bucket-size tuning (docs/PERFORMANCE.md, "Self-tuning"). When on, the synced passes after the first
   // try the bucket caps of a fixed list (1, 2, 4, 8, 16, 25 and 64 MiB, first bucket 1 MiB, and the two
-  // sizes above; caps that give the same buckets count once), in tune_rounds rounds, one pass per cap
-  // per round, each timed from the end of the synced backward before it to its own end (the whole
-  // training step: optimizer, forward, backward, the allreduce backward did not hide).
+  // sizes above; caps that give the same buckets count once), in tune_rounds rounds, one synced pass
+  // per cap per round, each timed from its first gradient to the end of its backward (backward with
+  // the buckets' allreduces beside it, and what backward did not hide).
   // Every rank's times are combined (the slowest rank's), each cap's median is taken and the fastest
   // cap is kept from then on. Training goes on meanwhile: every pass's gradients are averaged as
   // always. Rank 0 appends the choice to the tuning cache (DTRAIN_TUNE_CACHE, else
@@ -95,14 +95,15 @@ struct DDPTuning {
   std::string why_off;  // state off: why ("DTRAIN_TUNE is off", "one rank", "a comm hook was registered", ...)
   // The sizes in use now (the configured ones until tuning ends).
   size_t bucket_bytes = 0, first_bucket_bytes = 0;
-  // tuned: every candidate, in the order tried, with its median step time over the rounds (the
-  // slowest rank's time of each timed pass); `configured` marks DDPOptions' own sizes.
+  // tuned: every candidate, in the order tried, with its median time over the rounds (the
+  // slowest rank's time of each timed pass, backward and its exposed allreduce: not a whole step);
+  // `configured` marks DDPOptions' own sizes.
   struct Candidate {
     size_t bucket_bytes = 0, first_bucket_bytes = 0;
     size_t buckets = 0;  // how many buckets these caps make
     bool configured = false;
     double median_ms = 0;
-    std::vector<double> ms;  // each round's time
+    std::vector<double> ms;  // each round's time (ms)
   };
   std::vector<Candidate> candidates;
   std::string cache_path;  // the tuning cache read (and, when tuned, written) by rank 0

@@ -92,6 +92,7 @@ void DistributedDataParallel::Impl::adoptGrad(size_t i) {
 
 void DistributedDataParallel::Impl::startPass() {
   in_backward = true;
+  if (tune.report.state == DDPTuning::State::probing) tune.pass_began = Clock::now();
   pass_start_us = timeline::on() ? comm::trace::nowUs() : 0;
   pass_start_bytes = comm::bytesSent();
   ready.assign(params.size(), 0);

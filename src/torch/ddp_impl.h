@@ -54,16 +54,18 @@ struct JoinState {
 // DDPOptions::tune with from_env resolved from DTRAIN_TUNE; InvalidArgument naming a bad value.
 DDPOptions::Tune resolveTune(DDPOptions::Tune asked);
 
-// Bucket-size tuning (DDPOptions::tune), from the first synced pass. Visit v (one synced pass) tries
-// candidate v % sizes.size() in round v / sizes.size(); its time is samples[v].
+// Bucket-size tuning (DDPOptions::tune), from the first synced pass. Visit v (one synced pass) is in
+// round v / n (n = sizes.size()) and tries candidate (v + v / n) % n: each round a rotation of the
+// last, so no candidate always follows the same one. Its time is samples[v].
 struct TuneState {
   DDPOptions::Tune mode = DDPOptions::Tune::off;  // resolved (DTRAIN_TUNE read) by the constructor
   DDPTuning report;
   BucketSizes configured;
   std::vector<BucketSizes> sizes;  // the candidates (distinct layouts)
   size_t visit = 0;
-  Clock::time_point since;  // this visit's buckets were built then
+  Clock::time_point pass_began;  // this visit's pass: its first gradient (startPass)
   std::vector<double> samples;
+  size_t candidateOf(size_t v) const { return (v + v / sizes.size()) % sizes.size(); }
 };
 }  // namespace detail
 

@@ -47,6 +47,16 @@ std::unique_ptr<Hierarchy> makeHierarchy(const std::shared_ptr<Store>& store, in
                                          const std::vector<std::string>& host_ids,
                                          const transport::TransportOptions& opts);
 
+// The size thresholds of the automatic allreduce choice (select.cc): these defaults, or a group's own
+// after DTRAIN_TUNE probed them (src/comm/group/tune.cc).
+struct Thresholds {
+  // Messages (no staging area): recursive doubling up to this many bytes, the ring above.
+  size_t rd_max_bytes = 32u << 10;
+  // A staging area with more ranks than cores: recursive doubling up to this many bytes, direct above
+  // (4 ranks on 2 cores, 4 KiB: 39 us against 47).
+  size_t direct_oversubscribed_min_bytes = 16u << 10;
+};
+
 // Everything an algorithm needs: the transport, who we are, the op's label and deadline, and a
 // scratch buffer owned by the group (reused across ops).
 struct Context {
@@ -63,6 +73,8 @@ struct Context {
   const char* algorithm = "";
   // The group's hosts when it spans several (see Hierarchy); null otherwise and in the stages' contexts.
   Hierarchy* hier = nullptr;
+  // The group's thresholds; null: the defaults.
+  const Thresholds* thresholds = nullptr;
 
   // A stage's context (hierarchical.cc): its ranks as the group's, so that traces name the real peers.
   const std::vector<int>* group_ranks = nullptr;

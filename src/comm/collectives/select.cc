@@ -13,13 +13,12 @@ namespace dtrain::comm::algo {
 
 namespace {
 
-// Allreduce over messages: at most this many bytes, recursive doubling (latency: log2(n) rounds of the
-// whole buffer); above it, the ring (bandwidth: 2(n-1)/n of the buffer per link).
-constexpr size_t kRecursiveDoublingMaxBytes = 32u << 10;
-// Direct allreduce over a staging area: always, except when ranks outnumber cores and the buffer is
-// at most this size, where recursive doubling's log2(n) exchanges beat three rounds of waiting on every
-// rank (4 ranks on 2 cores, 4 KiB: 39 us against 47).
-constexpr size_t kDirectOversubscribedMinBytes = 16u << 10;
+// Allreduce over messages: up to Thresholds::rd_max_bytes, recursive doubling (latency: log2(n) rounds
+// of the whole buffer); above it, the ring (bandwidth: 2(n-1)/n of the buffer per link). Direct allreduce
+// over a staging area: always, except when ranks outnumber cores and the buffer is at most
+// Thresholds::direct_oversubscribed_min_bytes, where recursive doubling's log2(n) exchanges beat three
+// rounds of waiting on every rank. (collectives.h has the defaults; DTRAIN_TUNE probes a group's own.)
+const Thresholds kDefaultThresholds;
 // Broadcast and reduce: at most this many bytes, a binomial tree; above, scatter/reduce-scatter + ring.
 constexpr size_t kTreeMaxBytes = 64u << 10;
 
@@ -31,6 +30,7 @@ bool smallForTree(const Context& c, size_t count, DType t) {
 
 AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, AllreduceAlgorithm asked) {
   const size_t bytes = count * dtypeSize(t);
+  const Thresholds& limits = c.thresholds ? *c.thresholds : kDefaultThresholds;
   // A group across hosts: in stages (shm within each host, tcp across) whenever some host has more than
   // one rank, since then the stages keep (L-1)/L of the flat ring's cross-host traffic inside the hosts
   // and their latency is log2(hosts) tcp rounds instead of log2(ranks). Forced, it runs on any layout
@@ -41,10 +41,10 @@ AllreduceAlgorithm chooseAllreduce(const Context& c, size_t count, DType t, Allr
   }
   if (asked == AllreduceAlgorithm::ring || asked == AllreduceAlgorithm::recursive_doubling) return asked;
   if (c.tx && c.tx->staging() &&
-      (asked == AllreduceAlgorithm::direct || !c.tx->oversubscribed() || bytes > kDirectOversubscribedMinBytes)) {
+      (asked == AllreduceAlgorithm::direct || !c.tx->oversubscribed() || bytes > limits.direct_oversubscribed_min_bytes)) {
     return AllreduceAlgorithm::direct;
   }
-  return bytes <= kRecursiveDoublingMaxBytes || count < static_cast<size_t>(c.size)
+  return bytes <= limits.rd_max_bytes || count < static_cast<size_t>(c.size)
              ? AllreduceAlgorithm::recursive_doubling
              : AllreduceAlgorithm::ring;
 }

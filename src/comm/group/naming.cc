@@ -1,11 +1,15 @@
 // The names of groups and ops (naming.h).
 #include "comm/group/naming.h"
 
+#include <algorithm>
 #include <atomic>
 #include <charconv>
 #include <cstring>
 
 #include <fmt/format.h>
+#include <fmt/ranges.h>
+
+#include "comm/transport/transport.h"
 
 namespace dtrain::comm {
 
@@ -32,6 +36,15 @@ std::string opLabel(const char* op, uint64_t seq, const char* dtype, size_t coun
   s.append(op, op_n).append(" seq=", 5).append(num[0], seq_n).append(" ", 1).append(dtype, dtype_n);
   s.append(" x ", 3).append(num[1], count_n).append(extra);
   return s;
+}
+
+uint64_t unevenHash(const std::vector<size_t>& counts) {
+  const bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
+  return even ? 0 : transport::hashCounts(counts);
+}
+
+std::string countsText(const std::vector<size_t>& counts, uint64_t hash) {
+  return hash ? fmt::format(" counts [{}]", fmt::join(counts, ", ")) : "";
 }
 
 }  // namespace dtrain::comm

@@ -14,10 +14,10 @@
 #include <set>
 #include <thread>
 
-#include <fmt/ranges.h>
 
 #include "comm/collectives/collectives.h"
 #include "comm/group/naming.h"
+#include "comm/group/tune.h"
 #include "comm/group/work_executor.h"
 #include "comm/rendezvous/environment.h"
 #include "comm/trace/trace_internal.h"
@@ -198,6 +198,7 @@ struct ProcessGroup::Impl {
   std::shared_ptr<Store> store;
   std::unique_ptr<transport::Transport> tx;
   std::unique_ptr<algo::Hierarchy> hier;  // when the group spans several hosts (algo::makeHierarchy)
+  algo::Thresholds thresholds;            // the automatic choice's (DTRAIN_TUNE: probed when made)
   uint64_t seq = 0;        // collectives issued (caller side)
   uint64_t sub_groups = 0; // newGroup calls
   std::vector<uint8_t> scratch;
@@ -221,6 +222,7 @@ struct ProcessGroup::Impl {
     try {
       algo::Context c{tx.get(), rank, size, t.label, t.deadline, scratch};
       c.hier = hier.get();
+      c.thresholds = &thresholds;
       const bool check = t.collective && size > 1;
       if (check) {
         if (opts.check_fingerprints) listMismatch(c);
@@ -345,15 +347,6 @@ struct ProcessGroup::Impl {
     DTRAIN_CHECK(p != nullptr || count == 0, InvalidArgument, "[rank {}] {}: {} is null but count is {}", rank, op,
                  what, count);
   }
-  // The v-ops' counts enter the fingerprint when they are uneven (an even split is the plain op).
-  static uint64_t unevenHash(const std::vector<size_t>& counts) {
-    bool even = std::all_of(counts.begin(), counts.end(), [&](size_t c) { return c == counts[0]; });
-    return even ? 0 : transport::hashCounts(counts);
-  }
-  // The counts in the op's label, where they enter its fingerprint (hash = unevenHash(counts)).
-  static std::string countsText(const std::vector<size_t>& counts, uint64_t hash) {
-    return hash ? fmt::format(" counts [{}]", fmt::join(counts, ", ")) : "";
-  }
   void checkCounts(const std::vector<size_t>& counts, const char* op) const {
     DTRAIN_CHECK(counts.size() == static_cast<size_t>(size), InvalidArgument,
                  "[rank {}] {}: {} counts given for a group of {} ranks", rank, op, counts.size(), size);
@@ -389,11 +382,14 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
                                          ranks_on_host};
     impl->tx = transport::createTransport(kind, *store, rank, size, to);
     if (opts.transport != "tcp" && kind == "tcp") impl->hier = algo::makeHierarchy(store, rank, hosts, to);
-    Impl* raw = impl.get();
-    impl->ops = std::make_shared<OpQueue>([raw](Task& t) { raw->execute(t); });
+    impl->ops = std::make_shared<OpQueue>([raw = impl.get()](Task& t) { raw->execute(t); });
     impl->ops->start(impl->info->name);
   }
-  return std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+  Impl* raw = impl.get();
+  auto pg = std::shared_ptr<ProcessGroup>(new ProcessGroup(std::move(impl)));
+  // DTRAIN_TUNE (tune.h): the allreduce threshold this group leaves open, probed or cached.
+  if (size > 1) raw->thresholds = tune::forNewGroup(*pg, raw->opts.allreduce_algorithm, raw->hier.get(), *raw->tx);
+  return pg;
 }
 
 int ProcessGroup::rank() const { return impl_->rank; }
@@ -438,8 +434,8 @@ WorkPtr ProcessGroup::allgatherv(const void* in, void* out, std::vector<size_t> 
   for (size_t c : counts) total += c;
   impl_->checkBuf(in, counts[impl_->rank], "input", "allgather");
   impl_->checkBuf(out, total, "output", "allgather");
-  uint64_t h = Impl::unevenHash(counts);
-  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, std::nullopt, Impl::countsText(counts, h),
+  uint64_t h = unevenHash(counts);
+  return impl_->submit(impl_->collective(OpCode::allgather, t, total, -1, std::nullopt, countsText(counts, h),
                                          [=](algo::Context& c) { algo::allgatherv(c, in, out, counts, t); }, h));
 }
 
@@ -453,9 +449,9 @@ WorkPtr ProcessGroup::reduceScatterv(const void* in, void* out, std::vector<size
   for (size_t c : counts) total += c;
   impl_->checkBuf(in, total, "input", "reduce_scatter");
   impl_->checkBuf(out, counts[impl_->rank], "output", "reduce_scatter");
-  uint64_t h = Impl::unevenHash(counts);
+  uint64_t h = unevenHash(counts);
   return impl_->submit(impl_->collective(OpCode::reduce_scatter, t, total, -1, op,
-                                         fmt::format(" {}{}", reduceOpName(op), Impl::countsText(counts, h)),
+                                         fmt::format(" {}{}", reduceOpName(op), countsText(counts, h)),
                                          [=](algo::Context& c) { algo::reduceScatterv(c, in, out, counts, t, op); }, h));
 }
 
