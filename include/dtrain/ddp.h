@@ -92,7 +92,7 @@ struct DDPOptions {
 struct DDPTuning {
   enum class State { off, probing, cached, tuned };
   State state = State::off;
-  std::string why_off;  // state off: why ("DTRAIN_TUNE is off", "one rank", "a comm hook was registered", ...)
+  std::string why_off;  // state off: why ("tuning is off ...", "a world of one rank", "a comm hook is registered", ...)
   // The sizes in use now (the configured ones until tuning ends).
   size_t bucket_bytes = 0, first_bucket_bytes = 0;
   // tuned: every candidate, in the order tried, with its median time over the rounds (the

@@ -101,8 +101,9 @@ void DistributedDataParallel::Impl::startTuning() {
     applyBucketSizes({static_cast<size_t>(cached[1]), static_cast<size_t>(cached[2])});
     t.report.state = TuneKind::cached;
     if (pg->rank() == 0)
-      std::fprintf(stderr, "[rank 0] DDP: bucket sizes from the tuning cache %s: %s (first %s); DTRAIN_TUNE=refresh tunes again\n",
-                   t.report.cache_path.c_str(), tuneMib(opts.bucket_bytes).c_str(), tuneMib(opts.first_bucket_bytes).c_str());
+      std::fprintf(stderr, "[rank 0] DDP: bucket sizes from the tuning cache %s: %s (first %s); DTRAIN_TUNE=refresh "
+                   "tunes again\n", t.report.cache_path.c_str(), tuneMib(opts.bucket_bytes).c_str(),
+                   tuneMib(opts.first_bucket_bytes).c_str());
     return;
   }
   // The candidates, each a distinct layout (caps past the model's size all make one bucket).
@@ -175,8 +176,8 @@ void DistributedDataParallel::Impl::tuneAfterPass() {
       ? fmt::format("the configured {} makes the same buckets", tuneMib(t.configured.bucket_bytes))
       : fmt::format("the configured {}: {:.1f} ms", tuneMib(t.configured.bucket_bytes), configured_ms);
   std::fprintf(stderr,
-               "[rank 0] DDP: tuned bucket sizes: %s (first %s, %zu buckets), median backward + exposed allreduce %.1f ms; %s (%zu layouts x %d "
-               "timed steps); %s\n",
+               "[rank 0] DDP: tuned bucket sizes: %s (first %s, %zu buckets), median backward + exposed allreduce "
+               "%.1f ms; %s (%zu layouts x %d timed passes); %s\n",
                tuneMib(b.bucket_bytes).c_str(), tuneMib(b.first_bucket_bytes).c_str(), b.buckets, b.median_ms,
                against.c_str(), n, opts.tune_rounds, cached.c_str());
 }
