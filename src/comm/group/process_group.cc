@@ -363,7 +363,8 @@ std::shared_ptr<ProcessGroup> ProcessGroup::create(std::shared_ptr<Store> store,
   auto impl = std::make_unique<Impl>();
   impl->rank = rank;
   impl->size = size;
-  const char* forced = rendezvous::Environment::read().get("DTRAIN_ALGO");
+  const auto env = rendezvous::Environment::read();  // get() points into it
+  const char* forced = env.get("DTRAIN_ALGO");
   if (forced && opts.allreduce_algorithm == AllreduceAlgorithm::automatic)
     opts.allreduce_algorithm = algo::parseAllreduceAlgorithm(forced);
   impl->opts = opts;

@@ -26,7 +26,8 @@
 namespace dtrain::comm::tune {
 
 Mode modeFromEnv() {
-  const char* v = rendezvous::Environment::read().get("DTRAIN_TUNE");
+  const auto env = rendezvous::Environment::read();  // get() points into it
+  const char* v = env.get("DTRAIN_TUNE");
   if (!v) return Mode::off;
   const std::string s = v;
   if (s == "off" || s == "0") return Mode::off;

@@ -24,7 +24,8 @@ class Environment {
   // No variable set.
   Environment() = default;
 
-  // The value, or nullptr when the variable is unset or empty. `name` must be one dtrain reads.
+  // The value, or nullptr when the variable is unset or empty. `name` must be one dtrain reads. The
+  // pointer lives as long as this Environment: keep it in a variable (read().get(...) dangles).
   const char* get(const char* name) const;
   // An integer in [min_value, 2^24]; `dflt` when unset; RendezvousError naming the variable otherwise.
   int integer(const char* name, int dflt, int min_value) const;

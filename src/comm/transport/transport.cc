@@ -99,7 +99,8 @@ std::string hostId() {
   if (n < 0) ns[0] = 0;
   // Test hook: DTRAIN_HOST_ID makes ranks of one machine look like ranks of different hosts (still
   // suffixed with the real id, so ranks of different machines never look alike).
-  const char* fake = rendezvous::Environment::read().get("DTRAIN_HOST_ID");
+  const auto env = rendezvous::Environment::read();  // get() points into it
+  const char* fake = env.get("DTRAIN_HOST_ID");
   return fmt::format("{}{}{}|{}|{}", fake ? fake : "", fake ? "@" : "", host, boot, ns);
 }
 
