@@ -2,9 +2,8 @@
 // candidate cap in turn, in rounds (each a rotation of the last), for one pass each, timed from the
 // pass's first gradient to the end of its synced backward: backward with the buckets' communication
 // beside it, and the part backward did not hide. (Forward and the optimizer do not depend on the
-// layout; timing them too only added their noise: a first version timed whole steps and picked 1 MiB
-// on the reference MLP three times in four, where 1 MiB was among the slowest hand settings.) Then
-// the cap with the lowest median keeps them.
+// layout: timing them too, as a first version did, only adds their noise to every sample.) Then the
+// cap with the lowest median keeps them.
 // Every rank times its own passes; the slowest rank's time of each pass counts (one allreduce at the
 // end), so every rank picks the same cap. Rank 0 reads and appends the tuning cache; its answer is
 // broadcast, so the ranks agree on that too.
