@@ -110,8 +110,14 @@ void DistributedDataParallel::Impl::startTuning() {
   auto add = [&](BucketSizes s, bool configured) {
     auto layout = detail::assignBuckets(params, layout_order, s);
     auto same = std::find(layouts.begin(), layouts.end(), layout);
-    if (same != layouts.end()) {
-      t.report.candidates[static_cast<size_t>(same - layouts.begin())].configured |= configured;
+    if (same != layouts.end()) {  // the configured sizes name their layout: kept as they are if it wins
+      const auto k = static_cast<size_t>(same - layouts.begin());
+      if (configured) {
+        t.sizes[k] = s;
+        t.report.candidates[k].bucket_bytes = s.bucket_bytes;
+        t.report.candidates[k].first_bucket_bytes = s.first_bucket_bytes;
+        t.report.candidates[k].configured = true;
+      }
       return;
     }
     layouts.push_back(layout);
