@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "buckets.h"
+#include "comm/group/tune.h"
 #include "ddp_hooks.h"
 #include "dtrain/compat.h"
 #include "dtrain/ddp.h"
@@ -51,21 +52,27 @@ struct JoinState {
   std::vector<int32_t> flags;  // the handshake buffer: flags[r] = 1 while rank r trains
   comm::WorkPtr handshake;
 };
-// DDPOptions::tune with from_env resolved from DTRAIN_TUNE; InvalidArgument naming a bad value.
-DDPOptions::Tune resolveTune(DDPOptions::Tune asked);
+// DDPOptions::tune as the tuners' mode, from_env read from DTRAIN_TUNE; InvalidArgument naming a bad value.
+comm::tune::Mode resolveTune(DDPOptions::Tune asked);
 
-// Bucket-size tuning (DDPOptions::tune), from the first synced pass. Visit v (one synced pass) is in
-// round v / n (n = sizes.size()) and tries candidate (v + v / n) % n: each round a rotation of the
-// last, so no candidate always follows the same one. Its time is samples[v].
+// Bucket-size tuning (DDPOptions::tune), from the first synced pass. The candidates (distinct layouts)
+// are report.candidates. Visit v (one synced pass) is in round v / n (n candidates) and tries candidate
+// (v + v / n) % n: each round a rotation of the last, so no candidate always follows the same one. Its
+// time is samples[v].
 struct TuneState {
-  DDPOptions::Tune mode = DDPOptions::Tune::off;  // resolved (DTRAIN_TUNE read) by the constructor
+  comm::tune::Mode mode = comm::tune::Mode::off;  // resolved (DTRAIN_TUNE read) by the constructor
   DDPTuning report;
   BucketSizes configured;
-  std::vector<BucketSizes> sizes;  // the candidates (distinct layouts)
   size_t visit = 0;
   Clock::time_point pass_began;  // this visit's pass: its first gradient (startPass)
   std::vector<double> samples;
-  size_t candidateOf(size_t v) const { return (v + v / sizes.size()) % sizes.size(); }
+  size_t candidateOf(size_t v) const {
+    const size_t n = report.candidates.size();
+    return (v + v / n) % n;
+  }
+  BucketSizes sizesOf(size_t c) const {
+    return {report.candidates[c].bucket_bytes, report.candidates[c].first_bucket_bytes};
+  }
 };
 }  // namespace detail
 

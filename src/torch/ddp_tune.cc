@@ -33,36 +33,28 @@ std::string tuneMib(size_t bytes) { return fmt::format("{:g} MiB", static_cast<d
 // This job as the cache knows it: rank 0's host, the world, the transport, the device type, and the
 // parameters (count, bytes, and a hash of their sizes and dtypes in registration order).
 std::string tuneJobKey(const std::vector<at::Tensor>& params, comm::ProcessGroup& pg) {
-  uint64_t h = 1469598103934665603ull, bytes = 0;  // FNV-1a
-  auto mix = [&h](uint64_t v) {
-    for (int b = 0; b < 8; ++b) h = (h ^ ((v >> (8 * b)) & 0xff)) * 1099511628211ull;
-  };
+  std::vector<size_t> shape;  // (numel, dtype) per parameter, hashed as the collectives hash counts
+  uint64_t bytes = 0;
   for (const auto& p : params) {
-    mix(static_cast<uint64_t>(p.numel()));
-    mix(static_cast<uint64_t>(p.scalar_type()));
+    shape.push_back(static_cast<size_t>(p.numel()));
+    shape.push_back(static_cast<size_t>(p.scalar_type()));
     bytes += static_cast<uint64_t>(p.numel()) * p.element_size();
   }
   return fmt::format("ddp-buckets host={} world={} transport={} device={} params={} bytes={} sig={:016x}",
-                     comm::tune::hostName(),
-                     pg.size(), pg.transportName(), params.empty() ? "none" : params[0].device().str(),
-                     params.size(), bytes, h);
-}
-
-double tuneMedian(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+                     comm::tune::hostName(), pg.size(), pg.transportName(),
+                     params.empty() ? "none" : params[0].device().str(), params.size(), bytes,
+                     comm::transport::hashCounts(shape));
 }
 
 }  // namespace
 
 namespace detail {
-DDPOptions::Tune resolveTune(DDPOptions::Tune asked) {
-  if (asked != DDPOptions::Tune::from_env) return asked;
-  switch (comm::tune::modeFromEnv()) {
-    case comm::tune::Mode::on: return DDPOptions::Tune::on;
-    case comm::tune::Mode::refresh: return DDPOptions::Tune::refresh;
-    default: return DDPOptions::Tune::off;
+comm::tune::Mode resolveTune(DDPOptions::Tune asked) {
+  switch (asked) {
+    case DDPOptions::Tune::off: return comm::tune::Mode::off;
+    case DDPOptions::Tune::on: return comm::tune::Mode::on;
+    case DDPOptions::Tune::refresh: return comm::tune::Mode::refresh;
+    default: return comm::tune::modeFromEnv();
   }
 }
 }  // namespace detail
@@ -80,24 +72,16 @@ void DistributedDataParallel::Impl::startTuning() {
     t.report.state = TuneKind::off;
     t.report.why_off = why;
   };
-  if (t.mode == DDPOptions::Tune::off) return off("tuning is off (DDPOptions::tune, DTRAIN_TUNE)");
+  if (t.mode == comm::tune::Mode::off) return off("tuning is off (DDPOptions::tune, DTRAIN_TUNE)");
   if (pg->size() == 1) return off("a world of one rank");
   if (hook) return off("a comm hook is registered");
   if (join) return off("a dtrain::Join scope is active");
   t.report.key = tuneJobKey(params, *pg);
   t.report.cache_path = comm::tune::cachePath();
-  // Rank 0's cache answer for everyone: {found, bucket_bytes, first_bucket_bytes}.
-  std::vector<int64_t> cached{0, 0, 0};
-  if (pg->rank() == 0 && t.mode == DDPOptions::Tune::on && !t.report.cache_path.empty()) {
-    auto c = comm::tune::readCache(t.report.cache_path, t.report.key);
-    unsigned long long bucket = 0, first = 0;
-    if (c && c->size() >= 2 && std::sscanf((*c)[0].c_str(), "%llu", &bucket) == 1 &&
-        std::sscanf((*c)[1].c_str(), "%llu", &first) == 1 && bucket && first)
-      cached = {1, static_cast<int64_t>(bucket), static_cast<int64_t>(first)};
-  }
-  pg->broadcast(cached.data(), cached.size(), comm::DType::i64, 0)->wait();
-  if (cached[0]) {
-    applyBucketSizes({static_cast<size_t>(cached[1]), static_cast<size_t>(cached[2])});
+  // Rank 0's cached {bucket_bytes, first_bucket_bytes} for everyone (zero caps are no answer).
+  const auto cached = comm::tune::cachedForAll(*pg, t.mode, t.report.cache_path, t.report.key, 2);
+  if (cached && (*cached)[0] > 0 && (*cached)[1] > 0) {
+    applyBucketSizes({static_cast<size_t>((*cached)[0]), static_cast<size_t>((*cached)[1])});
     t.report.state = TuneKind::cached;
     if (pg->rank() == 0)
       std::fprintf(stderr, "[rank 0] DDP: bucket sizes from the tuning cache %s: %s (first %s); DTRAIN_TUNE=refresh "
@@ -113,7 +97,6 @@ void DistributedDataParallel::Impl::startTuning() {
     if (same != layouts.end()) {  // the configured sizes name their layout: kept as they are if it wins
       const auto k = static_cast<size_t>(same - layouts.begin());
       if (configured) {
-        t.sizes[k] = s;
         t.report.candidates[k].bucket_bytes = s.bucket_bytes;
         t.report.candidates[k].first_bucket_bytes = s.first_bucket_bytes;
         t.report.candidates[k].configured = true;
@@ -121,7 +104,6 @@ void DistributedDataParallel::Impl::startTuning() {
       return;
     }
     layouts.push_back(layout);
-    t.sizes.push_back(s);
     DDPTuning::Candidate c;
     c.bucket_bytes = s.bucket_bytes;
     c.first_bucket_bytes = s.first_bucket_bytes;
@@ -131,9 +113,9 @@ void DistributedDataParallel::Impl::startTuning() {
   };
   for (size_t m : kTuneCandidateMiB) add({m * kTuneMiB, std::min(m * kTuneMiB, kTuneMiB)}, false);
   add(t.configured, true);
-  if (t.sizes.size() == 1) {  // every cap gives the same buckets: nothing to choose
+  if (t.report.candidates.size() == 1) {  // every cap gives the same buckets: nothing to choose
     t.report.state = TuneKind::tuned;
-    applyBucketSizes(t.sizes[0]);
+    applyBucketSizes(t.sizesOf(0));
     if (pg->rank() == 0)
       std::fprintf(stderr, "[rank 0] DDP: bucket tuning: every candidate cap gives the same %zu bucket(s) for these "
                    "%zu parameters: nothing to tune\n", t.report.candidates[0].buckets, params.size());
@@ -141,16 +123,16 @@ void DistributedDataParallel::Impl::startTuning() {
   }
   t.report.state = TuneKind::probing;
   t.visit = 0;
-  t.samples.assign(t.sizes.size() * static_cast<size_t>(opts.tune_rounds), 0.0);
-  applyBucketSizes(t.sizes[0]);
+  t.samples.assign(t.report.candidates.size() * static_cast<size_t>(opts.tune_rounds), 0.0);
+  applyBucketSizes(t.sizesOf(0));
 }
 
 void DistributedDataParallel::Impl::tuneAfterPass() {
   auto& t = tune;
   if (join) return stopTuning("a dtrain::Join scope became active");
-  const size_t n = t.sizes.size();
+  const size_t n = t.report.candidates.size();
   t.samples[t.visit] = std::chrono::duration<double, std::milli>(detail::Clock::now() - t.pass_began).count();
-  if (++t.visit < t.samples.size()) return applyBucketSizes(t.sizes[t.candidateOf(t.visit)]);
+  if (++t.visit < t.samples.size()) return applyBucketSizes(t.sizesOf(t.candidateOf(t.visit)));
   // Every pass counts at the slowest rank's time: all ranks then choose alike.
   pg->allreduce(t.samples.data(), t.samples.size(), comm::DType::f64, comm::ReduceOp::max)->wait();
   size_t best = 0;
@@ -158,27 +140,22 @@ void DistributedDataParallel::Impl::tuneAfterPass() {
     auto& cand = t.report.candidates[c];
     for (size_t v = 0; v < t.samples.size(); ++v)
       if (t.candidateOf(v) == c) cand.ms.push_back(t.samples[v]);
-    cand.median_ms = tuneMedian(cand.ms);
+    cand.median_ms = comm::tune::median(cand.ms);
     if (cand.median_ms < t.report.candidates[best].median_ms) best = c;
   }
-  applyBucketSizes(t.sizes[best]);
+  applyBucketSizes(t.sizesOf(best));
   t.report.state = TuneKind::tuned;
   if (pg->rank() != 0) return;
   double configured_ms = 0;
   for (const auto& c : t.report.candidates)
     if (c.configured) configured_ms = c.median_ms;
   const auto& b = t.report.candidates[best];
-  std::string cached = "not cached (no DTRAIN_TUNE_CACHE, XDG_CACHE_HOME or HOME)";
-  if (!t.report.cache_path.empty()) {
-    const std::string why = comm::tune::appendCache(
-        t.report.cache_path, t.report.key,
-        {std::to_string(b.bucket_bytes), std::to_string(b.first_bucket_bytes), fmt::format("{:.3f}", b.median_ms),
-         std::to_string(std::time(nullptr))});
-    cached = why.empty() ? "cached in " + t.report.cache_path
-                         : fmt::format("not cached: {} {}", t.report.cache_path, why);
-  }
+  const std::string cached = comm::tune::storeChoice(
+      t.report.cache_path, t.report.key,
+      {std::to_string(b.bucket_bytes), std::to_string(b.first_bucket_bytes), fmt::format("{:.3f}", b.median_ms),
+       std::to_string(std::time(nullptr))});
   const std::string against = b.configured
-      ? fmt::format("the configured {} makes the same buckets", tuneMib(t.configured.bucket_bytes))
+      ? std::string("the configured sizes")
       : fmt::format("the configured {}: {:.1f} ms", tuneMib(t.configured.bucket_bytes), configured_ms);
   std::fprintf(stderr,
                "[rank 0] DDP: tuned bucket sizes: %s (first %s, %zu buckets), median backward + exposed allreduce "

@@ -78,6 +78,38 @@ std::string hostName() {
   return host;
 }
 
+std::optional<std::vector<int64_t>> cachedForAll(ProcessGroup& pg, Mode mode, const std::string& path,
+                                                 const std::string& key, size_t n) {
+  std::vector<int64_t> found(n + 1, 0);  // {found, fields...}
+  if (pg.rank() == 0 && mode == Mode::on && !path.empty()) {
+    auto f = readCache(path, key);
+    bool ok = f && f->size() >= n;
+    for (size_t i = 0; ok && i < n; ++i) {
+      char* end = nullptr;
+      const long long v = std::strtoll((*f)[i].c_str(), &end, 10);
+      ok = end && end != (*f)[i].c_str() && *end == 0 && v >= 0;
+      found[i + 1] = v;
+    }
+    found[0] = ok ? 1 : 0;
+  }
+  pg.broadcast(found.data(), found.size(), DType::i64, 0)->wait();
+  if (!found[0]) return std::nullopt;
+  return std::vector<int64_t>(found.begin() + 1, found.end());
+}
+
+std::string storeChoice(const std::string& path, const std::string& key, const std::vector<std::string>& fields) {
+  if (path.empty()) return "not cached (no DTRAIN_TUNE_CACHE, XDG_CACHE_HOME or HOME)";
+  const std::string why = appendCache(path, key, fields);
+  return why.empty() ? "cached in " + path : fmt::format("not cached: {} {}", path, why);
+}
+
+double median(std::vector<double> v) {
+  if (v.empty()) return 0;
+  std::sort(v.begin(), v.end());
+  const size_t n = v.size();
+  return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
 size_t crossoverBytes(const std::vector<size_t>& sizes, const std::vector<double>& small_us,
                       const std::vector<double>& large_us) {
   size_t best = 0;
@@ -105,8 +137,7 @@ double timeAllreduce(ProcessGroup& pg, std::vector<float>& buf, size_t bytes, Al
     const double t = std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
     if (r >= 2) us.push_back(t);
   }
-  std::sort(us.begin(), us.end());
-  return us[us.size() / 2];
+  return median(us);
 }
 
 }  // namespace
@@ -118,20 +149,11 @@ algo::Thresholds tuneAllreduce(ProcessGroup& pg, Crossover which, Mode mode) {
   const std::string key = fmt::format("allreduce host={} world={} transport={} crossover={}", hostName(), pg.size(),
                                       pg.transportName(), ring ? "rd-ring" : "rd-direct-oversubscribed");
   const std::string path = cachePath();
-  // Rank 0's cached threshold for everyone: {found, bytes}.
-  std::vector<int64_t> cached{0, 0};
-  if (pg.rank() == 0 && mode == Mode::on && !path.empty()) {
-    if (auto f = readCache(path, key); f && !f->empty()) {
-      char* end = nullptr;
-      const long long v = std::strtoll((*f)[0].c_str(), &end, 10);
-      if (end && *end == 0 && v >= 0) cached = {1, v};
-    }
-  }
-  pg.broadcast(cached.data(), cached.size(), DType::i64, 0)->wait();
+  const auto cached = cachedForAll(pg, mode, path, key, 1);
   size_t& chosen = ring ? t.rd_max_bytes : t.direct_oversubscribed_min_bytes;
   const size_t default_bytes = chosen;
-  if (cached[0]) {
-    chosen = static_cast<size_t>(cached[1]);
+  if (cached) {
+    chosen = static_cast<size_t>((*cached)[0]);
     if (pg.rank() == 0)
       std::fprintf(stderr, "[rank 0] dtrain: allreduce threshold from the tuning cache %s: recursive doubling up to %s, "
                    "%s above\n", path.c_str(), kib(chosen).c_str(), ring ? "the ring" : "direct");
@@ -150,11 +172,7 @@ algo::Thresholds tuneAllreduce(ProcessGroup& pg, Crossover which, Mode mode) {
       large_us(us.begin() + static_cast<long>(sizes.size()), us.end());
   chosen = crossoverBytes(sizes, small_us, large_us);
   if (pg.rank() != 0) return t;
-  std::string where = "not cached (no DTRAIN_TUNE_CACHE, XDG_CACHE_HOME or HOME)";
-  if (!path.empty()) {
-    const std::string why = appendCache(path, key, {std::to_string(chosen), std::to_string(std::time(nullptr))});
-    where = why.empty() ? "cached in " + path : fmt::format("not cached: {} {}", path, why);
-  }
+  const std::string where = storeChoice(path, key, {std::to_string(chosen), std::to_string(std::time(nullptr))});
   std::string table;
   for (size_t i = 0; i < sizes.size(); ++i)
     table += fmt::format("{}{} {:.0f}/{:.0f}", i ? ", " : "", kib(sizes[i]), small_us[i], large_us[i]);

@@ -29,6 +29,18 @@ std::string appendCache(const std::string& path, const std::string& key, const s
 // This machine's host name (part of every key).
 std::string hostName();
 
+// Collective over pg: rank 0 reads `key` from the cache at `path` (mode on only; refresh ignores the
+// cache) and broadcasts the first n fields when all are integers >= 0; every rank returns them, or
+// nullopt when rank 0 found none. The tuners' one way to agree on a cached choice.
+std::optional<std::vector<int64_t>> cachedForAll(ProcessGroup& pg, Mode mode, const std::string& path,
+                                                 const std::string& key, size_t n);
+// Appends the choice to the cache at `path` ("" : none) and says where it went, for the tuners' line:
+// "cached in PATH", "not cached: PATH <why>" or "not cached (no DTRAIN_TUNE_CACHE, XDG_CACHE_HOME or HOME)".
+std::string storeChoice(const std::string& path, const std::string& key, const std::vector<std::string>& fields);
+
+// The median of the values (the mean of the middle two when their count is even); 0 when empty.
+double median(std::vector<double> v);
+
 // Which size threshold of the automatic allreduce choice (select.cc) a group's transport leaves open:
 // recursive doubling against the ring (messages, tcp), against the direct algorithm (shm with more
 // ranks than cores), or none (shm with a core per rank: direct at every size; hierarchical).
