@@ -95,7 +95,9 @@ TEST(Mpi, TheMismatchSweepPassesAt3To5Ranks) {
 }
 
 // A rank that never calls the collective: the others get a TimeoutError after the group's timeout,
-// naming it, not a hang.
+// naming it, not a hang. Rank 1 waits for rank 0, which waits for rank 2; rank 0 enters 300 ms late, so
+// rank 1 times out first and must still learn from rank 0 that rank 2 is the stuck one (CI once saw rank
+// 1 name rank 0: rank 0 had said its last word to rank 1, "closed", on rank 1's timeout, before its own).
 TEST(Mpi, AStuckPeerIsATimeoutErrorNamingIt) {
   if (!mpiRunner()) return relaunch(3);
   StoreServer server;
@@ -105,6 +107,7 @@ TEST(Mpi, AStuckPeerIsATimeoutErrorNamingIt) {
       std::this_thread::sleep_for(std::chrono::seconds(5));
       return;
     }
+    if (rank == 0) std::this_thread::sleep_for(std::chrono::milliseconds(300));
     std::vector<float> v(1000, 1.0f);
     std::string err = errorOf([&] { pg->allreduce(v.data(), v.size(), DType::f32)->wait(); });
     EXPECT_NE(err.find("timed out"), std::string::npos) << err;

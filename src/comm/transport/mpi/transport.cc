@@ -59,11 +59,17 @@ constexpr uint16_t kClosedOpcode = 0xACu;
 constexpr Clock::duration kMaxSettle = std::chrono::seconds(30);
 constexpr Clock::duration kCloseWait = std::chrono::seconds(2);  // for the peers' "closed" at destruction
 
+// How long a rank that timed out waits for the peers it receives from to name the stuck rank: the op's
+// own timeout, between 0.5 and 10 s (see throwTimeout).
+Clock::duration timeoutPatience(Clock::duration timeout) {
+  return std::clamp<Clock::duration>(timeout, std::chrono::milliseconds(500), std::chrono::seconds(10));
+}
+
 class MpiTransport : public Transport {
  public:
   MpiTransport(Store& store, int rank, int size, const TransportOptions& opts)
       : Transport(rank, size), peers_(size), failures_(size), closed_by_(size, 0), closed_to_(size, 0), world_(size),
-        names_(size) {
+        names_(size), hold_until_(size) {
     ensureMpi();
     chunk_ = opts.segment_bytes ? std::clamp<size_t>(opts.segment_bytes / 8 * 8, 64, kMaxChunk) : kDefaultChunk;
     int wr = 0, ws = 0;
@@ -144,6 +150,7 @@ class MpiTransport : public Transport {
     try {
       {
         std::lock_guard<std::mutex> g(mpiMutex());
+        in_run_ = true;
         pollControl();
         if (deferred_) raiseDeferred(label);  // a peer failed: nothing of this run is posted
         for (auto& op : ops) {
@@ -156,6 +163,9 @@ class MpiTransport : public Transport {
         }
       }
       progress(deadline, label);
+      std::lock_guard<std::mutex> g(mpiMutex());
+      in_run_ = false;
+      closeHeld(Clock::time_point::max());
     } catch (const std::exception& e) {
       abort(e);  // tells the peers, and returns once no transfer of this run can touch the caller's buffers
       throw;
@@ -166,6 +176,7 @@ class MpiTransport : public Transport {
     try {
       std::unique_lock<std::mutex> g(mpiMutex());
       if (comm_ == MPI_COMM_NULL) return;
+      in_run_ = false;
       sendAbort(why);
       broken_ = true;
       settle(g, patience_);
@@ -357,8 +368,12 @@ class MpiTransport : public Transport {
   }
 
   // Takes the control messages that arrived on the abort tag: a peer's abort (its failure, kept per peer;
-  // with no receive from that peer pending this rank says "closed" to it at once: it never posts one
-  // again, since every later run raises the failure first) and a peer's "closed" (see settle()).
+  // with no receive from that peer pending this rank says "closed" to it: it never posts one again, since
+  // every later run raises the failure first) and a peer's "closed" (see settle()).
+  // "Closed" is the last message to that peer, so it is held back after a peer's timeout that comes in
+  // while this rank is inside a run: ranks waiting on each other time out together, and if this run
+  // times out too, its abort must still reach that peer, which waits for it (throwTimeout) to name the
+  // rank this one was stuck on. Held until the run ends, or for the wait throwTimeout gives it.
   void pollControl() {
     while (abort_in_req_ != MPI_REQUEST_NULL) {
       int flag = 0;
@@ -391,7 +406,19 @@ class MpiTransport : public Transport {
       if (failures_[i]) continue;
       failures_[i] = PeerFailure{peer, kind, std::move(msg)};
       if (!deferred_) deferred_ = failures_[i];
-      if (peers_[i].recvs.empty()) closeToward(peer);
+      if (!peers_[i].recvs.empty()) continue;
+      if (in_run_ && kind == ErrorKind::timeout) hold_until_[i] = Clock::now() + timeoutPatience(patience_);
+      else closeToward(peer);
+    }
+    closeHeld(Clock::now());
+  }
+
+  // Says "closed" to each failed peer whose "closed" was held back until `now` or earlier (see pollControl).
+  void closeHeld(Clock::time_point now) {
+    for (size_t i = 0; i < hold_until_.size(); ++i) {
+      if (hold_until_[i] == Clock::time_point{} || hold_until_[i] > now) continue;
+      hold_until_[i] = Clock::time_point{};
+      closeToward(static_cast<int>(i));
     }
   }
 
@@ -419,9 +446,7 @@ class MpiTransport : public Transport {
       std::lock_guard<std::mutex> g(mpiMutex());
       sendAbort(TimeoutError(msg));
     }
-    const auto patience = std::clamp<std::chrono::milliseconds>(label.timeout, std::chrono::milliseconds(500),
-                                                                std::chrono::seconds(10));
-    const auto until = Clock::now() + patience;
+    const auto until = Clock::now() + timeoutPatience(label.timeout);
     while (Clock::now() < until) {
       {
         std::lock_guard<std::mutex> g(mpiMutex());
@@ -554,6 +579,8 @@ class MpiTransport : public Transport {
   MPI_Request abort_in_req_ = MPI_REQUEST_NULL;
   std::vector<char> abort_out_;
   bool told_ = false;  // abort sent
+  bool in_run_ = false;  // inside run() (see pollControl)
+  std::vector<Clock::time_point> hold_until_;  // per failed peer: "closed" held back until then (or zero)
   std::vector<MPI_Request> abort_out_reqs_;
 };
 
