@@ -1,7 +1,7 @@
 #!/usr/bin/python3
 """Where a DDP step's time goes, from timelines (DTRAIN_TIMELINE; issue 29 target 5).
 
-usage: ddp_breakdown.py LABEL=TRACE [LABEL=TRACE ...] [--skip N (3)]
+usage: ddp_breakdown.py LABEL=TRACE [LABEL=TRACE ...] [--skip N (3)] [--buckets]
 
 Each TRACE is a merged Chrome trace (`dtrain-trace merge DIR`, DIR/trace.json) of a run of
 `dtrain-bench ddp` (or any loop that marks `forward` and `optimizer.step` spans, as reference_mlp.cc
@@ -17,6 +17,13 @@ steps with DDP's `backward` span count), it splits the step into:
 and prints the median of each over the steps after the first --skip, averaged over the ranks, in ms,
 one row per LABEL, then each component's difference from the first LABEL (the ceiling: run it as the
 independent one-rank copies, one trace each, and give them as one LABEL=TRACE,TRACE).
+
+--buckets: then, per LABEL and DDP bucket, where its allreduce's time went (medians over the steps after
+the first --skip and over the ranks, in ms): launch (from the bucket's ready time to its allreduce's
+start on this rank: queueing behind earlier buckets, and waking the communication thread), peers (from
+this rank's ready time to the last rank's: the allreduce cannot finish before every rank has the
+bucket), after all ready (from the later of its start and the last rank's ready time to its end: the
+transfer itself) and the allreduce's whole duration.
 """
 import json
 import statistics
@@ -75,8 +82,47 @@ def breakdown(paths, skip):
     return out
 
 
+def bucket_rows(paths, skip):
+    """{bucket name: [(bytes, launch, peers, after, total) in us, one per rank and step]}."""
+    out = {}
+    for path in paths:
+        evs = events(path)
+        ready, red = {}, {}
+        for e in evs:
+            if e.get("ph") == "b" and str(e.get("name", "")).startswith("bucket") and "seq" in e.get("args", {}):
+                ready.setdefault(e["args"]["seq"], {})[e["pid"]] = (e["ts"], e["name"], e["args"].get("bytes", 0))
+            elif e.get("ph") == "X" and e.get("name") == "allreduce" and "seq" in e.get("args", {}):
+                red.setdefault(e["args"]["seq"], {})[e["pid"]] = (e["ts"], e["ts"] + e["dur"])
+        names = {v[1] for r in ready.values() for v in r.values()}
+        for s in sorted(ready)[skip * len(names):]:
+            r = ready[s]
+            last = max(v[0] for v in r.values())
+            for pid, (t, name, nbytes) in r.items():
+                if pid not in red.get(s, {}):
+                    continue
+                a0, a1 = red[s][pid]
+                out.setdefault(name, []).append((nbytes, a0 - t, last - t, a1 - max(a0, last), a1 - a0))
+    return out
+
+
+def print_buckets(label, paths, skip):
+    rows = bucket_rows(paths, skip)
+    print()
+    print(f"{label}, per bucket:")
+    print()
+    print("| bucket | MB | ranks x steps | launch ms | peers ms | after all ready ms | allreduce ms |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for name in sorted(rows, key=lambda n: int(n.split()[-1]) if n.split()[-1].isdigit() else 0):
+        r = rows[name]
+        med = [statistics.median(x[i] for x in r) / 1e3 for i in range(1, 5)]
+        print(f"| {name} | {r[0][0] / 1e6:.1f} | {len(r)} | " + " | ".join(f"{m:.2f}" for m in med) + " |")
+
+
 def main():
     args = sys.argv[1:]
+    per_bucket = "--buckets" in args
+    if per_bucket:
+        args.remove("--buckets")
     skip = 3
     if "--skip" in args:
         i = args.index("--skip")
@@ -96,6 +142,10 @@ def main():
     base = rows[0][1]
     for label, b in rows[1:]:
         print(f"| {label} - {rows[0][0]} | | " + " | ".join(f"{b[k] - base[k]:+.2f}" for k in KEYS) + " |")
+    if per_bucket:
+        for a in args:
+            label, _, paths = a.partition("=")
+            print_buckets(label, paths.split(","), skip)
     return 0
 
 

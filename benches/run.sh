@@ -9,6 +9,8 @@
 #                                                   over Gloo and against the TCP transport (sparse_ps.sh)
 #   benches/run.sh tune [MODEL...]                  DDP bucket-size tuning (DTRAIN_TUNE) against a sweep of
 #                                                   hand settings on mlp, conv and milnce (tune.sh)
+#   benches/run.sh last-bucket [MODEL...]           DDP's last-bucket rule against PyTorch's buckets on mlp,
+#                                                   conv and milnce, with timelines (last_bucket.sh)
 #   benches/run.sh milnce [WORLD...]                MIL-NCE training, dtrain against PyTorch DDP (milnce.sh)
 #   benches/run.sh milnce-video [WORLD...]          raw-video MIL-NCE, dtrain against PyTorch + PyAV (milnce_video.sh)
 #   benches/run.sh instr-cost [BASE [HEAD [ITERS]]] instructions per 4 KiB allreduce, two revisions,
@@ -51,6 +53,7 @@ case $1 in
   tails) shift; exec bash "$here/tails.sh" "$@" ;;
   sparse-ps) shift; exec bash "$here/sparse_ps.sh" "$@" ;;
   tune) shift; exec bash "$here/tune.sh" "$@" ;;
+  last-bucket) shift; exec bash "$here/last_bucket.sh" "$@" ;;
   milnce) shift; exec bash "$here/milnce.sh" "$@" ;;
   milnce-video) shift; exec bash "$here/milnce_video.sh" "$@" ;;
   instr-cost) shift; exec bash "$here/instr_cost.sh" "$@" ;;

@@ -120,6 +120,8 @@ int main(int argc, char** argv) {
   tr->add_option("--bucket-mb", t.bucket_mb, "DDP gradient bucket cap in MiB (DTRAIN_TUNE=on tunes it instead)")
       ->check(CLI::PositiveNumber);
   tr->add_option("--first-bucket-mb", t.first_bucket_mb, "DDP's first bucket's cap in MiB")->check(CLI::PositiveNumber);
+  tr->add_option("--last-bucket-mb", t.last_bucket_mb, "DDP's last bucket's cap in MiB (0, the default: PyTorch's buckets)")
+      ->check(CLI::NonNegativeNumber);
   tr->add_option("--comm-hook", t.comm_hook, "gradient compression: none, fp16[:always], bf16[:always], topk:RATIO, powersgd:R[:START]");
   tr->add_option("--optimizer", t.optimizer, "adam, lamb or lars (large batches)")->check(CLI::IsMember({"adam", "lamb", "lars"}));
   tr->add_option("--weight-decay", t.weight_decay, "weight decay (lamb/lars: not on biases and norm weights)")

@@ -33,7 +33,7 @@ struct TrainOptions {
   // only and parameters averaged over all ranks every local_sgd steps (0: off).
   std::string comm_hook = "none";
   // DDP's gradient bucket caps in MiB (DDPOptions; DTRAIN_TUNE=on tunes them instead).
-  double bucket_mb = 25, first_bucket_mb = 1;
+  double bucket_mb = 25, first_bucket_mb = 1, last_bucket_mb = 0;
   std::string device = "cpu";  // cpu, cuda (cuda:LOCAL_RANK), cuda:N or auto (dtrain/device.h)
   std::string optimizer = "adam";
   double weight_decay = 0;

@@ -112,6 +112,7 @@ Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const Tra
   dtrain::DDPOptions ddp_options;
   ddp_options.bucket_bytes = static_cast<size_t>(o.bucket_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<size_t>(o.first_bucket_mb * (1 << 20));
+  ddp_options.last_bucket_bytes = static_cast<size_t>(o.last_bucket_mb * (1 << 20));
   ddp_ = std::make_unique<dtrain::DistributedDataParallel>(model_.ptr(), dist.world(), ddp_options);
   if (auto hook = dtrain::makeCommHook(dtrain::parseCommHookSpec(o.comm_hook))) ddp_->registerCommHook(hook);
   if (o.local_sgd > 0 && o.comm_hook != "none") {

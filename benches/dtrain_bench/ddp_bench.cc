@@ -56,6 +56,7 @@ struct Options {
   int local_sgd = 0;
   std::string device = "cpu";
   double bucket_mb = 25, first_bucket_mb = 1;  // DDPOptions' defaults (PyTorch's)
+  double last_bucket_mb = 0;                    // DDPOptions' default (PyTorch's buckets; > 0: the last-bucket rule)
   std::string model = "mlp";                    // ddp: mlp (the reference MLP) or conv (reference_mlp.h)
   Observe observe;
 };
@@ -65,7 +66,7 @@ Record runConfig(const Options& o) {
   return Record().set("mode", o.mode).set("steps", o.steps).set("batch", o.batch).set("warmup", o.warmup)
       .set("threads", o.threads).set("hook", o.hook)
       .set("local_sgd", o.local_sgd).set("device", o.device).set("bucket_mb", o.bucket_mb)
-      .set("first_bucket_mb", o.first_bucket_mb).set("model", o.model);
+      .set("first_bucket_mb", o.first_bucket_mb).set("last_bucket_mb", o.last_bucket_mb).set("model", o.model);
 }
 
 // Hooks that drop information on purpose (top-k, PowerSGD) train a different trajectory than the
@@ -107,6 +108,7 @@ int runDdp(const Options& o) {
   DDPOptions ddp_options;
   ddp_options.bucket_bytes = static_cast<size_t>(o.bucket_mb * (1 << 20));
   ddp_options.first_bucket_bytes = static_cast<size_t>(o.first_bucket_mb * (1 << 20));
+  ddp_options.last_bucket_bytes = static_cast<size_t>(o.last_bucket_mb * (1 << 20));
   DistributedDataParallel ddp(net.ptr(), dist.world(), ddp_options);
   const CommHookSpec spec = parseCommHookSpec(o.hook, "--hook");
   if (auto hook = makeCommHook(spec)) ddp.registerCommHook(hook);
@@ -183,13 +185,13 @@ int runDdp(const Options& o) {
   if (dist.isMain()) {
     std::printf("dtrain-ddp world=%d params=%lld batch_per_rank=%d ms_per_step=%.1f samples_per_s=%.1f hidden=%.2f "
                 "transport=%s hook=%s bytes_per_step=%llu wrong=%lld/%lld max_err=%.1e check=%s model=%s bucket_mb=%g "
-                "first_bucket_mb=%g tune=%s%s\n",
+                "first_bucket_mb=%g last_bucket_mb=%g tune=%s%s\n",
                 dist.size(), static_cast<long long>(countParams(net)), o.batch, dt * 1e3, dist.size() * o.batch / dt,
                 dist.size() > 1 ? hidden / o.steps : 0.0, dist.world()->transportName().c_str(), shown.c_str(),
                 static_cast<unsigned long long>(sent_total / static_cast<uint64_t>(o.steps)),
                 static_cast<long long>(all.wrong), static_cast<long long>(all.tensors), all.max_rel,
                 lossy(spec, o) ? "ranks-agree" : "reference", o.model.c_str(), tuned.bucket_bytes / double(1 << 20),
-                tuned.first_bucket_bytes / double(1 << 20), tuneName(tuned.state),
+                tuned.first_bucket_bytes / double(1 << 20), o.last_bucket_mb, tuneName(tuned.state),
                 device.is_cpu() ? "" : (" device=" + device.str()).c_str());
   }
   if (log) {
@@ -219,6 +221,8 @@ void addDdpCommand(CLI::App& app) {
   sub->add_option("--mode", o->mode, "ddp or dp")->check(CLI::IsMember({"ddp", "dp"}));
   sub->add_option("--bucket-mb", o->bucket_mb, "ddp: bucket cap in MiB (DDPOptions::bucket_bytes)")->check(CLI::PositiveNumber);
   sub->add_option("--first-bucket-mb", o->first_bucket_mb, "ddp: first bucket's cap in MiB")->check(CLI::PositiveNumber);
+  sub->add_option("--last-bucket-mb", o->last_bucket_mb, "ddp: last bucket's cap in MiB (0, the default: PyTorch's buckets)")
+      ->check(CLI::NonNegativeNumber);
   sub->add_option("--threads", o->threads, "dp: replica threads");
   sub->add_option("--model", o->model, "ddp: mlp (the reference MLP, 7.9M parameters) or conv (a small conv net on "
                   "3x32x32 images, 2.8M)")->check(CLI::IsMember({"mlp", "conv"}));

@@ -55,6 +55,16 @@ struct DDPOptions {
   // Bucket sizes in bytes; PyTorch's defaults and rule (a bucket closes once it holds at least its cap).
   size_t bucket_bytes = 25u << 20;
   size_t first_bucket_bytes = 1u << 20;
+  // A rule of dtrain's own, off by default (0: PyTorch's buckets exactly): the bucket that holds the
+  // last gradient of a pass, when larger than last_bucket_bytes, keeps only its tail (from the last
+  // parameter back, up to the one that reaches last_bucket_bytes, as first_bucket_bytes is applied
+  // from the front); the rest of it becomes a bucket of its own, reduced while the tail's gradients
+  // are computed. PyTorch's rule leaves the whole last bucket (up to bucket_bytes, often the model's
+  // largest layers) to be reduced after backward ends: on the reference MLP 23 MB, against 6.4 MB
+  // with last_bucket_bytes = 1 MiB. That pays where communication has a core (or a GPU's copy engine)
+  // of its own; on CPUs busy with every rank's compute, reducing during backward slows backward by
+  // about as much (docs/PERFORMANCE.md, "Overlap at 4 ranks": no consistent gain on 2 cores).
+  size_t last_bucket_bytes = 0;
   // Parameters that get no gradient in a backward pass are allowed (their gradients are averaged as
   // they are, usually zero). When false, such a pass is an error naming them.
   bool find_unused_parameters = false;
@@ -66,7 +76,8 @@ struct DDPOptions {
 
   // Bucket-size tuning (docs/PERFORMANCE.md, "Self-tuning"). When on, the synced passes after the first
   // try the bucket caps of a fixed list (1, 2, 4, 8, 16, 25 and 64 MiB, first bucket 1 MiB, and the two
-  // sizes above; caps that give the same buckets count once), in tune_rounds rounds, one synced pass
+  // sizes above; caps that give the same buckets count once; last_bucket_bytes is kept as it is), in
+  // tune_rounds rounds, one synced pass
   // per cap per round, each timed from its first gradient to the end of its backward (backward with
   // the buckets' allreduces beside it, and what backward did not hide).
   // Every rank's times are combined (the slowest rank's), each cap's median is taken and the fastest

@@ -6,6 +6,26 @@
 
 namespace dtrain::detail {
 
+namespace {
+size_t bytesOf(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
+
+// The last-bucket rule (see buckets.h): the bucket holding `last` is split after its head.
+void splitLast(std::vector<std::vector<size_t>>& groups, const std::vector<at::Tensor>& params, size_t last,
+               size_t cap) {
+  auto it = std::find_if(groups.begin(), groups.end(), [&](const std::vector<size_t>& g) { return g.back() == last; });
+  if (it == groups.end() || it->size() < 2) return;
+  size_t total = 0;
+  for (size_t i : *it) total += bytesOf(params.at(i));
+  if (total <= cap) return;
+  // From the last parameter back, up to the one that reaches the cap; the head keeps one at least.
+  size_t bytes = 0, tail = it->size();
+  while (tail > 1 && bytes < cap) bytes += bytesOf(params.at((*it)[--tail]));
+  std::vector<size_t> back(it->begin() + static_cast<std::ptrdiff_t>(tail), it->end());
+  it->resize(tail);
+  groups.insert(it + 1, std::move(back));
+}
+}  // namespace
+
 std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
                                                const BucketSizes& sizes) {
   struct Open {
@@ -24,7 +44,7 @@ std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& pa
     if (it == open.end()) it = open.insert(open.end(), Open{p.scalar_type(), {}, 0, 0, 0});
     if (it->indices.empty()) it->first_at = pos;
     it->indices.push_back(i);
-    it->bytes += static_cast<size_t>(p.numel()) * p.element_size();
+    it->bytes += bytesOf(p);
     const size_t cap = it->closed == 0 ? sizes.first_bucket_bytes : sizes.bucket_bytes;
     if (it->bytes >= cap) {  // closed on reaching its cap, with the parameter that reached it
       groups.push_back(std::move(it->indices));
@@ -36,6 +56,7 @@ std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& pa
   std::sort(open.begin(), open.end(), [](const Open& a, const Open& b) { return a.first_at < b.first_at; });
   for (auto& o : open)
     if (!o.indices.empty()) groups.push_back(std::move(o.indices));
+  if (sizes.last_bucket_bytes > 0 && !order.empty()) splitLast(groups, params, order.back(), sizes.last_bucket_bytes);
   return groups;
 }
 

@@ -46,7 +46,7 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
   layout_order = order;
   bucket_of.assign(params.size(), 0);
   offset_of.assign(params.size(), 0);
-  auto groups = detail::assignBuckets(params, order, {opts.bucket_bytes, opts.first_bucket_bytes});
+  auto groups = detail::assignBuckets(params, order, {opts.bucket_bytes, opts.first_bucket_bytes, opts.last_bucket_bytes});
   for (size_t k = 0; k < groups.size(); ++k) {
     Bucket bk;
     int64_t numel = 0;

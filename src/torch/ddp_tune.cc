@@ -92,6 +92,7 @@ void DistributedDataParallel::Impl::startTuning() {
   // The candidates, each a distinct layout (caps past the model's size all make one bucket).
   std::vector<std::vector<std::vector<size_t>>> layouts;
   auto add = [&](BucketSizes s, bool configured) {
+    s.last_bucket_bytes = opts.last_bucket_bytes;  // not tuned: every candidate keeps it
     auto layout = detail::assignBuckets(params, layout_order, s);
     auto same = std::find(layouts.begin(), layouts.end(), layout);
     if (same != layouts.end()) {  // the configured sizes name their layout: kept as they are if it wins

@@ -55,6 +55,37 @@ TEST(AssignBuckets, ABucketClosesOnReachingItsCap) {
   EXPECT_EQ(detail::assignBuckets(ps, {}, s), Layout{});
 }
 
+// The last-bucket rule: the bucket with the last gradient, when larger than the cap, keeps only its tail
+// (from its last parameter back, up to the one that reaches the cap) as a bucket of its own.
+TEST(AssignBuckets, TheLastBucketKeepsOnlyItsTail) {
+  std::vector<at::Tensor> ps;
+  for (int i = 0; i < 6; ++i) ps.push_back(at::zeros({4}, at::kFloat));  // 16 bytes each
+  detail::BucketSizes s{/*bucket_bytes=*/1 << 20, /*first_bucket_bytes=*/16, /*last_bucket_bytes=*/32};
+  // PyTorch's rule: {5}, {4, 3, 2, 1, 0}; its last 32 bytes go on their own.
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2}, {1, 0}}));
+  s.last_bucket_bytes = 20;  // the parameter that reaches the cap is in the tail
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2}, {1, 0}}));
+  s.last_bucket_bytes = 16;
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1}, {0}}));
+  // A last bucket within the cap stays whole; 0 is PyTorch's rule.
+  s.last_bucket_bytes = 80;
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1, 0}}));
+  s.last_bucket_bytes = 0;
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1, 0}}));
+  // The last parameter, large, goes alone; where a layer's bias comes after its weight, the weight that
+  // reaches the cap goes with it. The head keeps one parameter at least.
+  auto big = tensors({{1000, at::kFloat}, {2, at::kFloat}, {1000, at::kFloat}, {2, at::kFloat}, {2, at::kFloat}});
+  s = {/*bucket_bytes=*/1 << 20, /*first_bucket_bytes=*/8, /*last_bucket_bytes=*/64};
+  EXPECT_EQ(detail::assignBuckets(big, detail::reverseOrder(5), s), (Layout{{4}, {3, 2, 1}, {0}}));
+  EXPECT_EQ(detail::assignBuckets(big, {4, 2, 0, 3, 1}, s), (Layout{{4}, {2}, {0, 3, 1}}));
+  s.last_bucket_bytes = 1 << 20;  // nothing to split: the bucket is within the cap
+  EXPECT_EQ(detail::assignBuckets(big, detail::reverseOrder(5), s), (Layout{{4}, {3, 2, 1, 0}}));
+  // The bucket split is the one holding the last parameter of the order, not the last in the list.
+  auto mixed = tensors({{4, at::kFloat}, {4, at::kFloat}, {2, at::kDouble}, {4, at::kFloat}});
+  s = {/*bucket_bytes=*/1 << 20, /*first_bucket_bytes=*/1 << 20, /*last_bucket_bytes=*/16};
+  EXPECT_EQ(detail::assignBuckets(mixed, {3, 2, 1, 0}, s), (Layout{{3, 1}, {0}, {2}}));
+}
+
 // The layouts of PyTorch 1.13's own rule (torch.distributed._compute_bucket_assignment_by_size, given
 // the gradients' order as DDP's rebuilt buckets are) for random sizes, caps and dtypes. PyTorch leaves
 // its open buckets in hash-map order at the end; with several dtypes the buckets are compared as sets.

@@ -21,6 +21,8 @@ struct Case {
   bool unused = false;
   std::shared_ptr<CommHook> (*hook)() = nullptr;
   size_t bucket_bytes = 256;  // tiny buckets: several per model, so ordering and rebuilds matter
+  size_t last_bucket_bytes = 0;
+  size_t buckets = 0;  // when not 0: how many buckets DDP must make
 };
 
 // Each rank trains with DDP on its slice and, alongside, a reference model trained by one process
@@ -39,7 +41,9 @@ void trainAndCompare(int world, const Case& c, double tol) {
     o.bucket_bytes = c.bucket_bytes;
     o.first_bucket_bytes = c.bucket_bytes;
     o.find_unused_parameters = c.unused;
+    o.last_bucket_bytes = c.last_bucket_bytes;
     DistributedDataParallel ddp(model.ptr(), pg, o);
+    if (c.buckets) EXPECT_EQ(ddp.bucketLayout().size(), c.buckets);
     if (c.hook) ddp.registerCommHook(c.hook());
     auto opt = makeOpt(c.opt, *model), ref_opt = makeOpt(c.opt, *ref);
     for (int step = 0; step < 5; ++step) {
@@ -118,6 +122,15 @@ TEST_P(DDP, BatchNormBuffersFromRankZero) {
 TEST_P(DDP, LargeBucketsOneAllreduce) {
   Case c;
   c.bucket_bytes = 25u << 20;
+  c.buckets = 1;
+  trainAndCompare(GetParam(), c, 1e-5);
+}
+// DDPOptions::last_bucket_bytes: the one bucket keeps its last parameters as a second one.
+TEST_P(DDP, TheLastBucketRuleSplitsTheLastBucket) {
+  Case c;
+  c.bucket_bytes = 25u << 20;
+  c.last_bucket_bytes = 64;
+  c.buckets = 2;
   trainAndCompare(GetParam(), c, 1e-5);
 }
 // Rounding to 16 bits moves the parameters of these 5 steps by at most 4e-5 (fp16) and 2e-4 (bf16);
