@@ -13,7 +13,9 @@
 #                 (plain SGD applied by the server), BSP; the server and workers talk over shm
 #   dtrain-tcp    the same over the tcp transport (DTRAIN_TRANSPORT=tcp)
 #   pull-tcp      the same with 1 worker over tcp: a pull that waits for no other worker; its bytes (the rows
-#                 and their ids) over its time
+#                 and their ids) over its time. Two figures: the step's pull, which the server answers once
+#                 it has applied the worker's previous push (BSP orders them), and a pull alone (after the
+#                 steps, pulls with nothing before them: what moving the rows costs)
 #   tcp-p2p       `dtrain-bench broadcast --transport tcp` at world 2 of the pull's reply size: what the TCP
 #                 transport moves between two ranks in a message of that size
 #   torch         benches/peers/torch_sparse_ddp.py: DDP over Gloo on nn.Embedding(1M, 64, sparse=True),
@@ -44,23 +46,23 @@ echo "- machine: $(getconf _NPROCESSORS_ONLN) cores; load average at start: $(cu
 echo "- table 1000000 x 64 floats, $rows rows a step and worker, $world workers, $steps timed steps"
 echo
 
-ps_line() {  # ps_line WORKERS [ENV...]: "ms pull_ms push_ms" of a sparse PS run
+ps_line() {  # ps_line WORKERS [ENV...]: "ms pull_ms push_ms pull_alone_ms" of a sparse PS run
   local n=$1 out
   shift
   out=$(env "$@" "${run[@]}" --nproc-per-node "$n" --servers 1 "$build/bin/dtrain-bench" ps --mode sparse \
           --steps "$steps" --rows "$rows" --dense-steps 1 2>/dev/null | sed -E 's/^\[rank [0-9]+\]: //')
   grep -q '^  #wrong 0' <<<"$out" || { echo "sparse_ps.sh: dtrain-bench ps failed or was wrong:"; echo "$out"; } >&2
   grep -q '^  #wrong 0' <<<"$out" || return 1
-  sed -nE 's/.*ms_per_step=([0-9.]+) \(pull ([0-9.]+), push ([0-9.]+)\).*/\1 \2 \3/p' <<<"$out" | head -1
+  sed -nE 's/.*ms_per_step=([0-9.]+) \(pull ([0-9.]+), push ([0-9.]+)\) pull_alone_ms=([0-9.]+).*/\1 \2 \3 \4/p' <<<"$out" | head -1
 }
 
 results=$(mktemp)
 trap 'rm -f "$results"' EXIT
 for r in $(seq 1 "$reps"); do
   echo "sparse_ps.sh: repetition $r" >&2
-  read -r shm_ms shm_pull shm_push < <(ps_line "$world")
-  read -r tcp_ms tcp_pull tcp_push < <(ps_line "$world" DTRAIN_TRANSPORT=tcp)
-  read -r one_ms one_pull one_push < <(ps_line 1 DTRAIN_TRANSPORT=tcp)
+  read -r shm_ms shm_pull shm_push _ < <(ps_line "$world")
+  read -r tcp_ms tcp_pull tcp_push _ < <(ps_line "$world" DTRAIN_TRANSPORT=tcp)
+  read -r one_ms one_pull one_push one_alone < <(ps_line 1 DTRAIN_TRANSPORT=tcp)
   out=$("${run[@]}" --nproc-per-node 2 "$build/bin/dtrain-bench" broadcast --transport tcp \
           --min-bytes "$reply_bytes" --max-bytes "$reply_bytes" 2>/dev/null | sed -E 's/^\[rank [0-9]+\]: //')
   grep -q '^# 0 wrong elements in all' <<<"$out" || { echo "sparse_ps.sh: broadcast failed: $out" >&2; exit 1; }
@@ -68,22 +70,24 @@ for r in $(seq 1 "$reps"); do
   peer=$("$PEER_PYTHON" "$here/peers/torch_sparse_ddp.py" "$world" "$steps" --rows "$rows" 2>&1) ||
     { echo "sparse_ps.sh: the PyTorch peer failed: $peer" >&2; exit 1; }
   torch_ms=$(sed -nE 's/^torch-sparse-ddp .* ms_per_step=([0-9.]+) .*/\1/p' <<<"$peer")
-  echo "$r $shm_ms $shm_pull $shm_push $tcp_ms $tcp_pull $tcp_push $one_ms $one_pull $p2p_us $torch_ms" >>"$results"
+  echo "$r $shm_ms $shm_pull $shm_push $tcp_ms $tcp_pull $tcp_push $one_ms $one_pull $p2p_us $torch_ms $one_alone" >>"$results"
 done
 
-echo "| rep | dtrain shm: step (pull, push) ms | dtrain tcp: step (pull, push) ms | PyTorch sparse DDP ms | PyTorch / dtrain shm, tcp | 1-worker pull over tcp: ms, GB/s | tcp p2p of ${reply_bytes} B: us, GB/s | pull / tcp |"
-echo "| ---: | --- | --- | ---: | --- | --- | --- | ---: |"
+echo "| rep | dtrain shm: step (pull, push) ms | dtrain tcp: step (pull, push) ms | PyTorch sparse DDP ms | PyTorch / dtrain shm, tcp | 1-worker pull over tcp, in a step: ms, GB/s | alone: ms, GB/s | tcp p2p of ${reply_bytes} B: us, GB/s | pull / tcp: in a step, alone |"
+echo "| ---: | --- | --- | ---: | --- | --- | --- | --- | --- |"
 # The pull moves the rows (reply) and their ids (request).
 awk -v rb="$reply_bytes" -v rows="$rows" '{
   pull_bytes = rb + rows * 8
-  pull_gbs = pull_bytes / ($9 * 1e6); p2p_gbs = rb / ($10 * 1e3)
-  printf "| %d | %.2f (%.2f, %.2f) | %.2f (%.2f, %.2f) | %.2f | %.2fx, %.2fx | %.2f, %.2f | %.0f, %.2f | %.2f |\n",
-    $1, $2, $3, $4, $5, $6, $7, $11, $11 / $2, $11 / $5, $9, pull_gbs, $10, p2p_gbs, pull_gbs / p2p_gbs
+  pull_gbs = pull_bytes / ($9 * 1e6); alone_gbs = pull_bytes / ($12 * 1e6); p2p_gbs = rb / ($10 * 1e3)
+  printf "| %d | %.2f (%.2f, %.2f) | %.2f (%.2f, %.2f) | %.2f | %.2fx, %.2fx | %.2f, %.2f | %.2f, %.2f | %.0f, %.2f | %.2f, %.2f |\n",
+    $1, $2, $3, $4, $5, $6, $7, $11, $11 / $2, $11 / $5, $9, pull_gbs, $12, alone_gbs, $10, p2p_gbs,
+    pull_gbs / p2p_gbs, alone_gbs / p2p_gbs
 }' "$results"
 echo
 med() { sort -g | awk '{a[NR] = $1} END {print (NR % 2) ? a[(NR + 1) / 2] : (a[NR / 2] + a[NR / 2 + 1]) / 2}'; }
-printf 'Medians: PyTorch sparse DDP / dtrain PS = %.2fx (shm), %.2fx (tcp); 1-worker pull / tcp p2p = %.2f\n' \
+printf 'Medians: PyTorch sparse DDP / dtrain PS = %.2fx (shm), %.2fx (tcp); 1-worker pull / tcp p2p = %.2f in a step, %.2f alone\n' \
   "$(awk '{print $11 / $2}' "$results" | med)" "$(awk '{print $11 / $5}' "$results" | med)" \
-  "$(awk -v rb="$reply_bytes" -v rows="$rows" '{print ((rb + rows * 8) / ($9 * 1e6)) / (rb / ($10 * 1e3))}' "$results" | med)"
+  "$(awk -v rb="$reply_bytes" -v rows="$rows" '{print ((rb + rows * 8) / ($9 * 1e6)) / (rb / ($10 * 1e3))}' "$results" | med)" \
+  "$(awk -v rb="$reply_bytes" -v rows="$rows" '{print ((rb + rows * 8) / ($12 * 1e6)) / (rb / ($10 * 1e3))}' "$results" | med)"
 echo
 echo "- load average at end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -191,6 +191,10 @@ int64_t runMlp(const Options& o, ps::Worker& w, const Distributed& dist, DenseCh
 
 struct SparseResult {
   double ms = 0, pull_ms = 0, push_ms = 0, bytes = 0;
+  // pull_ms is a step's pull, which the server answers once it has applied this worker's previous push
+  // (and clock): BSP orders them. pull_alone_ms is a pull with nothing before it, the steps done: what
+  // moving the rows costs.
+  double pull_alone_ms = 0;
 };
 
 void runSparse(const Options& o, ps::Worker& w, const Distributed& dist, DenseCheck& check, SparseResult& r) {
@@ -224,6 +228,15 @@ void runSparse(const Options& o, ps::Worker& w, const Distributed& dist, DenseCh
   dist.world()->barrier()->wait();
   double sparse_s = seconds(t0) / o.steps;
   double sparse_bytes = static_cast<double>(w.bytesSent() + w.bytesReceived() - b0) / o.steps;
+  double alone_s = 0;
+  for (int i = 0; i < o.steps; ++i) {
+    auto rows = at::randint(0, o.table_rows, {o.rows}, g, torch::kLong);
+    auto t = Clock::now();
+    w.pullRowsAsync("emb", rows, values)->wait();
+    alone_s += seconds(t);
+  }
+  dist.world()->barrier()->wait();
+  r.pull_alone_ms = alone_s * 1e3 / o.steps;
 
   r.ms = sparse_s * 1e3;
   r.pull_ms = pull_s * 1e3 / o.steps;
@@ -270,9 +283,9 @@ int64_t runDense(const Options& o, const Distributed& dist, const SparseResult& 
     std::printf("dtrain-ps-sparse workers=%d servers=%d table=%lldx%lld rows_per_step=%lld (%.2f%%)\n", W,
                 servers, static_cast<long long>(o.table_rows), static_cast<long long>(o.dim),
                 static_cast<long long>(o.rows), 100.0 * o.rows / o.table_rows);
-    std::printf("  sparse PS (pullRows+pushRows): ms_per_step=%.2f (pull %.2f, push %.2f) MB_per_step_per_worker=%.2f "
-                "(sent+received)\n",
-                sparse_s * 1e3, r.pull_ms, r.push_ms, sparse_bytes / 1e6);
+    std::printf("  sparse PS (pullRows+pushRows): ms_per_step=%.2f (pull %.2f, push %.2f) pull_alone_ms=%.2f "
+                "MB_per_step_per_worker=%.2f (sent+received)\n",
+                sparse_s * 1e3, r.pull_ms, r.push_ms, r.pull_alone_ms, sparse_bytes / 1e6);
     std::printf("  dense allreduce (%.0f MB gradient, %s): ms_per_step=%.2f\n", table_bytes / 1e6,
                 dist.world()->transportName().c_str(), dense_s * 1e3);
     std::printf("  speedup=%.1fx\n", dense_s / sparse_s);
@@ -281,6 +294,7 @@ int64_t runDense(const Options& o, const Distributed& dist, const SparseResult& 
     log->write(Record("bench").set("name", "ps-sparse").set("workers", W).set("servers", servers)
                    .set("table_rows", o.table_rows).set("dim", o.dim).set("rows_per_step", o.rows)
                    .set("sparse_ms_per_step", sparse_s * 1e3).set("pull_ms", r.pull_ms).set("push_ms", r.push_ms)
+                   .set("pull_alone_ms", r.pull_alone_ms)
                    .set("sparse_bytes_per_step_per_worker", sparse_bytes).set("dense_ms_per_step", dense_s * 1e3)
                    .set("speedup", dense_s / sparse_s));
   }
