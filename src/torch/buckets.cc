@@ -20,6 +20,7 @@ void splitLast(std::vector<std::vector<size_t>>& groups, const std::vector<at::T
   // From the last parameter back, up to the one that reaches the cap; the head keeps one at least.
   size_t bytes = 0, tail = it->size();
   while (tail > 1 && bytes < cap) bytes += bytesOf(params.at((*it)[--tail]));
+  if (total - bytes < cap) return;  // what would go first is smaller than the cap: nothing gained
   std::vector<size_t> back(it->begin() + static_cast<std::ptrdiff_t>(tail), it->end());
   it->resize(tail);
   groups.insert(it + 1, std::move(back));

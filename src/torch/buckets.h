@@ -25,8 +25,9 @@ struct BucketSizes {
 // With last_bucket_bytes, the bucket that holds the last parameter of `order` (whose gradient comes
 // last), if larger than that, is split in two, as the first bucket's cap is applied but from the end:
 // its tail (from the last parameter back, up to the one that reaches last_bucket_bytes; the rest keeps
-// one at least) becomes a bucket of its own right after the rest. The rest is then reduced while the
-// tail's gradients are computed, instead of after backward. (A tail cut within the cap instead would
+// one at least) becomes a bucket of its own right after the rest, when the rest holds at least
+// last_bucket_bytes too. The rest is then reduced while the tail's gradients are computed, instead of
+// after backward. (A tail cut within the cap instead would
 // often be a lone bias: a layer's bias and weight gradients come in either order.)
 std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& params, const std::vector<size_t>& order,
                                                const BucketSizes& sizes);

@@ -67,6 +67,9 @@ TEST(AssignBuckets, TheLastBucketKeepsOnlyItsTail) {
   EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2}, {1, 0}}));
   s.last_bucket_bytes = 16;
   EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1}, {0}}));
+  // No split when what would go first is smaller than the cap (here 16 bytes before a 64-byte tail).
+  s.last_bucket_bytes = 64;
+  EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1, 0}}));
   // A last bucket within the cap stays whole; 0 is PyTorch's rule.
   s.last_bucket_bytes = 80;
   EXPECT_EQ(detail::assignBuckets(ps, detail::reverseOrder(6), s), (Layout{{5}, {4, 3, 2, 1, 0}}));
