@@ -9,9 +9,9 @@
 #
 # mlp and conv run `dtrain-bench ddp` (as benches/tune.sh does) with DTRAIN_TIMELINE, and their timelines
 # are split by benches/ddp_breakdown.py: the exposed column is the time from the last gradient to the
-# optimizer, communication that backward did not hide. Every dtrain-bench run checks its parameters
-# against a one-process reference (wrong=0 or the script fails). milnce runs `milnce train --hidden 2048
-# --embed 512` for 2 epochs on generated data: the mean step time of epoch 2. One compute thread per rank.
+# optimizer, communication that backward did not hide. The models run as benches/ddp_models.sh says; every
+# dtrain-bench run checks its parameters against a one-process reference (wrong=0 or the script fails).
+# One compute thread per rank.
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/.." && pwd)
@@ -22,46 +22,28 @@ read -r -a lasts <<<"${LAST:-0 1}"
 models=("$@")
 ((${#models[@]})) || models=(mlp conv milnce)
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-for f in dtrain-run dtrain-bench dtrain-trace milnce; do
-  [[ -x $build/bin/$f ]] || { echo "last_bucket.sh: $build/bin/$f not found; build with: cmake --build $build -j2 --target dtrain-run dtrain-bench dtrain-trace milnce" >&2; exit 2; }
-done
+source "$here/ddp_models.sh"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-mkdir -p "$tmp/bin"
-cp "$build/bin/dtrain-run" "$build/bin/dtrain-bench" "$build/bin/dtrain-trace" "$build/bin/milnce" "$tmp/bin/"
-bin=$tmp/bin
-run=("$bin/dtrain-run" --standalone --nproc-per-node "$world")
+stage_models last_bucket.sh dtrain-trace
 
 echo "# DDP's last-bucket rule against PyTorch's buckets, world $world, $reps repetitions; $(date -u +%F)," \
      "load $(cut -d' ' -f1-3 /proc/loadavg) at start"
-[[ " ${models[*]} " == *" milnce "* ]] && "$bin/milnce" gen-data --out "$tmp/data" >/dev/null 2>&1
 : >"$tmp/results"
 traces=()
 for rep in $(seq 1 "$reps"); do
   for model in "${models[@]}"; do
     for last in "${lasts[@]}"; do
-      case $model in
-        mlp | conv)
-          extra=(--steps 30 --batch 64)
-          [[ $model == conv ]] && extra=(--model conv --steps 20 --batch 16)
-          tl=$tmp/tl-$model-$last-$rep
-          out=$(DTRAIN_TUNE=off DTRAIN_TIMELINE=$tl "${run[@]}" "$bin/dtrain-bench" ddp --progress off "${extra[@]}" \
-            --last-bucket-mb "$last" 2>&1) || { echo "$out" >&2; echo "last_bucket.sh: $model $last failed" >&2; exit 1; }
-          line=$(grep -o 'dtrain-ddp .*' <<<"$out")
-          [[ $line == *" wrong=0/"* ]] || { echo "$out" >&2; echo "last_bucket.sh: $model $last: wrong parameters" >&2; exit 1; }
-          ms=$(sed -n 's/.* ms_per_step=\([0-9.]*\) .*/\1/p' <<<"$line")
-          "$bin/dtrain-trace" merge "$tl" >/dev/null
-          traces+=("$model-last$last-rep$rep=$tl/trace.json") ;;
-        milnce)
-          rm -rf "$tmp/run"
-          out=$(DTRAIN_TUNE=off "${run[@]}" "$bin/milnce" train --data "$tmp/data" --out "$tmp/run" --epochs 2 --no-eval \
-            --no-progress --hidden 2048 --embed 512 --last-bucket-mb "$last" 2>&1) ||
-            { echo "$out" >&2; echo "last_bucket.sh: milnce $last failed" >&2; exit 1; }
-          ms=$(/usr/bin/python3 -c "import json,sys; l=[r for r in map(json.loads, open(sys.argv[1])) if r['kind'] == 'step' and r['epoch'] >= 1]; print(f'{1e3 * sum(r[\"step_s\"] for r in l) / len(l):.2f}')" "$tmp/run/metrics.jsonl") ;;
-        *) echo "last_bucket.sh: unknown model $model (mlp, conv or milnce)" >&2; exit 2 ;;
-      esac
-      echo "$model $last $rep $ms" >>"$tmp/results"
-      echo "last_bucket.sh: $model rep $rep last_bucket_mb=$last: $ms ms/step" >&2
+      envs=(DTRAIN_TUNE=off)
+      tl=$tmp/tl-$model-$last-$rep
+      [[ $model == milnce ]] || envs+=(DTRAIN_TIMELINE="$tl")
+      run_model last_bucket.sh "$model" "${envs[@]}" -- --last-bucket-mb "$last"
+      if [[ $model != milnce ]]; then
+        "$bin/dtrain-trace" merge "$tl" >/dev/null
+        traces+=("$model-last$last-rep$rep=$tl/trace.json")
+      fi
+      echo "$model $last $rep $model_ms" >>"$tmp/results"
+      echo "last_bucket.sh: $model rep $rep last_bucket_mb=$last: $model_ms ms/step" >&2
     done
   done
 done

@@ -7,13 +7,7 @@
 # Env: BUILD_DIR (default <repo>/build), REPS (interleaved repetitions, default 3), WORLD (ranks, default 2),
 #      CAPS (the hand settings' bucket caps in MiB, default "1 2 4 8 16 25 64"; first bucket 1 MiB).
 #
-# Models:
-#   mlp     `dtrain-bench ddp` on the reference MLP (7.9M parameters, 31.6 MB of gradients), batch 64 per rank,
-#           30 timed steps; its ms_per_step
-#   conv    `dtrain-bench ddp --model conv` (a conv net on 3x32x32 images, 2.8M parameters), batch 16 per rank,
-#           20 timed steps
-#   milnce  `milnce train --hidden 2048 --embed 512` (12 MB of gradients) on generated data, 2 epochs of 31
-#           steps; the mean step time of epoch 2 from metrics.jsonl
+# Models: mlp, conv and milnce, as benches/ddp_models.sh runs them.
 # Each repetition runs every hand setting (DTRAIN_TUNE=off, --bucket-mb CAP) and the tuned run
 # (DTRAIN_TUNE=refresh with an empty cache: it tunes during its first steps, dtrain-bench keeps warming up
 # until tuning is done, milnce tunes within epoch 1), back to back, in this order. The tuned run's step
@@ -29,54 +23,32 @@ read -r -a caps <<<"${CAPS:-1 2 4 8 16 25 64}"
 models=("$@")
 ((${#models[@]})) || models=(mlp conv milnce)
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-for f in dtrain-run dtrain-bench milnce; do
-  [[ -x $build/bin/$f ]] || { echo "tune.sh: $build/bin/$f not found; build with: cmake --build $build -j2 --target dtrain-run dtrain-bench milnce" >&2; exit 2; }
-done
+source "$here/ddp_models.sh"
 tmp=$(mktemp -d)
 trap 'rm -rf "$tmp"' EXIT
-data=$tmp/data
-# Copies: a rebuild of $build during the run cannot swap a binary mid-run.
-mkdir -p "$tmp/bin"
-cp "$build/bin/dtrain-run" "$build/bin/dtrain-bench" "$build/bin/milnce" "$tmp/bin/"
-build=$tmp
-run=("$build/bin/dtrain-run" --standalone --nproc-per-node "$world")
+stage_models tune.sh
 
 # one MODEL SETTING REP: runs one and appends "model setting rep ms chosen_mb" to $tmp/results.
 one() {
-  local model=$1 setting=$2 rep=$3 env=(DTRAIN_TUNE=off) args=() out ms chosen
+  local model=$1 setting=$2 rep=$3 env=(DTRAIN_TUNE=off) args=() chosen
   if [[ $setting == tuned ]]; then
     env=(DTRAIN_TUNE=refresh DTRAIN_TUNE_CACHE="$tmp/cache-$model-$rep.tsv")
   else
     args=(--bucket-mb "$setting" --first-bucket-mb 1)
   fi
-  case $model in
-    mlp | conv)
-      local extra=(--steps 30 --batch 64)
-      [[ $model == conv ]] && extra=(--model conv --steps 20 --batch 16)
-      out=$(env "${env[@]}" "${run[@]}" "$build/bin/dtrain-bench" ddp --progress off "${extra[@]}" "${args[@]}" 2>&1) ||
-        { echo "$out" >&2; echo "tune.sh: $model $setting failed" >&2; exit 1; }
-      line=$(grep -o 'dtrain-ddp .*' <<<"$out")
-      [[ $line == *" wrong=0/"* ]] || { echo "$out" >&2; echo "tune.sh: $model $setting: wrong parameters" >&2; exit 1; }
-      ms=$(sed -n 's/.* ms_per_step=\([0-9.]*\) .*/\1/p' <<<"$line")
-      chosen=$(sed -n 's/.* bucket_mb=\([0-9.]*\) .*/\1/p' <<<"$line") ;;
-    milnce)
-      rm -rf "$tmp/run"
-      out=$(env "${env[@]}" "${run[@]}" "$build/bin/milnce" train --data "$data" --out "$tmp/run" --epochs 2 --no-eval \
-        --no-progress --hidden 2048 --embed 512 "${args[@]}" 2>&1) ||
-        { echo "$out" >&2; echo "tune.sh: milnce $setting failed" >&2; exit 1; }
-      ms=$(/usr/bin/python3 -c "import json,sys; l=[r for r in map(json.loads, open(sys.argv[1])) if r['kind'] == 'step' and r['epoch'] >= 1]; print(f'{1e3 * sum(r[\"step_s\"] for r in l) / len(l):.2f}')" "$tmp/run/metrics.jsonl")
-      chosen=$setting
-      if [[ $setting == tuned ]]; then
-        chosen=$(cut -f2 "$tmp/cache-$model-$rep.tsv" 2>/dev/null | tail -1)
-        chosen=$(/usr/bin/python3 -c "import sys; print(f'{int(sys.argv[1]) / 2**20:g}' if sys.argv[1] else 'none')" "$chosen")
-      fi ;;
-    *) echo "tune.sh: unknown model $model (mlp, conv or milnce)" >&2; exit 2 ;;
-  esac
-  echo "$model $setting $rep $ms $chosen" >>"$tmp/results"
-  echo "tune.sh: $model rep $rep $setting: $ms ms/step (caps $chosen MiB)" >&2
+  run_model tune.sh "$model" "${env[@]}" -- "${args[@]}"
+  if [[ $model != milnce ]]; then
+    chosen=$(sed -n 's/.* bucket_mb=\([0-9.]*\) .*/\1/p' <<<"$model_line")
+  elif [[ $setting == tuned ]]; then
+    chosen=$(cut -f2 "$tmp/cache-$model-$rep.tsv" 2>/dev/null | tail -1)
+    chosen=$(/usr/bin/python3 -c "import sys; print(f'{int(sys.argv[1]) / 2**20:g}' if sys.argv[1] else 'none')" "$chosen")
+  else
+    chosen=$setting
+  fi
+  echo "$model $setting $rep $model_ms $chosen" >>"$tmp/results"
+  echo "tune.sh: $model rep $rep $setting: $model_ms ms/step (caps $chosen MiB)" >&2
 }
 
-[[ " ${models[*]} " == *" milnce "* ]] && "$build/bin/milnce" gen-data --out "$data" >/dev/null 2>&1
 echo "# DDP bucket-size tuning against hand settings, world $world, $reps repetitions; $(date -u +%F)," \
      "load $(cut -d' ' -f1-3 /proc/loadavg) at start"
 : >"$tmp/results"
