@@ -25,11 +25,13 @@ this rank's ready time to the last rank's: the allreduce cannot finish before ev
 bucket), after all ready (from the later of its start and the last rank's ready time to its end: the
 transfer itself) and the allreduce's whole duration.
 """
+import functools
 import json
 import statistics
 import sys
 
 
+@functools.lru_cache(maxsize=None)  # --buckets reads each trace again: parsed once
 def events(path):
     with open(path) as f:
         data = json.load(f)
