@@ -59,11 +59,12 @@ struct DDPOptions {
   // last gradient of a pass, when larger than last_bucket_bytes, keeps only its tail (from the last
   // parameter back, up to the one that reaches last_bucket_bytes, as first_bucket_bytes is applied
   // from the front); the rest of it, when at least as large, becomes a bucket of its own, reduced while
-  // the tail's gradients are computed. PyTorch's rule leaves the whole last bucket (up to bucket_bytes, often the model's
-  // largest layers) to be reduced after backward ends: on the reference MLP 23 MB, against 6.4 MB
-  // with last_bucket_bytes = 1 MiB. That pays where communication has a core (or a GPU's copy engine)
-  // of its own; on CPUs busy with every rank's compute, reducing during backward slows backward by
-  // about as much (docs/PERFORMANCE.md, "Overlap at 4 ranks": no consistent gain on 2 cores).
+  // the tail's gradients are computed. PyTorch's rule leaves the whole last bucket (up to bucket_bytes,
+  // often the model's largest layers) to be reduced after backward ends: on the reference MLP 23 MB,
+  // against 6.4 MB with last_bucket_bytes = 1 MiB. That pays where communication has a core (or a
+  // GPU's copy engine) of its own; on CPUs busy with every rank's compute, reducing during backward
+  // slows backward by about as much (docs/PERFORMANCE.md, "Overlap at 4 ranks": no consistent gain on
+  // 2 cores).
   size_t last_bucket_bytes = 0;
   // Parameters that get no gradient in a backward pass are allowed (their gradients are averaged as
   // they are, usually zero). When false, such a pass is an error naming them.
@@ -77,9 +78,9 @@ struct DDPOptions {
   // Bucket-size tuning (docs/PERFORMANCE.md, "Self-tuning"). When on, the synced passes after the first
   // try the bucket caps of a fixed list (1, 2, 4, 8, 16, 25 and 64 MiB, first bucket 1 MiB, and the two
   // sizes above; caps that give the same buckets count once; last_bucket_bytes is kept as it is), in
-  // tune_rounds rounds, one synced pass
-  // per cap per round, each timed from its first gradient to the end of its backward (backward with
-  // the buckets' allreduces beside it, and what backward did not hide).
+  // tune_rounds rounds, one synced pass per cap per round, each timed from its first gradient to the
+  // end of its backward (backward with the buckets' allreduces beside it, and what backward did not
+  // hide).
   // Every rank's times are combined (the slowest rank's), each cap's median is taken and the fastest
   // cap is kept from then on. Training goes on meanwhile: every pass's gradients are averaged as
   // always. Rank 0 appends the choice to the tuning cache (DTRAIN_TUNE_CACHE, else

@@ -7,19 +7,17 @@
 namespace dtrain::detail {
 
 namespace {
-size_t bytesOf(const at::Tensor& p) { return static_cast<size_t>(p.numel()) * p.element_size(); }
-
 // The last-bucket rule (see buckets.h): the bucket holding `last` is split after its head.
 void splitLast(std::vector<std::vector<size_t>>& groups, const std::vector<at::Tensor>& params, size_t last,
                size_t cap) {
   auto it = std::find_if(groups.begin(), groups.end(), [&](const std::vector<size_t>& g) { return g.back() == last; });
   if (it == groups.end() || it->size() < 2) return;
   size_t total = 0;
-  for (size_t i : *it) total += bytesOf(params.at(i));
+  for (size_t i : *it) total += params.at(i).nbytes();
   if (total <= cap) return;
   // From the last parameter back, up to the one that reaches the cap; the head keeps one at least.
   size_t bytes = 0, tail = it->size();
-  while (tail > 1 && bytes < cap) bytes += bytesOf(params.at((*it)[--tail]));
+  while (tail > 1 && bytes < cap) bytes += params.at((*it)[--tail]).nbytes();
   if (total - bytes < cap) return;  // what would go first is smaller than the cap: nothing gained
   std::vector<size_t> back(it->begin() + static_cast<std::ptrdiff_t>(tail), it->end());
   it->resize(tail);
@@ -45,7 +43,7 @@ std::vector<std::vector<size_t>> assignBuckets(const std::vector<at::Tensor>& pa
     if (it == open.end()) it = open.insert(open.end(), Open{p.scalar_type(), {}, 0, 0, 0});
     if (it->indices.empty()) it->first_at = pos;
     it->indices.push_back(i);
-    it->bytes += bytesOf(p);
+    it->bytes += p.nbytes();
     const size_t cap = it->closed == 0 ? sizes.first_bucket_bytes : sizes.bucket_bytes;
     if (it->bytes >= cap) {  // closed on reaching its cap, with the parameter that reached it
       groups.push_back(std::move(it->indices));
