@@ -61,6 +61,23 @@ inline void keepGroupOptions(std::vector<torch::optim::OptimizerParamGroup>& ins
     if (given[i].has_options()) installed[i].set_options(given[i].options().clone());
 }
 
+// ---- Optimizer::zero_grad ----
+// Clears the gradients of every parameter of `opt`, as libtorch 2.x's zero_grad(set_to_none) does:
+// set_to_none makes them undefined (2.x's default: the optimizer then skips a parameter that gets no
+// gradient before the next step), otherwise they are zeroed in place (1.13's zero_grad(), which has no
+// argument). The same on both generations.
+// What zero_grad() does by default: set to none on 2.x, zero on 1.13.
+inline constexpr bool kZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
+inline void zeroGrad(torch::optim::Optimizer& opt, bool set_to_none) {
+#if TORCH_VERSION_MAJOR >= 2
+  opt.zero_grad(set_to_none);
+#else
+  if (!set_to_none) return opt.zero_grad();
+  for (auto& group : opt.param_groups())
+    for (auto& p : group.params()) p.mutable_grad().reset();
+#endif
+}
+
 // ---- autograd ----
 // What torch::autograd::impl::grad_accumulator(param) returns, to hold the node (and the hooks added to
 // it) alive: std::shared_ptr<Node> in 1.13, c10::intrusive_ptr<Node> in 2.15.

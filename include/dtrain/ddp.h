@@ -66,8 +66,14 @@ struct DDPOptions {
   // slows backward by about as much (docs/PERFORMANCE.md, "Overlap at 4 ranks": no consistent gain on
   // 2 cores).
   size_t last_bucket_bytes = 0;
-  // Parameters that get no gradient in a backward pass are allowed (their gradients are averaged as
-  // they are, usually zero). When false, such a pass is an error naming them.
+  // Parameters that get no gradient in a backward pass are allowed. When false, such a pass is an error
+  // naming them. When true, as in one process on the global batch (and as PyTorch's DDP):
+  //   - a parameter that some rank used is averaged as usual, the ranks that did not use it adding zeros;
+  //   - a parameter that no rank used in the accumulation window (the synced pass and the noSync passes
+  //     before it) keeps the gradient it had before the window: an undefined one stays undefined (what
+  //     Optimizer::zero_grad() leaves on libtorch 2.x), so the optimizer skips it (no momentum, no weight
+  //     decay), and a defined one keeps its value. With comm hooks and under dtrain::Join too.
+  // It costs one small allreduce per synced pass (an int32 per parameter, after the last bucket).
   bool find_unused_parameters = false;
   // Broadcast buffers (e.g. BatchNorm running statistics) from rank 0 at the end of every synced
   // backward (see above) and in beforeForward(). false: each rank keeps its own buffers.

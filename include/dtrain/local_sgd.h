@@ -20,7 +20,9 @@
 //
 // PeriodicModelAverager::averageParameters(params), called once per optimizer step: when
 // step >= warmup_steps and (step - warmup_steps) % period == 0, the parameters that have a gradient
-// (defined grad) are flattened, divided by the group's size, allreduced (sum) and written back; then
+// (defined grad) on some rank of the group (the ranks agree on the list first: one small allreduce; with
+// libtorch 2.x's zero_grad(), a branch that one rank skipped has no gradient there) are flattened,
+// divided by the group's size, allreduced (sum) and written back; then
 // step += 1. Optimizer state (momentum, Adam moments) is not averaged. HierarchicalModelAverager
 // averages over one of several groups: at each step >= warmup_steps, the group with the largest period
 // that divides step (step % period == 0, no warm-up offset), if any; e.g. {{4, dist.local()},
@@ -44,7 +46,7 @@ class PeriodicModelAverager {
  public:
   // InvalidArgument for period < 1 or warmup_steps < 0 (period 1 works: it averages every step).
   PeriodicModelAverager(std::shared_ptr<comm::ProcessGroup> group, int64_t period, int64_t warmup_steps = 0);
-  // Call once per optimizer step; averages the parameters that have a gradient when it is time.
+  // Call once per optimizer step; averages the parameters that have a gradient on some rank when it is time.
   // Returns whether it averaged.
   bool averageParameters(const std::vector<at::Tensor>& params);
   int64_t step() const { return step_; }

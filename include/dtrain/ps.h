@@ -163,6 +163,12 @@ class Worker {
   at::Tensor pullRows(const std::string& name, const at::Tensor& rows);
 
   comm::WorkPtr pushAsync(const std::string& name, const at::Tensor& grad);
+  // A push whose `used` (uint8 or bool, one per element) marks the elements it carries a gradient for.
+  // An element that no worker's push of a step marks is not updated, nor its optimizer state (Adam counts
+  // each element's own updates): what one process's optimizer does with a parameter whose gradient is
+  // undefined. Under bsp the step's gradient is the mean over all workers, zeros from those that did not
+  // mark the element. Under local aggregation every worker of a host passes `used` or none does.
+  comm::WorkPtr pushAsync(const std::string& name, const at::Tensor& grad, const at::Tensor& used);
   comm::WorkPtr pullAsync(const std::string& name, at::Tensor out);
   comm::WorkPtr pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out);
   comm::WorkPtr clockAsync();

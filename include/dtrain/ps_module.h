@@ -22,7 +22,16 @@
 // bucket is complete its push starts (asynchronously, on the Worker's thread) while backward goes on.
 // step() pushes the buckets that are still incomplete (parameters without a gradient in this pass
 // contribute zeros: an unused branch is fine), waits for the pushes, ends the step (clock) and starts
-// the pulls; beforeForward() waits for them and copies the values into the parameters. A backward that
+// the pulls; beforeForward() waits for them and copies the values into the parameters. Unused
+// parameters are treated as one process treats a parameter whose gradient is undefined: every push says
+// which elements carry a gradient (Worker::pushAsync with `used`), and a parameter that no worker used in
+// a step is not updated by the servers, nor its optimizer state (momentum, Adam's moments and its own
+// step count); one that some workers used is averaged with zeros from the others. A parameter counts as
+// used on a worker when backward gave it a gradient or its .grad() is defined (zeroed in place by
+// zero_grad(false), or by 1.13's zero_grad(): one process steps it with a zero gradient too). With sum_only servers
+// the workers also push how many of them used each parameter (PS tensor "<prefix>used", one float per
+// parameter), and step() leaves the .grad() of a parameter no worker used as it was (undefined after
+// zero_grad() on libtorch 2.x, so the local optimizer skips it). A backward that
 // starts before beforeForward() installed the pending values is an error (it would train on stale
 // parameters), as is a second gradient for a parameter whose bucket was already pushed.
 #pragma once

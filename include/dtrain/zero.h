@@ -88,9 +88,13 @@ class ZeroRedundancyOptimizer {
   // schedule) into the local optimizer, steps the parameters this rank owns, then every parameter
   // gets its owner's new value.
   void step();
-  // Zeroes every parameter's gradient in place, as libtorch 1.13's zero_grad() (DDP's gradients are
-  // views into its buckets).
+  // Clears every parameter's gradient as the libtorch it was built with clears them in
+  // Optimizer::zero_grad(): undefined on 2.x (set_to_none; the optimizer then skips a parameter that
+  // gets no gradient before the next step, and DDP keeps it undefined where no rank used it), zeroed in
+  // place on 1.13. zeroGrad(false) zeroes in place (DDP's gradients stay views into its buckets),
+  // zeroGrad(true) makes them undefined, on both.
   void zeroGrad();
+  void zeroGrad(bool set_to_none);
   // Collective: scales every gradient by max_norm / (total 2-norm + 1e-6) when the norm is above
   // max_norm (torch.nn.utils.clip_grad_norm_), the norm taken over every parameter's gradient as in
   // one process; returns the total norm.

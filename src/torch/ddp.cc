@@ -62,7 +62,8 @@ void DistributedDataParallel::Impl::buildBuckets(const std::vector<size_t>& orde
     toCommDType(bk.gb.flat.scalar_type(), "DDP gradient bucket");  // refuses a dtype that cannot travel
     buckets.push_back(std::move(bk));
     for (size_t i : groups[k]) {
-      adoptGrad(i);
+      // An undefined gradient stays undefined (the optimizer skips it) until a gradient arrives.
+      if (params[i].grad().defined()) adoptGrad(i);
       buckets.back().gb.grads.push_back(gradView(i));
     }
   }
@@ -108,7 +109,11 @@ void DistributedDataParallel::Impl::startPass() {
   torch::autograd::Engine::get_default_engine().queue_callback([this] { finishPass(); });
 }
 
-void DistributedDataParallel::Impl::onGradReady(size_t i) {
+void DistributedDataParallel::Impl::onGradReady(size_t i, bool arrived) {
+  if (opts.find_unused_parameters) {
+    if (!arrived) return;  // no gradient: unused in this pass, as a parameter whose node did not run
+    unused.used[i] = 1;    // noSync passes too: the window's usage decides
+  }
   if (!sync) return;
   if (!in_backward) startPass();
   if (ready[i]) return;  // already counted in this pass
@@ -155,17 +160,17 @@ void DistributedDataParallel::Impl::finishPass() {
     Impl* m;
     ~Reset() { m->in_backward = false; }
   } reset{this};
-  std::vector<size_t> unused;
+  std::vector<size_t> missing;
   for (size_t i = 0; i < params.size(); ++i)
-    if (!ready[i]) unused.push_back(i);
-  if (!unused.empty() && !opts.find_unused_parameters) {
+    if (!ready[i]) missing.push_back(i);
+  if (!missing.empty() && !opts.find_unused_parameters) {
     std::string list;
-    for (size_t k = 0; k < unused.size() && k < 20; ++k) list += (k ? ", " : "") + names[unused[k]];
-    if (unused.size() > 20) list += fmt::format(", ... ({} in all)", unused.size());
+    for (size_t k = 0; k < missing.size() && k < 20; ++k) list += (k ? ", " : "") + names[missing[k]];
+    if (missing.size() > 20) list += fmt::format(", ... ({} in all)", missing.size());
     std::string msg = fmt::format(
         "DistributedDataParallel: {} parameter(s) received no gradient in this backward pass: {}. If they "
         "are unused on purpose, set DDPOptions::find_unused_parameters = true.",
-        unused.size(), list);
+        missing.size(), list);
     // Peers may be waiting for this rank's next bucket: fail them now rather than at the timeout.
     // The abort runs after the buckets already launched; waiting for it (it "fails" by design)
     // makes sure the peers have been told before this rank unwinds, and perhaps exits.
@@ -175,13 +180,15 @@ void DistributedDataParallel::Impl::finishPass() {
     }
     throw Error(fmt::format("[rank {}] {}", pg->rank(), msg));
   }
-  for (size_t i : unused) {
+  if (opts.find_unused_parameters) keepIdleGradients();
+  for (size_t i : missing) {
     adoptGrad(i);
     ready[i] = 1;
     if (--buckets[bucket_of[i]].pending == 0) bucketReady(buckets[bucket_of[i]]);
   }
   // Buckets not launched yet (those of unused parameters) go now. During backward only hooks launch.
   launchReady();
+  if (opts.find_unused_parameters) startUsedExchange(/*joined=*/false);
   detail::Handshake h;
   h.running = h.max_running = 0;
   double scale = 1.0;
@@ -198,6 +205,7 @@ void DistributedDataParallel::Impl::finishPass() {
     auto buffer_works = startBufferBroadcast(h.max_running);
     completeBuckets(scale, &last);
     endBufferBroadcast(buffer_works, h.max_running);
+    if (opts.find_unused_parameters) restoreUnusedEverywhere();
   } catch (const std::exception&) {
     if (join) throw;
     // The commonest cause in a training loop: ranks with different numbers of batches.
@@ -214,6 +222,51 @@ void DistributedDataParallel::Impl::finishPass() {
   if (pass_start_us && timeline::on()) timeline::span("backward", "compute", pass_start_us, comm::trace::nowUs());
   if (join && join->opts.throw_on_early_termination && h.running < pg->size())
     throw Error(earlyTerminationMessage(h));
+}
+
+void DistributedDataParallel::Impl::keepIdleGradients() {
+  unused.idle.clear();
+  unused.before.clear();
+  for (size_t i = 0; i < params.size(); ++i) {
+    if (unused.used[i]) continue;
+    const at::Tensor& g = params[i].grad();
+    unused.idle.push_back(i);
+    // A copy, not the tensor: the gradient may be the bucket's own slice, which the allreduce overwrites.
+    unused.before.push_back(g.defined() ? g.detach().clone() : at::Tensor());
+  }
+}
+
+void DistributedDataParallel::Impl::startUsedExchange(bool joined) {
+  unused.flags.assign(params.size(), 0);
+  if (!joined)
+    for (size_t i = 0; i < params.size(); ++i) unused.flags[i] = unused.used[i] ? 1 : 0;
+  if (pg->size() > 1)  // (one rank: unused here is unused everywhere)
+    unused.exchange = pg->allreduce(unused.flags.data(), unused.flags.size(), comm::DType::i32, comm::ReduceOp::max);
+}
+
+void DistributedDataParallel::Impl::restoreUnusedEverywhere() {
+  struct NewWindow {  // the next pass opens a new accumulation window, also when this one failed
+    detail::UnusedState& u;
+    ~NewWindow() {
+      u.used.assign(u.used.size(), 0);
+      u.idle.clear();
+      u.before.clear();
+      u.exchange.reset();
+    }
+  } next{unused};
+  if (unused.exchange) unused.exchange->wait();
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < unused.idle.size(); ++k) {
+    const size_t i = unused.idle[k];
+    if (unused.flags[i]) continue;  // some rank used it: averaged with this rank's zeros, as it should
+    if (!unused.before[k].defined()) {
+      params[i].mutable_grad() = at::Tensor();  // no gradient, as in one process: the optimizer skips it
+    } else {
+      at::Tensor view = gradView(i);
+      view.copy_(unused.before[k]);
+      params[i].mutable_grad() = view;
+    }
+  }
 }
 
 void DistributedDataParallel::Impl::completeBuckets(double scale, Clock::time_point* last_done) {
@@ -306,8 +359,8 @@ class ReadyHook : public torch::autograd::FunctionPostHook {
   ReadyHook(std::shared_ptr<std::atomic<DistributedDataParallel::Impl*>> owner, size_t index)
       : owner_(std::move(owner)), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto* m = owner_->load()) m->onGradReady(index_);
+                                            const torch::autograd::variable_list& inputs) override {
+    if (auto* m = owner_->load()) m->onGradReady(index_, inputs.empty() || inputs[0].defined());
     return outputs;
   }
 
@@ -364,6 +417,7 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
     m.broadcastFrom(0, m.params, "DDP parameter");
     m.broadcastFrom(0, m.buffers, "DDP buffer");
   }
+  m.unused.used.assign(m.params.size(), 0);
   m.buildBuckets(detail::reverseOrder(m.params.size()));
   owner_ = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < m.params.size(); ++i) {

@@ -37,6 +37,15 @@ struct BufferPack {
   std::vector<std::vector<size_t>> members;  // per flat: indices into Impl::buffers
 };
 
+// Parameters without a gradient in an accumulation window (find_unused_parameters), see Impl::unused.
+struct UnusedState {
+  std::vector<char> used;            // per parameter: a defined gradient arrived in this window, here
+  std::vector<int32_t> flags;        // the exchange's buffer: 1 where used here, then where used anywhere
+  std::vector<size_t> idle;          // parameters this rank did not use in the window
+  std::vector<at::Tensor> before;    // per idle parameter: its gradient before the window (a copy), or undefined
+  comm::WorkPtr exchange;            // the allreduce (max) of flags, issued after the pass's buckets
+};
+
 // What the ranks told each other at the start of a synced pass under dtrain::Join.
 struct Handshake {
   int running = 0;      // ranks still training
@@ -96,6 +105,11 @@ struct DistributedDataParallel::Impl {
   bool sync = true;
   bool in_backward = false;
   std::vector<char> ready;
+  // find_unused_parameters: which parameters got a gradient in this accumulation window (the synced pass
+  // and the noSync passes before it), and what the others held before it; every rank's flags are
+  // OR-ed (max) after the buckets, and a parameter no rank used gets back what it held (undefined stays
+  // undefined), as in one process, where the optimizer skips a parameter with no gradient.
+  detail::UnusedState unused;
   size_t next_launch = 0;
   std::vector<size_t> arrival;  // order gradients arrived in the first synced pass
   int synced_passes = 0;
@@ -118,12 +132,21 @@ struct DistributedDataParallel::Impl {
 
   // The synced backward pass: started by the first gradient hook, finished by an engine callback.
   void startPass();
-  void onGradReady(size_t i);
+  // A parameter's gradient accumulator ran; `arrived`: a gradient flowed into it (autograd may run the
+  // node with an undefined one, e.g. for an output that no loss used).
+  void onGradReady(size_t i, bool arrived);
   void launchReady();
   void launchBucket(detail::Bucket& b);
   // A bucket's last gradient arrived.
   void bucketReady(detail::Bucket& b);
   void finishPass();
+  // find_unused_parameters: before the last buckets launch, remember what the parameters this rank did not
+  // use hold; after them, issue the exchange of who used what (every rank, in the same place: after the
+  // pass's last bucket, a joined rank's shadow pass too); once it is done, give every parameter that no
+  // rank used its gradient back. A world of one needs no exchange.
+  void keepIdleGradients();
+  void startUsedExchange(bool joined);
+  void restoreUnusedEverywhere();
   // Waits for every launched bucket (the hook's whole chain), multiplies by scale.
   void completeBuckets(double scale, detail::Clock::time_point* last_done);
   // After every synced pass (shadowed ones too): the bucket rebuild of the first pass.

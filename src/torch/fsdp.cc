@@ -33,8 +33,9 @@ class GradHook : public torch::autograd::FunctionPostHook {
   GradHook(std::shared_ptr<std::atomic<FullyShardedDataParallel::Impl*>> owner, size_t unit, size_t index)
       : owner_(std::move(owner)), unit_(unit), index_(index) {}
   torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& /*inputs*/) override {
-    if (auto* m = owner_->load()) m->onGradReady(unit_, index_);
+                                            const torch::autograd::variable_list& inputs) override {
+    // (autograd may run the node with no gradient, e.g. for an output that no loss used)
+    if (auto* m = owner_->load()) m->onGradReady(unit_, index_, inputs.empty() || inputs[0].defined());
     return outputs;
   }
 
@@ -202,9 +203,10 @@ void FullyShardedDataParallel::Impl::onPreBackward(size_t k) {
   u.grads_in_buf = true;
 }
 
-void FullyShardedDataParallel::Impl::onGradReady(size_t k, size_t i) {
+void FullyShardedDataParallel::Impl::onGradReady(size_t k, size_t i, bool arrived) {
   if (!in_backward) startPass();
   Unit& u = units[k];
+  if (arrived) u.used = true;
   if (u.ready[i]) return;
   u.ready[i] = 1;
   if (--u.pending == 0) launchReady();
@@ -227,14 +229,29 @@ void FullyShardedDataParallel::Impl::completeReduce(Unit& u) {
   if (!u.reducing) return;
   u.reducing->wait();
   u.reducing.reset();
-  torch::NoGradGuard no_grad;
-  auto& g = u.shard.mutable_grad();
-  if (!g.defined()) g = u.grad_part;  // (reduced into a tensor of its own, see reduceScatter)
-  else g.add_(u.grad_part);
+  u.reduced = u.grad_part;  // (reduced into a tensor of its own, see reduceScatter)
   at::Tensor bytes = u.grad_flat.view(at::kByte);
   u.grad_flat = at::Tensor();
   giveBack(bytes);
   u.grad_part = at::Tensor();
+}
+
+void FullyShardedDataParallel::Impl::applyUsedUnits() {
+  std::vector<int32_t> used(units.size());
+  for (size_t k = 0; k < units.size(); ++k) used[k] = units[k].used ? 1 : 0;
+  // Every rank, after the same reduce-scatters; one rank: used here is used anywhere.
+  if (pg->size() > 1) pg->allreduce(used.data(), used.size(), comm::DType::i32, comm::ReduceOp::max)->wait();
+  torch::NoGradGuard no_grad;
+  for (size_t k = 0; k < units.size(); ++k) {
+    Unit& u = units[k];
+    u.used = false;  // the next pass opens a new window
+    at::Tensor part = std::move(u.reduced);
+    u.reduced = at::Tensor();
+    if (!used[k] || !part.defined()) continue;
+    auto& g = u.shard.mutable_grad();
+    if (!g.defined()) g = part;
+    else g.add_(part);
+  }
 }
 
 void FullyShardedDataParallel::Impl::reduceScatter(Unit& u) {
@@ -265,6 +282,7 @@ void FullyShardedDataParallel::Impl::finishPass() {
   for (auto& u : units) u.pending = 0;  // parameters without a gradient in this pass: zeros
   launchReady();
   for (auto& u : units) completeReduce(u);
+  if (sync) applyUsedUnits();
 }
 
 std::vector<at::Tensor> FullyShardedDataParallel::shards() const {

@@ -37,6 +37,12 @@ struct Unit {
   size_t pending = 0;
   comm::WorkPtr reducing;
   at::Tensor grad_flat, grad_part;
+  // A gradient reached one of the unit's parameters on this rank in this accumulation window (the synced
+  // pass and the noSync passes before it). A unit that no rank used leaves its shard's gradient as it was
+  // (an undefined one stays undefined, so the optimizer skips the shard, as one process skips the
+  // parameters): the reduced part waits in `reduced` until the ranks have told each other (finishPass).
+  bool used = false;
+  at::Tensor reduced;
   std::vector<compat::GradAccumulatorPtr> accumulators;
 };
 
@@ -109,10 +115,13 @@ struct FullyShardedDataParallel::Impl {
 
   void startPass();
   void onPreBackward(size_t k);
-  void onGradReady(size_t k, size_t i);
+  void onGradReady(size_t k, size_t i, bool arrived);
   void launchReady();
   void reduceScatter(Unit& u);
-  void completeReduce(Unit& u);  // waits for u's reduce-scatter and adds it to the shard's gradient
+  void completeReduce(Unit& u);  // waits for u's reduce-scatter; its part waits in u.reduced
+  // After the pass's reduce-scatters: which units some rank used (an allreduce, max, of a flag per unit);
+  // their reduced parts go into the shards' gradients, the others' are dropped.
+  void applyUsedUnits();
   void finishPass();
 };
 

@@ -51,9 +51,11 @@ void DistributedDataParallel::Impl::shadowPass(const detail::Handshake& h) {
     b.gb.flat.zero_();
     launchBucket(b);
   }
+  if (opts.find_unused_parameters) startUsedExchange(/*joined=*/true);  // (it used nothing)
   auto buffer_works = startBufferBroadcast(h.max_running);
   completeBuckets(1.0, nullptr);
   endBufferBroadcast(buffer_works, h.max_running);
+  if (opts.find_unused_parameters) restoreUnusedEverywhere();
   afterSyncedPass();
 }
 

@@ -12,10 +12,18 @@ namespace dtrain {
 
 namespace {
 
-std::vector<at::Tensor> withGradients(const std::vector<at::Tensor>& params) {
+// The parameters with a gradient on some rank of the group (PyTorch's averagers take those with a
+// gradient here). Every rank must average the same list: with libtorch 2.x's zero_grad() (set to none), a
+// branch one rank skipped leaves its gradient undefined there and defined elsewhere, and lists that differ
+// would pair different parameters in the allreduce. One allreduce (max) of a flag per parameter.
+std::vector<at::Tensor> withGradients(const std::vector<at::Tensor>& params, comm::ProcessGroup& group) {
+  std::vector<int32_t> has(params.size());
+  for (size_t i = 0; i < params.size(); ++i) has[i] = params[i].grad().defined() ? 1 : 0;
+  if (group.size() > 1 && !params.empty())
+    group.allreduce(has.data(), has.size(), comm::DType::i32, comm::ReduceOp::max)->wait();
   std::vector<at::Tensor> out;
-  for (const auto& p : params)
-    if (p.grad().defined()) out.push_back(p);
+  for (size_t i = 0; i < params.size(); ++i)
+    if (has[i]) out.push_back(params[i]);
   return out;
 }
 
@@ -55,7 +63,7 @@ PeriodicModelAverager::PeriodicModelAverager(std::shared_ptr<comm::ProcessGroup>
 
 bool PeriodicModelAverager::averageParameters(const std::vector<at::Tensor>& params) {
   const bool now = step_ >= warmup_ && (step_ - warmup_) % period_ == 0;
-  if (now) averageInPlace(withGradients(params), *group_);
+  if (now) averageInPlace(withGradients(params, *group_), *group_);
   ++step_;
   return now;
 }
@@ -87,7 +95,7 @@ int64_t HierarchicalModelAverager::averageParameters(const std::vector<at::Tenso
   if (step_ >= warmup_) {
     for (auto it = levels_.rbegin(); it != levels_.rend(); ++it) {
       if (step_ % it->first == 0) {
-        averageInPlace(withGradients(params), *it->second);
+        averageInPlace(withGradients(params, *it->second), *it->second);
         used = it->first;
         break;
       }

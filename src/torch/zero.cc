@@ -13,6 +13,7 @@
 
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
+#include "dtrain/compat.h"
 #include "dtrain/tensor.h"
 #include "torch/device/tensor_comm.h"
 #include "torch/sharding.h"
@@ -219,9 +220,15 @@ void ZeroRedundancyOptimizer::step() {
   }
 }
 
-void ZeroRedundancyOptimizer::zeroGrad() {
+void ZeroRedundancyOptimizer::zeroGrad() { zeroGrad(compat::kZeroGradSetsToNone); }
+
+void ZeroRedundancyOptimizer::zeroGrad(bool set_to_none) {
   for (auto& p : impl_->params) {
     if (!p.mutable_grad().defined()) continue;
+    if (set_to_none) {
+      p.mutable_grad().reset();
+      continue;
+    }
     p.mutable_grad().detach_();
     p.mutable_grad().zero_();
   }

@@ -17,6 +17,7 @@ struct DistributedModule::Impl {
     std::vector<int64_t> offsets;  // element offset of each parameter in the bucket
     int64_t numel = 0;
     at::Tensor grads, values;      // flat float32
+    at::Tensor used;               // u8 per element: 1 where this pass gave its parameter a gradient
     size_t ready = 0;
     comm::WorkPtr push, pull;
   };
@@ -31,6 +32,10 @@ struct DistributedModule::Impl {
   std::vector<unsigned> hook_ids;
   bool pulls_pending = false;
   bool sum_only = false;
+  // sum_only: how many workers gave each parameter a gradient in the step, summed by the servers as the
+  // gradients are (PS tensor "<prefix>used"); a parameter no worker used keeps its .grad() as it was.
+  std::string used_name;
+  at::Tensor used_flags, used_counts;  // float32 per parameter: this worker's 0/1, then the sums
 
   // Parameter j of bucket b's slice of flat (its grads or values), shaped like the parameter.
   at::Tensor slice(const at::Tensor& flat, const Bucket& b, size_t j) const {
@@ -39,6 +44,9 @@ struct DistributedModule::Impl {
   }
 
   void onGrad(size_t i, const at::Tensor& grad) {
+    // No gradient (autograd can call a hook with none, e.g. through dtrain::recompute for a parameter the
+    // segment did not use): the parameter is unused in this pass.
+    if (!grad.defined()) return;
     DTRAIN_CHECK(!pulls_pending, InvalidArgument,
                  "ps::DistributedModule: backward before beforeForward(): the forward used parameters older than "
                  "the last step's update (parameter '{}')",
@@ -56,7 +64,8 @@ struct DistributedModule::Impl {
     }
     slot.copy_(g);
     seen[i] = true;
-    if (++b.ready == b.params.size()) b.push = worker->pushAsync(b.name, b.grads);
+    slice(b.used, b, slot_of[i]).fill_(1);
+    if (++b.ready == b.params.size()) b.push = worker->pushAsync(b.name, b.grads, b.used);
   }
 };
 
@@ -96,10 +105,17 @@ DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, 
   }
   for (auto& b : m.buckets) {
     b.grads = at::zeros({b.numel}, at::kFloat);
+    b.used = at::zeros({b.numel}, at::kByte);
     b.values = at::empty({b.numel}, at::kFloat);
     for (size_t j = 0; j < b.params.size(); ++j)
       m.slice(b.values, b, j).copy_(m.params[b.params[j]].detach());
     worker.declare(b.name, b.values);  // worker 0's values are stored
+  }
+  if (m.sum_only) {
+    m.used_name = options.prefix + "used";
+    m.used_flags = at::zeros({static_cast<int64_t>(n)}, at::kFloat);
+    m.used_counts = at::zeros({static_cast<int64_t>(n)}, at::kFloat);
+    worker.declare(m.used_name, m.used_counts);
   }
   // Every worker starts from worker 0's values.
   refresh();
@@ -149,20 +165,36 @@ void DistributedModule::step() {
   auto& m = *impl_;
   DTRAIN_CHECK(!m.pulls_pending, InvalidArgument,
                "ps::DistributedModule: step() twice without beforeForward() in between");
-  // Buckets with parameters that got no gradient in this pass: zeros for those, then push.
+  // Buckets with parameters that got no gradient in this pass: zeros for those, then push, with which
+  // elements carry a gradient: an element that no worker's push carries is not updated (servers that
+  // update) or keeps its .grad() (sum_only), as one process's optimizer skips a parameter without one.
+  // A parameter without a gradient in this pass whose .grad() is defined (zeroed in place by zero_grad(),
+  // 1.13's default and 2.x's zero_grad(false)) counts as used with a zero gradient, as in one process,
+  // where the optimizer steps it (momentum, weight decay); an undefined one (2.x's zero_grad()) does not.
+  std::vector<char> used(m.params.size());
+  for (size_t i = 0; i < m.params.size(); ++i) used[i] = m.seen[i] || m.params[i].grad().defined();
   for (auto& b : m.buckets) {
     if (b.push) continue;
     for (size_t j = 0; j < b.params.size(); ++j) {
       size_t i = b.params[j];
-      if (!m.seen[i]) m.slice(b.grads, b, j).zero_();
+      if (m.seen[i]) continue;
+      m.slice(b.grads, b, j).zero_();
+      if (used[i]) m.slice(b.used, b, j).fill_(1);
     }
-    b.push = m.worker->pushAsync(b.name, b.grads);
+    b.push = m.worker->pushAsync(b.name, b.grads, b.used);
+  }
+  comm::WorkPtr used_push;
+  if (m.sum_only) {
+    for (size_t i = 0; i < m.params.size(); ++i) m.used_flags[static_cast<int64_t>(i)] = used[i] ? 1.0f : 0.0f;
+    used_push = m.worker->pushAsync(m.used_name, m.used_flags);
   }
   for (auto& b : m.buckets) {
     b.push->wait();
     b.push.reset();
     b.ready = 0;
+    b.used.zero_();
   }
+  if (used_push) used_push->wait();
   std::fill(m.seen.begin(), m.seen.end(), false);
   m.worker->clockAsync();
   for (auto& b : m.buckets) b.pull = m.worker->pullAsync(b.name, b.values);
@@ -170,12 +202,14 @@ void DistributedModule::step() {
     m.pulls_pending = true;
     return;
   }
-  // sum_only: the pulled sums become the mean gradients.
+  // sum_only: the pulled sums become the mean gradients of the parameters some worker used.
+  m.worker->pullAsync(m.used_name, m.used_counts)->wait();
   const int over = m.opts.average_over > 0 ? m.opts.average_over : m.worker->numProcesses();
   for (auto& b : m.buckets) {
     b.pull->wait();
     b.pull.reset();
     for (size_t j = 0; j < b.params.size(); ++j) {
+      if (m.used_counts[static_cast<int64_t>(b.params[j])].item<float>() == 0) continue;
       auto& p = m.params[b.params[j]];
       auto g = m.slice(b.values, b, j) / static_cast<double>(over);
       if (p.grad().defined()) {

@@ -17,6 +17,15 @@ at::Tensor localSum(comm::ProcessGroup& local, const at::Tensor& g, const PSOpti
   if (root && o.update != PSOptions::Update::sum_only) sum.div_(static_cast<double>(local.size()));
   return sum;
 }
+at::Tensor localUsed(comm::ProcessGroup& local, const at::Tensor& used) {
+  const bool root = local.rank() == 0;
+  auto mine = used.to(at::kFloat).contiguous();
+  at::Tensor sum = root ? at::empty_like(mine) : at::Tensor();
+  local.reduce(mine.data_ptr<float>(), root ? sum.data_ptr<float>() : nullptr, static_cast<size_t>(mine.numel()),
+               DType::f32, comm::ReduceOp::sum, 0)->wait();
+  return root ? sum.gt(0).to(at::kByte) : at::Tensor();
+}
+
 // Every local worker's rows (and, with grads, their rows' gradients), concatenated in local-rank order.
 // Returns the offset of this worker's rows.
 int64_t localRows(comm::ProcessGroup& local, const at::Tensor& ids, const at::Tensor* grads, int64_t dim,

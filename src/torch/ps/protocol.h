@@ -42,6 +42,11 @@ enum Op : uint16_t {
 constexpr uint16_t kFlagInit = 1;  // declare: this worker sends the initial values
 constexpr uint16_t kFlagRows = 2;  // get/set state: of a sparse table
 constexpr uint16_t kFlagSet = 4;   // clock: set to this value (restore), not advance
+// push: n bytes follow the gradient, 1 where the push carries a gradient for the element (an element no
+// push of a step carries is not updated, its optimizer state neither); without it every element is.
+// get/set state of a dense partition: n int64 follow the state, each element's update count (Adam's t),
+// once pushes have left some element out.
+constexpr uint16_t kFlagUsed = 8;
 constexpr int64_t kMaxErrorBytes = 4096;
 
 struct Header {

@@ -35,6 +35,7 @@ void Server::State::onDeclare(int w, ProcessGroup& pg, const Header& h) {
       d.data = data;
       d.version = std::max(0, h.clock);  // declared at step c: the first bsp step is c
       d.pending.resize(static_cast<size_t>(num_workers));
+      d.pending_used.resize(static_cast<size_t>(num_workers));
       dense.emplace(h.key, std::move(d));
     }
     cv.notify_all();
@@ -51,7 +52,36 @@ void Server::State::onDeclare(int w, ProcessGroup& pg, const Header& h) {
   reply(pg, kAck, h.key, 0, 0, nullptr, 0, DType::u8);
 }
 
-void Server::State::bspPush(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, at::Tensor grad) {
+void Server::State::apply(Dense& d, const at::Tensor& grad, const at::Tensor& used) {
+  float* state = d.data.data_ptr<float>();
+  const float* g = grad.data_ptr<float>();
+  ++d.version;
+  if (!used.defined() && d.elem_steps.empty()) {
+    dense_rule.apply(state, d.n, g, d.n, d.steps);
+    return;
+  }
+  // Runs of elements with a gradient and the same update count, each stepped with its own count (Adam's
+  // bias correction counts a parameter's own updates, as in one process).
+  if (d.elem_steps.empty()) d.elem_steps.assign(static_cast<size_t>(d.n), d.steps);
+  const uint8_t* u = used.defined() ? used.data_ptr<uint8_t>() : nullptr;
+  auto& st = d.elem_steps;
+  for (int64_t i = 0; i < d.n;) {
+    if (u && !u[i]) {
+      ++i;
+      continue;
+    }
+    int64_t j = i + 1;
+    while (j < d.n && (!u || u[j]) && st[static_cast<size_t>(j)] == st[static_cast<size_t>(i)]) ++j;
+    int64_t step = st[static_cast<size_t>(i)];
+    dense_rule.apply(state + i, d.n, g + i, j - i, step);
+    std::fill(st.begin() + i, st.begin() + j, step);
+    i = j;
+  }
+  d.steps = *std::max_element(st.begin(), st.end());
+}
+
+void Server::State::bspPush(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, at::Tensor grad,
+                            at::Tensor used) {
   if (h.clock < d.version) {
     throw ProtocolError(fmt::format("{}: push of clock {} to partition {}, which is at step {}", who(w), h.clock,
                                     h.key, d.version));
@@ -66,13 +96,24 @@ void Server::State::bspPush(std::unique_lock<std::mutex>& lk, int w, const Heade
     throw ProtocolError(fmt::format("{}: pushed partition {} twice in step {}", who(w), h.key, h.clock));
   }
   d.pending[static_cast<size_t>(w)] = std::move(grad);
+  d.pending_used[static_cast<size_t>(w)] = std::move(used);
   if (++d.npending < num_workers) return;
-  // Sum in worker order (deterministic), then one update with the mean.
+  // Sum in worker order (deterministic), then one update with the mean (the workers without a gradient
+  // for an element add zeros), of the elements some worker's push carries.
   at::Tensor sum = d.pending[0].clone();
   for (size_t k = 1; k < d.pending.size(); ++k) sum.add_(d.pending[k]);
   if (opts.update != PSOptions::Update::sum_only) sum.div_(static_cast<double>(num_workers));
-  apply(d, sum);
+  at::Tensor any;
+  for (const auto& u : d.pending_used) {
+    if (!u.defined()) {  // a push with every element
+      any = at::Tensor();
+      break;
+    }
+    any = any.defined() ? any.bitwise_or_(u) : u.clone();
+  }
+  apply(d, sum, any);
   for (auto& p : d.pending) p = at::Tensor();
+  for (auto& u : d.pending_used) u = at::Tensor();
   d.npending = 0;
   cv.notify_all();
 }
@@ -99,17 +140,22 @@ void Server::State::onPush(int w, ProcessGroup& pg, const Header& h) {
     throw ProtocolError(fmt::format("{}: {} of partition {} with {} elements, declared {}", who(w), opName(h.op),
                                     h.key, h.count, n));
   }
-  at::Tensor grad;
+  at::Tensor grad, used;
   if (h.op != kPull) {
     grad = at::empty({n}, at::kFloat);
     recvNow(pg, grad.data_ptr<float>(), static_cast<size_t>(n), DType::f32);
+    if (h.flags & kFlagUsed) {
+      used = at::empty({n}, at::kByte);
+      recvNow(pg, used.data_ptr<uint8_t>(), static_cast<size_t>(n), DType::u8);
+      used.ne_(0);  // (any nonzero byte: used)
+    }
   }
   std::unique_lock<std::mutex> lk(mu);
   if (grad.defined()) {
     if (opts.consistency == Consistency::bsp) {
-      bspPush(lk, w, h, d, grad);
+      bspPush(lk, w, h, d, grad, used);
     } else {
-      apply(d, grad);
+      apply(d, grad, used);
       cv.notify_all();
     }
   }
@@ -135,9 +181,14 @@ void Server::State::onGetState(int w, ProcessGroup& pg, const Header& h) {
     });
   }
   auto all = d.data.clone();
-  const Header r = makeHeader(kValues, h.key, static_cast<int32_t>(d.version), d.n, all.size(0), 0, d.steps);
+  const std::vector<int64_t> elem_steps = d.elem_steps;
+  const Header r = makeHeader(kValues, h.key, static_cast<int32_t>(d.version), d.n, all.size(0),
+                              elem_steps.empty() ? 0 : kFlagUsed, d.steps);
   lk.unlock();
-  sendAll(pg, {{&r, {sizeof(Header), DType::u8}}, {all.data_ptr<float>(), {static_cast<size_t>(all.numel()), DType::f32}}});
+  std::vector<std::pair<const void*, std::pair<size_t, DType>>> parts = {
+      {&r, {sizeof(Header), DType::u8}}, {all.data_ptr<float>(), {static_cast<size_t>(all.numel()), DType::f32}}};
+  if (!elem_steps.empty()) parts.push_back({elem_steps.data(), {elem_steps.size(), DType::i64}});
+  sendAll(pg, parts);
 }
 
 void Server::State::onSetState(int w, ProcessGroup& pg, const Header& h) {
@@ -152,15 +203,26 @@ void Server::State::onSetState(int w, ProcessGroup& pg, const Header& h) {
   }
   auto all = at::empty({slots, n}, at::kFloat);
   recvNow(pg, all.data_ptr<float>(), static_cast<size_t>(all.numel()), DType::f32);
+  std::vector<int64_t> elem_steps;
+  if (h.flags & kFlagUsed) {
+    elem_steps.resize(static_cast<size_t>(n));
+    recvNow(pg, elem_steps.data(), elem_steps.size(), DType::i64);
+    for (int64_t s : elem_steps)
+      if (s < 0) throw ProtocolError(fmt::format("{}: setState of partition {} with an update count of {}", who(w), h.key, s));
+  }
   {
     std::lock_guard<std::mutex> lk(mu);
     d.data.copy_(all);
     d.steps = h.aux;
+    d.elem_steps = std::move(elem_steps);
     // A restored momentum buffer is used from the next update on (checkpoints of before the one update
     // rule counted only Adam's steps; a zero buffer continued gives the same values as a fresh one).
     if (dense_rule.kind() == UpdateRule::Kind::sgd_momentum) d.steps = std::max<int64_t>(d.steps, 1);
+    if (dense_rule.kind() == UpdateRule::Kind::sgd_momentum)
+      for (auto& s : d.elem_steps) s = std::max<int64_t>(s, 1);
     d.version = h.clock;
     for (auto& p : d.pending) p = at::Tensor();
+    for (auto& u : d.pending_used) u = at::Tensor();
     d.npending = 0;
   }
   cv.notify_all();

@@ -33,7 +33,10 @@ struct Server::State {
     int64_t steps = 0;    // updates applied to the state (Adam's t; momentum started)
     int64_t version = 0;  // updates applied (bsp: steps)
     std::vector<at::Tensor> pending;  // bsp: this step's push of each worker
+    std::vector<at::Tensor> pending_used;  // bsp: its elements with a gradient (kFlagUsed; undefined: all)
     int npending = 0;
+    // Each element's updates, once a push left some element out (empty until then: `steps` for all).
+    std::vector<int64_t> elem_steps;
     at::Tensor value() const { return data[0]; }
   };
   // A sparse table's rows on this server (ids index, index + S, ...): one flat store, rows in chunks
@@ -165,17 +168,16 @@ struct Server::State {
     return fmt::format("[{}]", fmt::join(miss, ", "));
   }
 
-  // The optimizer step on a dense partition (lock held).
-  void apply(Dense& d, const at::Tensor& grad) {
-    dense_rule.apply(d.data.data_ptr<float>(), d.n, grad.data_ptr<float>(), d.n, d.steps);
-    ++d.version;
-  }
+  // The optimizer step on a dense partition (lock held), on the elements of `used` (u8; undefined: all):
+  // the others keep their value and optimizer state, as one process's optimizer skips a parameter
+  // without a gradient (server_dense.cc).
+  void apply(Dense& d, const at::Tensor& grad, const at::Tensor& used = {});
 
   // A pull's gate at the puller's clock (lock held): bsp waits for the partition's version `need`,
   // ssp for the slowest worker.
   void pullGate(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, int64_t need);
   // A bsp push (lock held): kept until every worker's push of the step is in, then one update.
-  void bspPush(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, at::Tensor grad);
+  void bspPush(std::unique_lock<std::mutex>& lk, int w, const Header& h, Dense& d, at::Tensor grad, at::Tensor used);
 
   void fail(const std::string& msg, std::exception_ptr err) {
     std::vector<std::shared_ptr<ProcessGroup>> others;

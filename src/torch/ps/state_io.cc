@@ -46,6 +46,9 @@ void Worker::Impl::netGetDenseState(const std::string& name, const Entry& e, int
   auto all = at::empty({slots, e.numel}, at::kFloat);
   auto steps = at::empty({static_cast<int64_t>(e.parts.size())}, at::kLong);
   auto versions = at::empty_like(steps);
+  // Each element's update count, where a partition has them (pushes with `used` left elements out).
+  auto elem_steps = at::empty({e.numel}, at::kLong);
+  bool any_elem_steps = false;
   for (size_t i = 0; i < e.parts.size(); ++i) {
     const auto& p = e.parts[i];
     auto& pg = pgOf(p.server);
@@ -60,12 +63,19 @@ void Worker::Impl::netGetDenseState(const std::string& name, const Entry& e, int
     auto buf = at::empty({slots, p.count}, at::kFloat);
     b.recv(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
     all.narrow(1, p.offset, p.count).copy_(buf);
+    if (r.flags & kFlagUsed) {
+      b.recv(p.server, pg, elem_steps.data_ptr<int64_t>() + p.offset, p.count, DType::i64);
+      any_elem_steps = true;
+    } else {
+      elem_steps.narrow(0, p.offset, p.count).fill_(r.aux);
+    }
     steps[static_cast<int64_t>(i)] = r.aux;
     versions[static_cast<int64_t>(i)] = static_cast<int64_t>(r.clock);
   }
   state[name] = all;
   state[name + "#step"] = steps;
   state[name + "#version"] = versions;
+  if (any_elem_steps) state[name + "#elem_steps"] = elem_steps;
 }
 
 void Worker::Impl::netGetRowsState(const std::string& name, const Entry& e, int64_t slots, int c,
@@ -122,6 +132,11 @@ void Worker::Impl::loadState(const std::map<std::string, at::Tensor>& state) {
       for (const char* k : {"#step", "#version"})
         DTRAIN_CHECK(get(name + k, at::kLong).numel() == static_cast<int64_t>(e.parts.size()), InvalidArgument,
                      "ps: loadState: '{}{}' has the wrong length (another partition_bytes?)", name, k);
+      if (state.count(name + "#elem_steps")) {
+        auto es = get(name + "#elem_steps", at::kLong);
+        DTRAIN_CHECK(es.numel() == e.numel && es.min().item<int64_t>() >= 0, InvalidArgument,
+                     "ps: loadState: '{}#elem_steps' must hold {} update counts >= 0", name, e.numel);
+      }
     } else {
       auto ids = get(name + "#rows", at::kLong);
       auto st = get(name + "#steps", at::kLong);
@@ -134,7 +149,7 @@ void Worker::Impl::loadState(const std::map<std::string, at::Tensor>& state) {
   }
   const int c = static_cast<int>(clk.item<int64_t>());
   clock_ = c;
-  submit("loadState", [this, &get, slots, c] {
+  submit("loadState", [this, &get, &state, slots, c] {
     if (!connected()) return;
     if (rank_ == 0) {
       for (const auto& [name, e] : entries_) {
@@ -143,7 +158,8 @@ void Worker::Impl::loadState(const std::map<std::string, at::Tensor>& state) {
                           get(name + "#data", at::kFloat));
         } else {
           netSetDenseState(e, slots, get(name, at::kFloat), get(name + "#step", at::kLong),
-                           get(name + "#version", at::kLong));
+                           get(name + "#version", at::kLong),
+                           state.count(name + "#elem_steps") ? get(name + "#elem_steps", at::kLong) : at::Tensor());
         }
       }
     }
@@ -154,7 +170,7 @@ void Worker::Impl::loadState(const std::map<std::string, at::Tensor>& state) {
 }
 
 void Worker::Impl::netSetDenseState(const Entry& e, int64_t slots, const at::Tensor& v, const at::Tensor& steps,
-                                    const at::Tensor& versions) {
+                                    const at::Tensor& versions, const at::Tensor& elem_steps) {
   Batch b(rank_, sent_, received_);
   for (size_t i = 0; i < e.parts.size(); ++i) {
     const auto& p = e.parts[i];
@@ -162,8 +178,14 @@ void Worker::Impl::netSetDenseState(const Entry& e, int64_t slots, const at::Ten
     auto buf = v.narrow(1, p.offset, p.count).contiguous();
     const auto version = static_cast<int32_t>(versions[static_cast<int64_t>(i)].item<int64_t>());
     b.sendHeader(p.server, pg,
-                 makeHeader(kSetState, p.key, version, p.count, slots, 0, steps[static_cast<int64_t>(i)].item<int64_t>()));
+                 makeHeader(kSetState, p.key, version, p.count, slots, elem_steps.defined() ? kFlagUsed : 0,
+                            steps[static_cast<int64_t>(i)].item<int64_t>()));
     b.send(p.server, pg, buf.data_ptr<float>(), buf.numel(), DType::f32);
+    at::Tensor es;
+    if (elem_steps.defined()) {
+      es = elem_steps.narrow(0, p.offset, p.count).contiguous();
+      b.send(p.server, pg, es.data_ptr<int64_t>(), es.numel(), DType::i64);
+    }
     b.waitAll();
     b.recvReply(p.server, pg, kAck);
   }

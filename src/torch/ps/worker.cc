@@ -221,16 +221,25 @@ at::Tensor checkRows(const at::Tensor& rows, const Entry& e, const std::string& 
   return r;
 }
 
-comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor& grad) {
+comm::WorkPtr Worker::Impl::pushAsync(const std::string& name, const at::Tensor& grad, const at::Tensor& used) {
   const auto& e = entry(name, false);
   auto g = floatCpu(grad, "gradient");
   DTRAIN_CHECK_EQ(g.numel(), e.numel, fmt::format("ps: push '{}': numel", name));
+  at::Tensor u;
+  if (used.defined()) {
+    DTRAIN_CHECK(used.device().is_cpu() && (used.scalar_type() == at::kByte || used.scalar_type() == at::kBool),
+                 InvalidArgument, "ps: push '{}': `used` must be a uint8 or bool CPU tensor, got {} on {}", name,
+                 c10::toString(used.scalar_type()), used.device().str());
+    DTRAIN_CHECK_EQ(used.numel(), e.numel, fmt::format("ps: push '{}': numel of `used`", name));
+    u = used.reshape({-1}).ne(0).to(at::kByte).contiguous();
+  }
   const int c = clock_;
-  return submit(fmt::format("push '{}'", name), [this, &e, g, c] {
+  return submit(fmt::format("push '{}'", name), [this, &e, g, u, c] {
     DTRAIN_SPAN("ps push", "ps");
-    if (!local_) return netPush(e, g, c);
+    if (!local_) return netPush(e, g, c, u);
     auto sum = localSum(*local_, g, opts_);
-    if (connected()) netPush(e, sum, c);
+    auto any = u.defined() ? localUsed(*local_, u) : at::Tensor();
+    if (connected()) netPush(e, sum, c, any);
   });
 }
 
@@ -360,6 +369,10 @@ void Worker::pushRows(const std::string& name, const at::Tensor& rows, const at:
 at::Tensor Worker::pullRows(const std::string& name, const at::Tensor& rows) { return impl_->pullRows(name, rows); }
 comm::WorkPtr Worker::pushAsync(const std::string& name, const at::Tensor& grad) {
   return impl_->pushAsync(name, grad);
+}
+
+comm::WorkPtr Worker::pushAsync(const std::string& name, const at::Tensor& grad, const at::Tensor& used) {
+  return impl_->pushAsync(name, grad, used);
 }
 comm::WorkPtr Worker::pullAsync(const std::string& name, at::Tensor out) { return impl_->pullAsync(name, out); }
 comm::WorkPtr Worker::pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out) {

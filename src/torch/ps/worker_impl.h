@@ -125,7 +125,7 @@ struct Worker::Impl {
 
   void declare(const std::string& name, const at::Tensor& init);
   void declareRows(const std::string& name, int64_t num_rows, int64_t dim);
-  comm::WorkPtr pushAsync(const std::string& name, const at::Tensor& grad);
+  comm::WorkPtr pushAsync(const std::string& name, const at::Tensor& grad, const at::Tensor& used = {});
   comm::WorkPtr pullAsync(const std::string& name, at::Tensor out);
   comm::WorkPtr pushPullAsync(const std::string& name, const at::Tensor& grad, at::Tensor out);
   comm::WorkPtr clockAsync();
@@ -144,7 +144,8 @@ struct Worker::Impl {
   // The network side of each operation (on the Worker's thread).
   void netDeclare(const Entry& e, const at::Tensor& init);
   void netDeclareRows(const Entry& e);
-  void netPush(const Entry& e, const at::Tensor& g, int clock);
+  // used: u8 per element (1: this push carries its gradient), or undefined (every element).
+  void netPush(const Entry& e, const at::Tensor& g, int clock, const at::Tensor& used = {});
   void netPull(const Entry& e, const at::Tensor* grad, const at::Tensor& out, int clock);
   void netClock(uint16_t flags, int clock);
   void netPushRows(const Entry& e, const at::Tensor& ids, const at::Tensor& grads, int clock);
@@ -155,8 +156,9 @@ struct Worker::Impl {
                         std::map<std::string, at::Tensor>& state);
   void netGetRowsState(const std::string& name, const Entry& e, int64_t slots, int clock,
                        std::map<std::string, at::Tensor>& state);
+  // elem_steps: each element's update count (undefined: the partitions' steps for all).
   void netSetDenseState(const Entry& e, int64_t slots, const at::Tensor& values, const at::Tensor& steps,
-                        const at::Tensor& versions);
+                        const at::Tensor& versions, const at::Tensor& elem_steps);
   void netSetRowsState(const Entry& e, int64_t slots, const at::Tensor& ids, const at::Tensor& steps,
                        const at::Tensor& data);
 
@@ -185,6 +187,8 @@ struct Worker::Impl {
 // Local aggregation (local_aggregation.cc).
 // The sum (on local rank 0) of the local workers' g; the mean unless the update is sum_only.
 at::Tensor localSum(comm::ProcessGroup& local, const at::Tensor& g, const PSOptions& o);
+// On local rank 0: the elements some local worker's `used` (u8) marks.
+at::Tensor localUsed(comm::ProcessGroup& local, const at::Tensor& used);
 // Every local worker's rows (and, with grads, their rows' gradients), concatenated in local-rank order.
 // Returns the offset of this worker's rows.
 int64_t localRows(comm::ProcessGroup& local, const at::Tensor& ids, const at::Tensor* grads, int64_t dim,

@@ -36,13 +36,17 @@ void Worker::Impl::netDeclareRows(const Entry& e) {
   for (int s = 0; s < num_servers_; ++s) b.recvReply(s, pgOf(s), kAck);
 }
 
-void Worker::Impl::netPush(const Entry& e, const at::Tensor& g, int clock) {
+void Worker::Impl::netPush(const Entry& e, const at::Tensor& g, int clock, const at::Tensor& used) {
   Batch b(rank_, sent_, received_);
   const float* data = g.data_ptr<float>();
+  const uint8_t* mask = used.defined() ? used.data_ptr<uint8_t>() : nullptr;
   for (const auto& p : e.parts) {
     auto& pg = pgOf(p.server);
-    b.sendHeader(p.server, pg, makeHeader(kPush, p.key, clock, p.count));
+    // The mask travels only for a partition with an element left out.
+    const bool partial = mask && std::any_of(mask + p.offset, mask + p.offset + p.count, [](uint8_t x) { return x == 0; });
+    b.sendHeader(p.server, pg, makeHeader(kPush, p.key, clock, p.count, 0, partial ? kFlagUsed : 0));
     b.send(p.server, pg, data + p.offset, p.count, DType::f32);
+    if (partial) b.send(p.server, pg, mask + p.offset, p.count, DType::u8);
   }
   b.waitAll();
 }

@@ -1,0 +1,454 @@
+// Parameters without a gradient, against one process on the global batch: a head that every rank uses at
+// some steps, no rank at others, and some ranks only at others (also only in a noSync micro-batch), with
+// Adam (momentum, weight decay) and SGD with momentum and weight decay, after zero_grad() that sets the
+// gradients to none (libtorch 2.x's default) and after zero_grad(false), on 2 and 3 ranks, through DDP,
+// ZeRO-1 (DDP + ZeroRedundancyOptimizer), FSDP stage 3 and the parameter server's DistributedModule. In
+// one process the optimizer skips a parameter whose gradient is undefined: no momentum, no weight decay.
+// Also: the comm hooks and dtrain::Join keep such a gradient as it was, and the model averagers agree on
+// which parameters to average when one rank skipped a branch.
+#include <fmt/format.h>
+#include <gtest/gtest.h>
+#include <torch/torch.h>
+
+#include "ddp_test_util.h"
+#include "dtrain/compat.h"
+#include "dtrain/ddp.h"
+#include "dtrain/fsdp.h"
+#include "dtrain/join.h"
+#include "dtrain/local_sgd.h"
+#include "dtrain/powersgd.h"
+#include "dtrain/ps_module.h"
+#include "dtrain/topk.h"
+#include "dtrain/zero.h"
+#include "harness.h"
+#include "ps_test_util.h"
+
+namespace dtrain::test {
+namespace {
+
+// x + tanh(lin(x)) when on, x when off: a branch whose parameters get no gradient when it is skipped.
+struct GateImpl : torch::nn::Module {
+  explicit GateImpl(int64_t n) { lin = register_module("lin", torch::nn::Linear(n, n)); }
+  torch::Tensor forward(torch::Tensor x) { return on ? x + torch::tanh(lin->forward(x)) : x; }
+  torch::nn::Linear lin{nullptr};
+  bool on = true;
+};
+TORCH_MODULE(Gate);
+
+struct Model {
+  torch::nn::Sequential seq{nullptr};
+  Gate gate{nullptr};
+};
+
+// Children: Linear, Tanh, Gate, Linear (FSDP units {2, 1, 1}: the gate is a unit of its own).
+Model makeModel(torch::Dtype dtype) {
+  torch::manual_seed(11);
+  Model m;
+  m.gate = Gate(16);
+  m.seq = torch::nn::Sequential(torch::nn::Linear(6, 16), torch::nn::Tanh(), m.gate, torch::nn::Linear(16, 3));
+  m.seq->to(dtype);
+  return m;
+}
+
+constexpr int kSteps = 6;
+constexpr int kRows = 4;  // per rank
+
+// Whether rank r uses the gate in micro-batch k of step s: everywhere, nowhere, rank 0 only (in the first
+// micro-batch only: a noSync one when there are two), nowhere, the last rank only, nowhere.
+bool uses(int s, int k, int r, int world) {
+  switch (s % 6) {
+    case 0: return true;
+    case 2: return r == 0 && k == 0;
+    case 4: return r == world - 1;
+    default: return false;
+  }
+}
+
+std::pair<torch::Tensor, torch::Tensor> rows(int s, int k, int world, torch::Dtype dtype) {
+  auto g = at::make_generator<at::CPUGeneratorImpl>(900 + 10 * s + k);
+  return {at::randn({world * kRows, 6}, g, torch::TensorOptions(dtype)), at::randint(0, 3, {world * kRows}, g, torch::kLong)};
+}
+
+struct Variant {
+  std::string opt = "adam";
+  bool none = true;  // zero_grad(): set to none (2.x's default) or zero in place
+  int micro = 1;     // micro-batches per step, all but the last under noSync
+  std::string describe(int rank, int world) const {
+    return fmt::format("{} zero_grad({}) micro {} rank {} of {}", opt, none ? "set_to_none" : "false", micro, rank, world);
+  }
+};
+
+std::vector<torch::optim::OptimizerParamGroup> groupOf(std::vector<at::Tensor> params) {
+  return {torch::optim::OptimizerParamGroup(std::move(params))};
+}
+
+// Adam with momentum and weight decay, or SGD with momentum and weight decay: both move a parameter whose
+// gradient is a defined zero, and skip one whose gradient is undefined.
+std::unique_ptr<torch::optim::Optimizer> makeOptimizer(const std::string& kind,
+                                                       std::vector<torch::optim::OptimizerParamGroup> groups) {
+  if (kind == "adam")
+    return std::make_unique<torch::optim::Adam>(std::move(groups), torch::optim::AdamOptions(0.01).weight_decay(0.1));
+  return std::make_unique<torch::optim::SGD>(std::move(groups),
+                                             torch::optim::SGDOptions(0.05).momentum(0.9).weight_decay(0.05));
+}
+
+using MakeOpt = std::function<std::unique_ptr<torch::optim::Optimizer>(std::vector<torch::optim::OptimizerParamGroup>)>;
+
+// The model one process trains on the whole global batch, step after step, with the same gate schedule:
+// rank r's rows go through the gate when uses(s, k, r), and the loss is the mean of the ranks' losses.
+Model reference(const Variant& v, int world, torch::Dtype dtype, const MakeOpt& make_opt = {}) {
+  Model ref = makeModel(dtype);
+  auto groups = groupOf(ref.seq->parameters());
+  auto opt = make_opt ? make_opt(std::move(groups)) : makeOptimizer(v.opt, std::move(groups));
+  for (int s = 0; s < kSteps; ++s) {
+    compat::zeroGrad(*opt, v.none);
+    for (int k = 0; k < v.micro; ++k) {
+      auto [x, y] = rows(s, k, world, dtype);
+      for (int r = 0; r < world; ++r) {
+        ref.gate->on = uses(s, k, r, world);
+        auto out = ref.seq->forward(x.narrow(0, r * kRows, kRows));
+        (torch::nn::functional::cross_entropy(out, y.narrow(0, r * kRows, kRows)) / world).backward();
+      }
+    }
+    opt->step();
+  }
+  return ref;
+}
+
+// Every parameter of `got` (by name) within rel of the reference's.
+void expectSame(const std::map<std::string, at::Tensor>& got, const Model& ref, double rel, const std::string& what) {
+  size_t n = 0;
+  for (const auto& item : ref.seq->named_parameters()) {
+    auto it = got.find(item.key());
+    ASSERT_NE(it, got.end()) << what << ": no parameter " << item.key();
+    const auto want = item.value().detach().to(torch::kDouble);
+    const double diff = (it->second.detach().to(torch::kDouble) - want).abs().max().item<double>();
+    EXPECT_LE(diff / std::max(1.0, want.abs().max().item<double>()), rel)
+        << what << ": parameter " << item.key() << " differs by " << diff;
+    ++n;
+  }
+  EXPECT_EQ(n, got.size()) << what;
+}
+
+std::map<std::string, at::Tensor> paramsOf(const Model& m) {
+  std::map<std::string, at::Tensor> out;
+  for (const auto& item : m.seq->named_parameters()) out[item.key()] = item.value();
+  return out;
+}
+
+std::vector<Variant> everyVariant() {
+  std::vector<Variant> out;
+  for (const char* opt : {"adam", "sgd"})
+    for (bool none : {true, false})
+      for (int micro : {1, 2}) out.push_back({opt, none, micro});
+  return out;
+}
+
+// DDP (find_unused_parameters), optionally with ZeRO-1 over it.
+void trainDdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg, const Variant& v, bool zero) {
+  Model model = makeModel(torch::kDouble);
+  DDPOptions o;
+  o.find_unused_parameters = true;
+  o.bucket_bytes = o.first_bucket_bytes = 512;  // several buckets: the gate's is not the last
+  DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+  std::unique_ptr<torch::optim::Optimizer> plain;
+  std::unique_ptr<ZeroRedundancyOptimizer> sharded;
+  if (zero) {
+    sharded = std::make_unique<ZeroRedundancyOptimizer>(
+        model.seq->parameters(), [&](auto groups) { return makeOptimizer(v.opt, std::move(groups)); }, pg);
+  } else {
+    plain = makeOptimizer(v.opt, groupOf(model.seq->parameters()));
+  }
+  for (int s = 0; s < kSteps; ++s) {
+    if (zero) sharded->zeroGrad(v.none);
+    else compat::zeroGrad(*plain, v.none);
+    for (int k = 0; k < v.micro; ++k) {
+      auto [x, y] = rows(s, k, world, torch::kDouble);
+      model.gate->on = uses(s, k, rank, world);
+      ddp.beforeForward();
+      auto loss = torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
+                                                       y.narrow(0, rank * kRows, kRows));
+      if (k + 1 < v.micro) {
+        auto guard = ddp.noSync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    // No rank used the gate in this step's window: its gradient is what it was before (undefined after
+    // a zero_grad that sets to none).
+    const bool anyone = [&] {
+      for (int k = 0; k < v.micro; ++k)
+        for (int r = 0; r < world; ++r)
+          if (uses(s, k, r, world)) return true;
+      return false;
+    }();
+    if (!anyone && v.none)
+      EXPECT_FALSE(model.gate->lin->weight.grad().defined()) << v.describe(rank, world) << " step " << s;
+    if (zero) sharded->step();
+    else plain->step();
+  }
+  expectSame(paramsOf(model), reference(v, world, torch::kDouble), 1e-7,
+             fmt::format("{}{}", zero ? "ZeRO-1 " : "DDP ", v.describe(rank, world)));
+}
+
+void trainFsdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg, const Variant& v) {
+  Model model = makeModel(torch::kDouble);
+  FsdpOptions o;
+  o.stage = 3;
+  o.units = {2, 1, 1};
+  FullyShardedDataParallel fsdp(model.seq, pg, o);
+  auto opt = makeOptimizer(v.opt, groupOf(fsdp.shards()));
+  for (int s = 0; s < kSteps; ++s) {
+    compat::zeroGrad(*opt, v.none);
+    for (int k = 0; k < v.micro; ++k) {
+      auto [x, y] = rows(s, k, world, torch::kDouble);
+      model.gate->on = uses(s, k, rank, world);
+      auto loss = torch::nn::functional::cross_entropy(fsdp.forward(x.narrow(0, rank * kRows, kRows)),
+                                                       y.narrow(0, rank * kRows, kRows));
+      if (k + 1 < v.micro) {
+        auto guard = fsdp.noSync();
+        loss.backward();
+      } else {
+        loss.backward();
+      }
+    }
+    opt->step();
+  }
+  expectSame(fsdp.fullState(), reference(v, world, torch::kDouble), 1e-7, "FSDP stage 3 " + v.describe(rank, world));
+}
+
+// Clears the gradients of `params` as zero_grad() does (set to none, or zeroed in place).
+void clearGrads(const std::vector<at::Tensor>& params, bool none) {
+  for (auto p : params) {
+    if (!p.grad().defined()) continue;
+    if (none) {
+      p.mutable_grad().reset();
+    } else {
+      p.mutable_grad().detach_();
+      p.mutable_grad().zero_();
+    }
+  }
+}
+
+// The parameter server's module on W workers and 2 servers (bsp): servers that update (sgd with momentum,
+// adam: no weight decay on the servers), or sum_only servers with the optimizer on the workers. One
+// module per variant, one after the other on the same workers (PS names apart by prefix).
+void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
+  ps::PSOptions o;
+  o.consistency = ps::Consistency::bsp;
+  o.update = update;
+  o.lr = update == ps::PSOptions::Update::adam ? 0.01 : 0.05;
+  o.momentum = 0.9;
+  o.partition_bytes = 400;  // 100 floats: buckets cut into partitions over both servers
+  o.timeout = std::chrono::seconds(20);
+  std::vector<Variant> variants;
+  for (const char* opt : {"adam", "sgd"}) {
+    for (bool none : {true, false}) {
+      if (update == ps::PSOptions::Update::sum_only) variants.push_back({opt, none, 1});
+      else if (std::string(opt) == "adam") variants.push_back({update == ps::PSOptions::Update::adam ? "server adam" : "server sgd+momentum", none, 1});
+    }
+  }
+  // The servers' optimizer, as torch::optim configures it.
+  MakeOpt server_opt = [&](std::vector<torch::optim::OptimizerParamGroup> g) -> std::unique_ptr<torch::optim::Optimizer> {
+    if (update == ps::PSOptions::Update::adam)
+      return std::make_unique<torch::optim::Adam>(std::move(g), torch::optim::AdamOptions(o.lr).betas({o.beta1, o.beta2}).eps(o.eps));
+    return std::make_unique<torch::optim::SGD>(std::move(g), torch::optim::SGDOptions(o.lr).momentum(o.momentum));
+  };
+  runJob(world, 2, world, o, [&](const std::shared_ptr<comm::Store>& store, int rank) {
+    ps::Worker wk(store, rank, world, 2, o);
+    for (size_t n = 0; n < variants.size(); ++n) {
+      const Variant& v = variants[n];
+      Model model = makeModel(torch::kFloat);
+      ps::ModuleOptions mo;
+      mo.bucket_bytes = 256;  // several buckets
+      mo.prefix = fmt::format("m{}.", n);
+      ps::DistributedModule psm(model.seq.ptr(), wk, mo);
+      std::unique_ptr<torch::optim::Optimizer> local;
+      if (update == ps::PSOptions::Update::sum_only) local = makeOptimizer(v.opt, groupOf(model.seq->parameters()));
+      for (int s = 0; s < kSteps; ++s) {
+        psm.beforeForward();
+        clearGrads(model.seq->parameters(), v.none);
+        auto [x, y] = rows(s, 0, world, torch::kFloat);
+        model.gate->on = uses(s, 0, rank, world);
+        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
+                                             y.narrow(0, rank * kRows, kRows))
+            .backward();
+        psm.step();
+        if (local) local->step();
+      }
+      psm.beforeForward();
+      const bool sum_only = update == ps::PSOptions::Update::sum_only;
+      expectSame(paramsOf(model), reference(v, world, torch::kFloat, sum_only ? MakeOpt() : server_opt), 2e-6,
+                 fmt::format("ps::DistributedModule ({} servers) {}", sum_only ? "sum_only" : "updating",
+                             v.describe(rank, world)));
+    }
+    wk.finish();
+  });
+}
+
+class UnusedGrad : public ::testing::TestWithParam<int> {};
+
+void everyVariantOn(int world, const std::function<void(int, const std::shared_ptr<comm::ProcessGroup>&, const Variant&)>& fn) {
+  StoreServer server;
+  auto results = runRanks(world, [&](int rank) {
+    auto pg = group(server, rank, world);
+    for (const auto& v : everyVariant()) fn(rank, pg, v);
+  });
+  expectAllOk(results);
+}
+
+TEST_P(UnusedGrad, DdpEqualsOneProcess) {
+  const int world = GetParam();
+  everyVariantOn(world, [&](int rank, auto& pg, const Variant& v) { trainDdp(rank, world, pg, v, /*zero=*/false); });
+}
+
+TEST_P(UnusedGrad, ZeroStage1EqualsOneProcess) {
+  const int world = GetParam();
+  everyVariantOn(world, [&](int rank, auto& pg, const Variant& v) { trainDdp(rank, world, pg, v, /*zero=*/true); });
+}
+
+TEST_P(UnusedGrad, FsdpStage3EqualsOneProcess) {
+  const int world = GetParam();
+  everyVariantOn(world, [&](int rank, auto& pg, const Variant& v) { trainFsdp(rank, world, pg, v); });
+}
+
+TEST_P(UnusedGrad, PsModuleAdamServersEqualOneProcess) { psEqualsOneProcess(GetParam(), ps::PSOptions::Update::adam); }
+TEST_P(UnusedGrad, PsModuleMomentumServersEqualOneProcess) {
+  psEqualsOneProcess(GetParam(), ps::PSOptions::Update::sgd);
+}
+TEST_P(UnusedGrad, PsModuleSumOnlyServersEqualOneProcess) {
+  psEqualsOneProcess(GetParam(), ps::PSOptions::Update::sum_only);
+}
+
+// The comm hooks write into every slot of a bucket (error feedback, residuals): a gradient that no rank
+// produced in a pass is still what it was before it, bit for bit, or undefined.
+TEST(UnusedGradHooks, EveryHookKeepsAGradientNoRankProduced) {
+  struct Named {
+    const char* name;
+    std::function<std::shared_ptr<CommHook>()> make;
+  };
+  const std::vector<Named> hooks = {
+      {"fp16", [] { return fp16CompressHook(/*always=*/true); }},
+      {"bf16", [] { return bf16CompressHook(/*always=*/true); }},
+      {"powerSGD",
+       [] {
+         PowerSGDOptions o;
+         o.start_powerSGD_iter = 2;
+         o.min_compression_rate = 0;
+         return std::static_pointer_cast<CommHook>(powerSGDHook(o));
+       }},
+      {"topK",
+       [] {
+         TopKOptions o;
+         o.ratio = 0.3;
+         o.min_compress_numel = 16;
+         return topKHook(o);
+       }},
+  };
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    for (const auto& hook : hooks) {
+      Model model = makeModel(torch::kDouble);
+      DDPOptions o;
+      o.find_unused_parameters = true;
+      o.bucket_bytes = o.first_bucket_bytes = 4096;
+      DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+      ddp.registerCommHook(hook.make());
+      auto pass = [&](int s, bool gate) {
+        auto [x, y] = rows(s, 0, 2, torch::kDouble);
+        model.gate->on = gate;
+        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
+                                             y.narrow(0, rank * kRows, kRows))
+            .backward();
+      };
+      const auto& w = model.gate->lin->weight;
+      for (int s = 0; s < 4; ++s) {  // (PowerSGD compresses from the third pass on)
+        clearGrads(model.seq->parameters(), true);
+        pass(s, true);
+      }
+      const at::Tensor before = w.grad().clone();
+      pass(4, false);  // accumulates into the others; the gate's gradient must stay as it was
+      ASSERT_TRUE(w.grad().defined()) << hook.name;
+      EXPECT_TRUE(w.grad().equal(before)) << hook.name << ": the gate's gradient changed by "
+                                          << (w.grad() - before).abs().max().item<double>();
+      EXPECT_GT(model.seq[0]->as<torch::nn::Linear>()->weight.grad().abs().sum().item<double>(), 0)
+          << hook.name;  // (not a vacuous pass: the trunk got gradients)
+      clearGrads(model.seq->parameters(), true);
+      pass(5, false);
+      EXPECT_FALSE(w.grad().defined()) << hook.name << ": a gradient appeared for a parameter no rank used";
+      clearGrads(model.seq->parameters(), true);
+      pass(6, rank == 0);
+      EXPECT_TRUE(w.grad().defined()) << hook.name << ": a parameter rank 0 used has no gradient on rank " << rank;
+    }
+  });
+  expectAllOk(results);
+}
+
+// dtrain::Join: a rank that ran out of inputs shadows the others' exchange of who used what.
+TEST(UnusedGradJoin, AJoinedRankShadowsTheExchange) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    Model model = makeModel(torch::kDouble);
+    DDPOptions o;
+    o.find_unused_parameters = true;
+    DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+    const int batches = rank == 0 ? 3 : 1;
+    {
+      Join join(ddp);
+      for (int s = 0; s < batches; ++s) {
+        clearGrads(model.seq->parameters(), true);
+        auto [x, y] = rows(s, 0, 2, torch::kDouble);
+        model.gate->on = s == 0;
+        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
+                                             y.narrow(0, rank * kRows, kRows))
+            .backward();
+        EXPECT_EQ(model.gate->lin->weight.grad().defined(), s == 0) << "rank " << rank << " pass " << s;
+        EXPECT_TRUE(model.seq[3]->as<torch::nn::Linear>()->weight.grad().defined()) << "rank " << rank << " pass " << s;
+      }
+    }
+  });
+  expectAllOk(results);
+}
+
+// The model averagers: rank 0 has a gradient for the gate, rank 1 none (it skipped the branch after a
+// zero_grad() that sets to none). Both must average the same parameters: those with a gradient somewhere.
+TEST(UnusedGradLocalSgd, AveragersAgreeOnWhatToAverage) {
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    Model model = makeModel(torch::kDouble);
+    auto params = model.seq->parameters();
+    {
+      torch::NoGradGuard g;
+      for (auto& p : params) p.add_(rank);  // replicas apart by 1
+    }
+    auto [x, y] = rows(0, 0, 2, torch::kDouble);
+    model.gate->on = rank == 0;
+    auto last = model.seq[3]->as<torch::nn::Linear>();
+    last->weight.set_requires_grad(false);  // no rank has a gradient for it: not averaged
+    torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
+                                         y.narrow(0, rank * kRows, kRows))
+        .backward();
+    ASSERT_EQ(model.gate->lin->weight.grad().defined(), rank == 0);
+    PeriodicModelAverager avg(pg, /*period=*/1);
+    ASSERT_TRUE(avg.averageParameters(params));
+    Model start = makeModel(torch::kDouble);
+    auto expect = start.seq->named_parameters();
+    for (const auto& item : model.seq->named_parameters()) {
+      const double shift = item.key() == "3.weight" ? rank : 0.5;  // own value, or the mean of +0 and +1
+      const double diff = (item.value() - (expect[item.key()] + shift)).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-12) << "rank " << rank << ": " << item.key();
+    }
+  });
+  expectAllOk(results);
+}
+
+INSTANTIATE_TEST_SUITE_P(Worlds, UnusedGrad, ::testing::Values(2, 3), [](const auto& info) {
+  return "world" + std::to_string(info.param);
+});
+
+}  // namespace
+}  // namespace dtrain::test
