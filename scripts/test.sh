@@ -21,7 +21,8 @@ jobs=${JOBS:-2}
 generations=${TORCH_GENERATIONS:-2 1}
 
 # The test executables whose tests run against 1.13 too (labels: one per executable, tests/CMakeLists.txt).
-torch1_tests=(large_batch_test zero_test fsdp_test ddp_test checkpoint_test powersgd_test device_test milnce_test)
+torch1_tests=(large_batch_test zero_test fsdp_test ddp_test checkpoint_test powersgd_test device_test milnce_test
+              unused_grad_test)
 timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
   local label=$1 start=$SECONDS

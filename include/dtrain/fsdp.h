@@ -30,6 +30,13 @@
 // unit of the child that registers it first (a weight tied across units is one parameter of the first;
 // the later unit uses it gathered only while the first unit's parameters are present — keep tied weights
 // in one unit). The optimizer must be elementwise (SGD, Adam, AdamW): the shards cut through parameters.
+// Unused parameters: a unit that no rank gave a gradient in an accumulation window (the noSync passes and
+// the synced one) leaves its shard's gradient as it was, so an undefined one (libtorch 2.x's zero_grad())
+// stays undefined and the optimizer skips the shard, as one process skips those parameters. A unit that
+// some rank used is averaged, zeros for the parameters that got no gradient: within a unit the optimizer
+// steps them with the others (momentum, weight decay, one Adam step count per shard), as PyTorch's FSDP
+// with flat parameters does. Give a branch that is not always taken (a conditional head, an expert) a
+// unit of its own to train it as one process would.
 // Recomputation: set recompute to run each unit through dtrain::recompute (its activations are dropped and
 // recomputed in backward, after the unit's parameters are gathered again).
 #pragma once

@@ -90,6 +90,9 @@ void CheckpointState::restoreOptimizer(torch::optim::Optimizer& opt) const {
     torch::serialize::InputArchive archive;
     std::istringstream is(optimizer);
     archive.load_from(is);
+    // libtorch's load sets the state it finds and leaves the rest: a parameter without state in the
+    // checkpoint (never stepped: its gradient was always undefined) must not keep this optimizer's.
+    opt.state().clear();
     opt.load(archive);
   } catch (const c10::Error& e) {
     throw Error(fmt::format("restoreOptimizer: the optimizer rejected the saved state: {}",

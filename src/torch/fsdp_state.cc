@@ -72,7 +72,7 @@ void FullyShardedDataParallel::saveConsolidated(const std::string& path, const t
       for (const char* e : kEntries) {
         if (!mine.contains(e)) continue;
         const at::Tensor t = mine.at(e);
-        if (t.numel() != unit.chunk) {  // a scalar (Adam's step): the same for every parameter of the unit
+        if (std::string(e) == "step") {  // a scalar (Adam's step): the same for every parameter of the unit
           for (auto& d : per) d.insert(e, t.clone());
           continue;
         }
@@ -125,7 +125,8 @@ void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::
     auto& unit = m.units[u];
     m.release(unit);
     at::Tensor full = at::zeros({unit.chunk * m.pg->size()}, unit.shard.options().requires_grad(false));
-    std::vector<TensorDict> entries;
+    std::vector<TensorDict> entries;  // per parameter; empty: no state (never stepped: no gradient yet)
+    size_t with_state = 0;
     for (size_t i = 0; i < unit.params.size(); ++i) {
       const auto& name = unit.names[i];
       auto it = model.find(name);
@@ -135,23 +136,39 @@ void FullyShardedDataParallel::loadConsolidated(const std::string& path, torch::
                    path, name, c10::str(t.sizes()), c10::str(unit.params[i].sizes()));
       full.narrow(0, unit.offsets[i], t.numel()).copy_(t.reshape(-1));
       auto st = state.find(index_of[name]);
-      if (st != state.end()) entries.push_back(tensorDict(st->value(), path, index_of[name]));
+      entries.emplace_back();
+      if (st != state.end()) {
+        entries.back() = tensorDict(st->value(), path, index_of[name]);
+        ++with_state;
+      }
     }
     unit.shard.copy_(full.narrow(0, rank * unit.chunk, unit.chunk));
     optimizer.state().erase(compat::optimizerStateKey(unit.shard));
-    if (entries.empty()) continue;  // never stepped
-    DTRAIN_CHECK(entries.size() == unit.params.size(), InvalidArgument,
-                 "{}: some of unit {}'s parameters have optimizer state and some not", path, u);
+    if (with_state == 0) continue;  // never stepped
+    // The unit's shard is one tensor to the optimizer: one step count. A parameter without state (a file
+    // from one process or DDP in which it never had a gradient) starts from zeros, which is what the
+    // shard holds for it when it had none; its steps are the others'.
+    const TensorDict* first = nullptr;
+    for (const auto& d : entries) {
+      if (d.size() == 0) continue;
+      if (!first) first = &d;
+      if (!d.contains("step") || !first->contains("step")) continue;
+      DTRAIN_CHECK(d.at("step").item<double>() == first->at("step").item<double>(), InvalidArgument,
+                   "{}: unit {}'s parameters were stepped {} and {} times; FSDP keeps one step count per unit (give "
+                   "parameters that are not always used a unit of their own)",
+                   path, u, first->at("step").item<double>(), d.at("step").item<double>());
+    }
     TensorDict mine;
     for (const char* e : kEntries) {
-      if (!entries[0].contains(e)) continue;
+      if (!first->contains(e)) continue;
       if (std::string(e) == "step") {
-        mine.insert(e, entries[0].at(e));
+        mine.insert(e, first->at(e));
         continue;
       }
       at::Tensor flat = at::zeros({unit.chunk * m.pg->size()}, unit.shard.options().requires_grad(false));
       for (size_t i = 0; i < entries.size(); ++i)
-        flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(entries[i].at(e).reshape(-1));
+        if (entries[i].contains(e))
+          flat.narrow(0, unit.offsets[i], unit.params[i].numel()).copy_(entries[i].at(e).reshape(-1));
       mine.insert(e, flat.narrow(0, rank * unit.chunk, unit.chunk).clone());
     }
     optimizer.state()[compat::optimizerStateKey(unit.shard)] = fromDict(k, mine, unit.shard, u, path);

@@ -263,6 +263,7 @@ TensorDict tensorDict(const c10::IValue& v, const std::string& path, int64_t ind
   if (!v.isGenericDict()) throw InvalidArgument(fmt::format("{}: the state of parameter {} is not a dict", path, index));
   TensorDict d;
   for (const auto& e : v.toGenericDict()) {
+    if (e.key().isString() && e.value().isNone()) continue;  // (PyTorch's SGD without momentum: momentum_buffer None)
     if (!e.key().isString() || !e.value().isTensor())
       throw InvalidArgument(fmt::format("{}: the state of parameter {} holds a {} -> {} entry, not name -> tensor",
                                         path, index, e.key().tagKind(), e.value().tagKind()));

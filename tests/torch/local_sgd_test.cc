@@ -180,7 +180,7 @@ void postLocalRun(Replicas& ref, int steps, int start, bool gradient_allreduce, 
   auto results = runRanks(3, [&](int rank) {
     Groups g = hostGroups(server, rank);
     auto net = makeNet(rank);
-    net->unused.set_requires_grad(false);  // DDP would give it a (zero) gradient; the reference has none
+    net->unused.set_requires_grad(false);  // (DDP without find_unused_parameters refuses a parameter with no gradient)
     DistributedDataParallel ddp(net.ptr(), g.world);
     ddp.registerCommHook(postLocalSGDHook(g.host, start, gradient_allreduce));
     torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(kLr).momentum(kMomentum));

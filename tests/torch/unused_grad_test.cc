@@ -12,6 +12,7 @@
 
 #include "ddp_test_util.h"
 #include "dtrain/compat.h"
+#include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/fsdp.h"
 #include "dtrain/join.h"
@@ -69,6 +70,16 @@ std::pair<torch::Tensor, torch::Tensor> rows(int s, int k, int world, torch::Dty
   return {at::randn({world * kRows, 6}, g, torch::TensorOptions(dtype)), at::randint(0, 3, {world * kRows}, g, torch::kLong)};
 }
 
+// Rank `rank`'s loss on its rows of micro-batch k of step s, the gate on or off; through `fwd` when given
+// (FSDP's forward), else the model's.
+torch::Tensor rankLoss(Model& m, int s, int k, int rank, int world, torch::Dtype dtype, bool gate,
+                       const std::function<at::Tensor(const at::Tensor&)>& fwd = {}) {
+  auto [x, y] = rows(s, k, world, dtype);
+  m.gate->on = gate;
+  auto xs = x.narrow(0, rank * kRows, kRows);
+  return torch::nn::functional::cross_entropy(fwd ? fwd(xs) : m.seq->forward(xs), y.narrow(0, rank * kRows, kRows));
+}
+
 struct Variant {
   std::string opt = "adam";
   bool none = true;  // zero_grad(): set to none (2.x's default) or zero in place
@@ -103,12 +114,7 @@ Model reference(const Variant& v, int world, torch::Dtype dtype, const MakeOpt& 
   for (int s = 0; s < kSteps; ++s) {
     compat::zeroGrad(*opt, v.none);
     for (int k = 0; k < v.micro; ++k) {
-      auto [x, y] = rows(s, k, world, dtype);
-      for (int r = 0; r < world; ++r) {
-        ref.gate->on = uses(s, k, r, world);
-        auto out = ref.seq->forward(x.narrow(0, r * kRows, kRows));
-        (torch::nn::functional::cross_entropy(out, y.narrow(0, r * kRows, kRows)) / world).backward();
-      }
+      for (int r = 0; r < world; ++r) (rankLoss(ref, s, k, r, world, dtype, uses(s, k, r, world)) / world).backward();
     }
     opt->step();
   }
@@ -144,13 +150,32 @@ std::vector<Variant> everyVariant() {
   return out;
 }
 
+using RankFn = std::function<void(int rank, const std::shared_ptr<comm::ProcessGroup>& pg)>;
+
+// fn on `world` ranks, each with the world's group.
+void onRanks(int world, const RankFn& fn) {
+  StoreServer server;
+  auto results = runRanks(world, [&](int rank) { fn(rank, group(server, rank, world)); });
+  expectAllOk(results);
+}
+
+void everyVariantOn(int world, const std::function<void(int, const std::shared_ptr<comm::ProcessGroup>&, const Variant&)>& fn) {
+  onRanks(world, [&](int rank, const std::shared_ptr<comm::ProcessGroup>& pg) {
+    for (const auto& v : everyVariant()) fn(rank, pg, v);
+  });
+}
+
+DDPOptions findUnused(size_t bucket_bytes) {
+  DDPOptions o;
+  o.find_unused_parameters = true;
+  o.bucket_bytes = o.first_bucket_bytes = bucket_bytes;
+  return o;
+}
+
 // DDP (find_unused_parameters), optionally with ZeRO-1 over it.
 void trainDdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg, const Variant& v, bool zero) {
   Model model = makeModel(torch::kDouble);
-  DDPOptions o;
-  o.find_unused_parameters = true;
-  o.bucket_bytes = o.first_bucket_bytes = 512;  // several buckets: the gate's is not the last
-  DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+  DistributedDataParallel ddp(model.seq.ptr(), pg, findUnused(512));  // several buckets: the gate's not the last
   std::unique_ptr<torch::optim::Optimizer> plain;
   std::unique_ptr<ZeroRedundancyOptimizer> sharded;
   if (zero) {
@@ -163,11 +188,8 @@ void trainDdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg
     if (zero) sharded->zeroGrad(v.none);
     else compat::zeroGrad(*plain, v.none);
     for (int k = 0; k < v.micro; ++k) {
-      auto [x, y] = rows(s, k, world, torch::kDouble);
-      model.gate->on = uses(s, k, rank, world);
       ddp.beforeForward();
-      auto loss = torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
-                                                       y.narrow(0, rank * kRows, kRows));
+      auto loss = rankLoss(model, s, k, rank, world, torch::kDouble, uses(s, k, rank, world));
       if (k + 1 < v.micro) {
         auto guard = ddp.noSync();
         loss.backward();
@@ -202,10 +224,8 @@ void trainFsdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& p
   for (int s = 0; s < kSteps; ++s) {
     compat::zeroGrad(*opt, v.none);
     for (int k = 0; k < v.micro; ++k) {
-      auto [x, y] = rows(s, k, world, torch::kDouble);
-      model.gate->on = uses(s, k, rank, world);
-      auto loss = torch::nn::functional::cross_entropy(fsdp.forward(x.narrow(0, rank * kRows, kRows)),
-                                                       y.narrow(0, rank * kRows, kRows));
+      auto loss = rankLoss(model, s, k, rank, world, torch::kDouble, uses(s, k, rank, world),
+                           [&](const at::Tensor& x) { return fsdp.forward(x); });
       if (k + 1 < v.micro) {
         auto guard = fsdp.noSync();
         loss.backward();
@@ -269,11 +289,7 @@ void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
       for (int s = 0; s < kSteps; ++s) {
         psm.beforeForward();
         clearGrads(model.seq->parameters(), v.none);
-        auto [x, y] = rows(s, 0, world, torch::kFloat);
-        model.gate->on = uses(s, 0, rank, world);
-        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
-                                             y.narrow(0, rank * kRows, kRows))
-            .backward();
+        rankLoss(model, s, 0, rank, world, torch::kFloat, uses(s, 0, rank, world)).backward();
         psm.step();
         if (local) local->step();
       }
@@ -289,14 +305,6 @@ void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
 
 class UnusedGrad : public ::testing::TestWithParam<int> {};
 
-void everyVariantOn(int world, const std::function<void(int, const std::shared_ptr<comm::ProcessGroup>&, const Variant&)>& fn) {
-  StoreServer server;
-  auto results = runRanks(world, [&](int rank) {
-    auto pg = group(server, rank, world);
-    for (const auto& v : everyVariant()) fn(rank, pg, v);
-  });
-  expectAllOk(results);
-}
 
 TEST_P(UnusedGrad, DdpEqualsOneProcess) {
   const int world = GetParam();
@@ -346,23 +354,12 @@ TEST(UnusedGradHooks, EveryHookKeepsAGradientNoRankProduced) {
          return topKHook(o);
        }},
   };
-  StoreServer server;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = group(server, rank, 2);
+  onRanks(2, [&](int rank, const std::shared_ptr<comm::ProcessGroup>& pg) {
     for (const auto& hook : hooks) {
       Model model = makeModel(torch::kDouble);
-      DDPOptions o;
-      o.find_unused_parameters = true;
-      o.bucket_bytes = o.first_bucket_bytes = 4096;
-      DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+      DistributedDataParallel ddp(model.seq.ptr(), pg, findUnused(4096));
       ddp.registerCommHook(hook.make());
-      auto pass = [&](int s, bool gate) {
-        auto [x, y] = rows(s, 0, 2, torch::kDouble);
-        model.gate->on = gate;
-        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
-                                             y.narrow(0, rank * kRows, kRows))
-            .backward();
-      };
+      auto pass = [&](int s, bool gate) { rankLoss(model, s, 0, rank, 2, torch::kDouble, gate).backward(); };
       const auto& w = model.gate->lin->weight;
       for (int s = 0; s < 4; ++s) {  // (PowerSGD compresses from the third pass on)
         clearGrads(model.seq->parameters(), true);
@@ -383,55 +380,38 @@ TEST(UnusedGradHooks, EveryHookKeepsAGradientNoRankProduced) {
       EXPECT_TRUE(w.grad().defined()) << hook.name << ": a parameter rank 0 used has no gradient on rank " << rank;
     }
   });
-  expectAllOk(results);
 }
 
 // dtrain::Join: a rank that ran out of inputs shadows the others' exchange of who used what.
 TEST(UnusedGradJoin, AJoinedRankShadowsTheExchange) {
-  StoreServer server;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = group(server, rank, 2);
+  onRanks(2, [&](int rank, const std::shared_ptr<comm::ProcessGroup>& pg) {
     Model model = makeModel(torch::kDouble);
-    DDPOptions o;
-    o.find_unused_parameters = true;
-    DistributedDataParallel ddp(model.seq.ptr(), pg, o);
+    DistributedDataParallel ddp(model.seq.ptr(), pg, findUnused(DDPOptions().bucket_bytes));
     const int batches = rank == 0 ? 3 : 1;
     {
       Join join(ddp);
       for (int s = 0; s < batches; ++s) {
         clearGrads(model.seq->parameters(), true);
-        auto [x, y] = rows(s, 0, 2, torch::kDouble);
-        model.gate->on = s == 0;
-        torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
-                                             y.narrow(0, rank * kRows, kRows))
-            .backward();
+        rankLoss(model, s, 0, rank, 2, torch::kDouble, s == 0).backward();
         EXPECT_EQ(model.gate->lin->weight.grad().defined(), s == 0) << "rank " << rank << " pass " << s;
         EXPECT_TRUE(model.seq[3]->as<torch::nn::Linear>()->weight.grad().defined()) << "rank " << rank << " pass " << s;
       }
     }
   });
-  expectAllOk(results);
 }
 
 // The model averagers: rank 0 has a gradient for the gate, rank 1 none (it skipped the branch after a
 // zero_grad() that sets to none). Both must average the same parameters: those with a gradient somewhere.
 TEST(UnusedGradLocalSgd, AveragersAgreeOnWhatToAverage) {
-  StoreServer server;
-  auto results = runRanks(2, [&](int rank) {
-    auto pg = group(server, rank, 2);
+  onRanks(2, [&](int rank, const std::shared_ptr<comm::ProcessGroup>& pg) {
     Model model = makeModel(torch::kDouble);
     auto params = model.seq->parameters();
     {
       torch::NoGradGuard g;
       for (auto& p : params) p.add_(rank);  // replicas apart by 1
     }
-    auto [x, y] = rows(0, 0, 2, torch::kDouble);
-    model.gate->on = rank == 0;
-    auto last = model.seq[3]->as<torch::nn::Linear>();
-    last->weight.set_requires_grad(false);  // no rank has a gradient for it: not averaged
-    torch::nn::functional::cross_entropy(model.seq->forward(x.narrow(0, rank * kRows, kRows)),
-                                         y.narrow(0, rank * kRows, kRows))
-        .backward();
+    model.seq[3]->as<torch::nn::Linear>()->weight.set_requires_grad(false);  // no rank has a gradient for it
+    rankLoss(model, 0, 0, rank, 2, torch::kDouble, rank == 0).backward();
     ASSERT_EQ(model.gate->lin->weight.grad().defined(), rank == 0);
     PeriodicModelAverager avg(pg, /*period=*/1);
     ASSERT_TRUE(avg.averageParameters(params));
@@ -443,7 +423,64 @@ TEST(UnusedGradLocalSgd, AveragersAgreeOnWhatToAverage) {
       EXPECT_LE(diff, 1e-12) << "rank " << rank << ": " << item.key();
     }
   });
-  expectAllOk(results);
+}
+
+// DataParallel (threads, one process): replicas of 3-row slices use a branch, those of 2 rows do not. The
+// main module's gradients, step by step, are one process's on the whole batch: undefined where no slice
+// used the branch, so Adam with weight decay leaves it alone.
+struct SliceGatedImpl : torch::nn::Cloneable<SliceGatedImpl> {
+  SliceGatedImpl() { reset(); }
+  void reset() override {
+    trunk = register_module("trunk", torch::nn::Linear(6, 8));
+    branch = register_module("branch", torch::nn::Linear(8, 8));
+    out = register_module("out", torch::nn::Linear(8, 3));
+  }
+  torch::Tensor forward(const torch::Tensor& x) {
+    auto h = torch::tanh(trunk(x));
+    if (x.size(0) == 3) h = h + branch(h);
+    return out(h);
+  }
+  torch::nn::Linear trunk{nullptr}, branch{nullptr}, out{nullptr};
+};
+TORCH_MODULE(SliceGated);
+
+TEST(UnusedGradDataParallel, MainGradientsAreOneProcesss) {
+  at::set_num_threads(1);
+  auto loss_fn = [](torch::nn::Module& replica, const at::Tensor& x, const at::Tensor& y) {
+    return torch::nn::functional::cross_entropy(replica.as<SliceGatedImpl>()->forward(x), y);
+  };
+  for (bool none : {true, false}) {
+    torch::manual_seed(3);
+    SliceGated net;
+    net->to(torch::kDouble);
+    SliceGated ref(std::dynamic_pointer_cast<SliceGatedImpl>(net->clone()));
+    DataParallel dp(net, /*num_replicas=*/4);
+    auto opts = torch::optim::AdamOptions(0.01).weight_decay(0.1);
+    torch::optim::Adam opt(net->parameters(), opts), ref_opt(ref->parameters(), opts);
+    for (int s = 0; s < 6; ++s) {
+      const int64_t batch = s % 2 == 0 ? 10 : 8;  // slices 3, 3, 2, 2 (the branch used) or 2, 2, 2, 2 (not)
+      auto g = at::make_generator<at::CPUGeneratorImpl>(40 + s);
+      auto x = at::randn({batch, 6}, g, torch::kDouble);
+      auto y = at::randint(0, 3, {batch}, g, torch::kLong);
+      compat::zeroGrad(opt, none);
+      compat::zeroGrad(ref_opt, none);
+      dp.step(x, y, loss_fn);
+      int64_t row = 0;
+      for (int64_t n : DataParallel::splitSizes(batch, 4)) {  // the same slices, one after the other
+        (torch::nn::functional::cross_entropy(ref->forward(x.narrow(0, row, n)), y.narrow(0, row, n)) * n / batch)
+            .backward();
+        row += n;
+      }
+      if (none) EXPECT_EQ(net->branch->weight.grad().defined(), batch == 10) << "step " << s;
+      opt.step();
+      ref_opt.step();
+    }
+    auto want = ref->named_parameters();
+    for (const auto& item : net->named_parameters()) {
+      const double diff = (item.value() - want[item.key()]).abs().max().item<double>();
+      EXPECT_LE(diff, 1e-10) << item.key() << (none ? " (set to none)" : " (zeroed)");
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(Worlds, UnusedGrad, ::testing::Values(2, 3), [](const auto& info) {
