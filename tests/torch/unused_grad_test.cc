@@ -11,6 +11,8 @@
 #include <torch/torch.h>
 
 #include "ddp_test_util.h"
+#include "dtrain/checkpoint.h"
+#include "dtrain/comm/error.h"
 #include "dtrain/compat.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
@@ -480,6 +482,72 @@ TEST(UnusedGradDataParallel, MainGradientsAreOneProcesss) {
       const double diff = (item.value() - want[item.key()]).abs().max().item<double>();
       EXPECT_LE(diff, 1e-10) << item.key() << (none ? " (set to none)" : " (zeroed)");
     }
+  }
+}
+
+// Restoring optimizer state into a live optimizer: a parameter with no state in the checkpoint (never
+// stepped, its gradient always undefined) has none afterwards, as in the run that wrote it.
+TEST(UnusedGradCheckpoint, ARestoredParameterWithoutStateHasNone) {
+  Model model = makeModel(torch::kDouble);
+  auto opt = makeOptimizer("adam", groupOf(model.seq->parameters()));
+  auto step = [&](bool gate) {
+    compat::zeroGrad(*opt, true);
+    rankLoss(model, 0, 0, 0, 1, torch::kDouble, gate).backward();
+    opt->step();
+  };
+  const auto key = compat::optimizerStateKey(model.gate->lin->weight);
+  step(false);
+  ASSERT_EQ(opt->state().count(key), 0u);
+  CheckpointState s;
+  s.captureOptimizer(*opt);
+  step(true);
+  ASSERT_EQ(opt->state().count(key), 1u);
+  s.restoreOptimizer(*opt);
+  EXPECT_EQ(opt->state().count(key), 0u) << "the gate kept the state of a step after the checkpoint";
+}
+
+// FSDP consolidated files across unit layouts: saved with the gate a unit of its own (never used: no state),
+// loaded with the gate and the last layer in one unit (the gate's part of the shard's state: zeros). Where
+// the unit's parameters were stepped different numbers of times, the error says so (one step per shard).
+TEST(UnusedGradCheckpoint, FsdpLoadsAUnitWhoseParametersHaveStateAndNot) {
+  TempDir tmp;
+  for (bool gate_once : {false, true}) {
+    const std::string file = tmp.path() + (gate_once ? "/once.pt" : "/never.pt");
+    onRanks(2, [&](int rank, const std::shared_ptr<comm::ProcessGroup>& pg) {
+      std::map<std::string, at::Tensor> saved;
+      {
+        Model model = makeModel(torch::kDouble);
+        FsdpOptions o;
+        o.units = {2, 1, 1};
+        FullyShardedDataParallel fsdp(model.seq, pg, o);
+        auto opt = makeOptimizer("adam", groupOf(fsdp.shards()));
+        for (int s = 0; s < 3; ++s) {
+          compat::zeroGrad(*opt, true);
+          rankLoss(model, s, 0, rank, 2, torch::kDouble, gate_once && s == 0, [&](const at::Tensor& x) {
+            return fsdp.forward(x);
+          }).backward();
+          opt->step();
+        }
+        fsdp.saveConsolidated(file, *opt);
+        saved = fsdp.fullState();
+      }
+      Model model = makeModel(torch::kDouble);
+      FsdpOptions o;
+      o.units = {2, 2};
+      FullyShardedDataParallel fsdp(model.seq, pg, o);
+      auto opt = makeOptimizer("adam", groupOf(fsdp.shards()));
+      if (gate_once) {
+        try {
+          fsdp.loadConsolidated(file, *opt);
+          ADD_FAILURE() << "parameters stepped 1 and 3 times loaded into one shard";
+        } catch (const InvalidArgument& e) {
+          EXPECT_NE(std::string(e.what()).find("stepped 1 and 3 times"), std::string::npos) << e.what();
+        }
+        return;
+      }
+      fsdp.loadConsolidated(file, *opt);
+      for (const auto& [name, t] : fsdp.fullState()) EXPECT_TRUE(t.equal(saved.at(name))) << name;
+    });
   }
 }
 

@@ -244,7 +244,9 @@ TEST(Zero, ConsolidatedStateLoadsIntoPyTorchsAdam) {
       "opt = torch.optim.Adam(ps, lr=0.5)\n"
       "opt.load_state_dict(sd)\n"
       "assert opt.param_groups[0]['lr'] == 0.01, opt.param_groups[0]\n"
-      "assert sorted(sd['state'].keys()) == list(range(len(ps))), sorted(sd['state'].keys())\n"
+      // `spare` (index 1) never had a gradient: no state, as in one process (PyTorch's Adam makes it at
+      // the step below, and so does dtrain's)
+      "assert sorted(sd['state'].keys()) == [i for i in range(len(ps)) if i != 1], sorted(sd['state'].keys())\n"
       "for p, g in zip(ps, dtrain_load(d + '/grads.pt')): p.grad = g\n"
       "opt.step()\n"
       "diff = max((p - a).abs().max().item() for p, a in zip(ps, dtrain_load(d + '/after.pt')))\n"
