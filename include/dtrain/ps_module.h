@@ -18,8 +18,9 @@
 // Parameters are grouped into buckets by DistributedDataParallel's rule: reverse registration order
 // (backward produces the last layers' gradients first), about first_bucket_bytes for the first bucket
 // and bucket_bytes for the others. Each bucket is one PS tensor "<prefix>bucket<i>", cut into
-// partitions over the servers. A hook on every parameter copies its gradient into its bucket; when a
-// bucket is complete its push starts (asynchronously, on the Worker's thread) while backward goes on.
+// partitions over the servers. A hook on every parameter's gradient accumulator copies its gradient into
+// its bucket; when a bucket is complete its push starts (asynchronously, on the Worker's thread) while
+// backward goes on.
 // step() pushes the buckets that are still incomplete (parameters without a gradient in this pass
 // contribute zeros: an unused branch is fine), waits for the pushes, ends the step (clock) and starts
 // the pulls; beforeForward() waits for them and copies the values into the parameters. Unused

@@ -110,12 +110,11 @@ void DistributedDataParallel::Impl::startPass() {
 }
 
 void DistributedDataParallel::Impl::onGradReady(size_t i, bool arrived) {
-  if (opts.find_unused_parameters) {
-    if (!arrived) return;  // no gradient: unused in this pass, as a parameter whose node did not run
-    unused.used[i] = 1;    // noSync passes too: the window's usage decides
-  }
+  if (opts.find_unused_parameters && arrived) unused.used[i] = 1;  // noSync passes too: the window decides
   if (!sync) return;
   if (!in_backward) startPass();
+  // No gradient: unused in this pass, as a parameter whose node did not run (finishPass fills it in).
+  if (opts.find_unused_parameters && !arrived) return;
   if (ready[i]) return;  // already counted in this pass
   adoptGrad(i);
   ready[i] = 1;

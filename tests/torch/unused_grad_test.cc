@@ -21,6 +21,7 @@
 #include "dtrain/local_sgd.h"
 #include "dtrain/powersgd.h"
 #include "dtrain/ps_module.h"
+#include "dtrain/recompute.h"
 #include "dtrain/topk.h"
 #include "dtrain/zero.h"
 #include "harness.h"
@@ -86,10 +87,23 @@ struct Variant {
   std::string opt = "adam";
   bool none = true;  // zero_grad(): set to none (2.x's default) or zero in place
   int micro = 1;     // micro-batches per step, all but the last under noSync
+  // The forward through dtrain::recompute: its backward node hands the accumulators of the parameters the
+  // segment did not use an undefined gradient (the hooks run, with nothing).
+  bool recomputed = false;
   std::string describe(int rank, int world) const {
-    return fmt::format("{} zero_grad({}) micro {} rank {} of {}", opt, none ? "set_to_none" : "false", micro, rank, world);
+    return fmt::format("{} zero_grad({}) micro {}{} rank {} of {}", opt, none ? "set_to_none" : "false", micro,
+                       recomputed ? " recomputed" : "", rank, world);
   }
 };
+
+// The model's forward, through dtrain::recompute when v.recomputed.
+std::function<at::Tensor(const at::Tensor&)> forwardOf(const Model& m, const Variant& v) {
+  if (!v.recomputed) return {};
+  return [seq = m.seq, params = m.seq->parameters()](const at::Tensor& x) {
+    return recompute([seq](const std::vector<at::Tensor>& in) { return std::vector<at::Tensor>{seq.ptr()->forward(in[0])}; },
+                     {x}, params)[0];
+  };
+}
 
 std::vector<torch::optim::OptimizerParamGroup> groupOf(std::vector<at::Tensor> params) {
   return {torch::optim::OptimizerParamGroup(std::move(params))};
@@ -149,6 +163,7 @@ std::vector<Variant> everyVariant() {
   for (const char* opt : {"adam", "sgd"})
     for (bool none : {true, false})
       for (int micro : {1, 2}) out.push_back({opt, none, micro});
+  for (int micro : {1, 2}) out.push_back({"adam", true, micro, /*recomputed=*/true});
   return out;
 }
 
@@ -191,7 +206,7 @@ void trainDdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg
     else compat::zeroGrad(*plain, v.none);
     for (int k = 0; k < v.micro; ++k) {
       ddp.beforeForward();
-      auto loss = rankLoss(model, s, k, rank, world, torch::kDouble, uses(s, k, rank, world));
+      auto loss = rankLoss(model, s, k, rank, world, torch::kDouble, uses(s, k, rank, world), forwardOf(model, v));
       if (k + 1 < v.micro) {
         auto guard = ddp.noSync();
         loss.backward();
@@ -269,6 +284,7 @@ void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
     for (bool none : {true, false}) {
       if (update == ps::PSOptions::Update::sum_only) variants.push_back({opt, none, 1});
       else if (std::string(opt) == "adam") variants.push_back({update == ps::PSOptions::Update::adam ? "server adam" : "server sgd+momentum", none, 1});
+      if (none && std::string(opt) == "adam") variants.push_back({variants.back().opt, none, 1, /*recomputed=*/true});
     }
   }
   // The servers' optimizer, as torch::optim configures it.
@@ -291,7 +307,7 @@ void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
       for (int s = 0; s < kSteps; ++s) {
         psm.beforeForward();
         clearGrads(model.seq->parameters(), v.none);
-        rankLoss(model, s, 0, rank, world, torch::kFloat, uses(s, 0, rank, world)).backward();
+        rankLoss(model, s, 0, rank, world, torch::kFloat, uses(s, 0, rank, world), forwardOf(model, v)).backward();
         psm.step();
         if (local) local->step();
       }

@@ -3,12 +3,34 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
+#include <torch/csrc/autograd/function_hook.h>
+#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
+
+#include <atomic>
 
 #include "../buckets.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/compat.h"
 
 namespace dtrain::ps {
+
+namespace {
+template <class Impl>
+class GradHook : public torch::autograd::FunctionPostHook {
+ public:
+  GradHook(std::shared_ptr<std::atomic<Impl*>> owner, size_t index) : owner_(std::move(owner)), index_(index) {}
+  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
+                                            const torch::autograd::variable_list& inputs) override {
+    if (auto* m = owner_->load(); m && !inputs.empty()) m->onGrad(index_, inputs[0]);
+    return outputs;
+  }
+
+ private:
+  std::shared_ptr<std::atomic<Impl*>> owner_;
+  size_t index_;
+};
+}  // namespace
 
 struct DistributedModule::Impl {
   struct Bucket {
@@ -29,7 +51,12 @@ struct DistributedModule::Impl {
   std::vector<size_t> bucket_of, slot_of;  // per parameter
   std::vector<bool> seen;                  // per parameter, this pass
   std::vector<Bucket> buckets;
-  std::vector<unsigned> hook_ids;
+  // A post-hook on each parameter's gradient accumulator (as DDP's): it runs once per backward pass with
+  // the gradient that flowed in, also when backward reaches the parameter through dtrain::recompute,
+  // whose recomputation would run a tensor hook a second time.
+  std::shared_ptr<std::atomic<Impl*>> owner;
+  std::vector<compat::GradAccumulatorPtr> accumulators;
+  std::vector<uintptr_t> hook_keys;
   bool pulls_pending = false;
   bool sum_only = false;
   // sum_only: how many workers gave each parameter a gradient in the step, summed by the servers as the
@@ -120,20 +147,18 @@ DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, 
   // Every worker starts from worker 0's values.
   refresh();
   beforeForward();
+  m.owner = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < n; ++i) {
-    Impl* impl = impl_.get();
-    m.hook_ids.push_back(m.params[i].register_hook([impl, i](const at::Tensor& grad) { impl->onGrad(i, grad); }));
+    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
+    m.hook_keys.push_back(acc->add_post_hook(std::make_unique<GradHook<Impl>>(m.owner, i)));
+    m.accumulators.push_back(std::move(acc));
   }
 }
 
 DistributedModule::~DistributedModule() {
   auto& m = *impl_;
-  for (size_t i = 0; i < m.hook_ids.size(); ++i) {
-    try {
-      m.params[i].remove_hook(m.hook_ids[i]);
-    } catch (...) {
-    }
-  }
+  if (m.owner) m.owner->store(nullptr);  // hooks that outlive us (the accumulators may) become no-ops
+  for (size_t i = 0; i < m.accumulators.size(); ++i) m.accumulators[i]->del_post_hook(m.hook_keys[i]);
   // Operations still in flight read our buffers: let them finish (errors were or will be reported).
   for (auto& b : m.buckets) {
     for (auto* w : {&b.push, &b.pull}) {
