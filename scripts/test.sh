@@ -100,4 +100,9 @@ check_build=$base-torch1
 [[ " $generations " == *" 1 "* ]] || check_build=$base-torch2
 timed "structural checks" env BUILD_DIR="$check_build" TIDY_BUILD="$base-asan" TIDY_DIRS="src/comm tools" \
   JOBS="$jobs" bash "$root/scripts/check_structure.sh"
+# Where the time went: each build's slowest translation units and link steps, each test executable's
+# seconds (scripts/profile_tests.py; CONTRIBUTING.md keeps a dated copy). Informative: it fails nothing.
+builds=()
+for gen in $generations; do builds+=("$base-torch$gen"); done
+echo; python3 "$root/scripts/profile_tests.py" "${builds[@]}" --top 8 || true
 echo; echo "test.sh: all passed"; printf '  %s\n' "${timings[@]}"
