@@ -12,10 +12,17 @@
 # with the structural checks (scripts/check_structure.sh: file and function sizes, environment, include
 # paths, transports; clang-tidy reads the sanitizers' comm-only clang build). Each part prints how long it took.
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
+#        bash scripts/test.sh --quick [FILE ...]   the fast loop: see scripts/quick_test.py
 # Env: BUILD_DIR (default build: the two builds are BUILD_DIR-torch2 and BUILD_DIR-torch1), JOBS (default
 # 2), CTEST_ARGS (extra ctest arguments, both builds), TORCH_GENERATIONS ("2 1" by default; "2" or "1" for one).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
+# The contributor's fast loop (scripts/quick_test.py): rebuild what the changed files affect in an existing
+# build and run only the tests that depend on them.   bash scripts/test.sh --quick [FILE ...]
+if [[ ${1:-} == --quick ]]; then
+  shift
+  exec python3 "$root/scripts/quick_test.py" "$@"
+fi
 base=${BUILD_DIR:-$root/build}
 jobs=${JOBS:-2}
 generations=${TORCH_GENERATIONS:-2 1}
