@@ -124,6 +124,7 @@ void psSeeds(const fs::path& out) {
   const std::vector<Request> dense = {
       {makeHeader(ps::kDeclare, 0, 0, 8, 0, ps::kFlagInit), {{1, 8}}},
       {makeHeader(ps::kPush, 0, 0, 8), {{1, 8}}},
+      {makeHeader(ps::kPush, 0, 1, 8, 0, ps::kFlagUsed), {{1, 8}, {0, 8}}},  // a push that leaves elements out
       {makeHeader(ps::kPull, 0, 1, 8), {}},
       {makeHeader(ps::kPushPull, 0, 1, 8), {{1, 8}}},
       {makeHeader(ps::kClock, 0, 1, 0), {}},
