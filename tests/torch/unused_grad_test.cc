@@ -271,14 +271,20 @@ void clearGrads(const std::vector<at::Tensor>& params, bool none) {
 // The parameter server's module on W workers and 2 servers (bsp): servers that update (sgd with momentum,
 // adam: no weight decay on the servers), or sum_only servers with the optimizer on the workers. One
 // module per variant, one after the other on the same workers (PS names apart by prefix).
-void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
+// bsp servers with this update; partitions of 100 floats: buckets cut into partitions over both servers.
+ps::PSOptions bspOptions(ps::PSOptions::Update update) {
   ps::PSOptions o;
   o.consistency = ps::Consistency::bsp;
   o.update = update;
   o.lr = update == ps::PSOptions::Update::adam ? 0.01 : 0.05;
   o.momentum = 0.9;
-  o.partition_bytes = 400;  // 100 floats: buckets cut into partitions over both servers
+  o.partition_bytes = 400;
   o.timeout = std::chrono::seconds(20);
+  return o;
+}
+
+void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
+  const ps::PSOptions o = bspOptions(update);
   std::vector<Variant> variants;
   for (const char* opt : {"adam", "sgd"}) {
     for (bool none : {true, false}) {
@@ -325,12 +331,7 @@ void psEqualsOneProcess(int world, ps::PSOptions::Update update) {
 // updated twice, the others three times), 3 more steps, then the saved state loaded back and the same 3
 // steps again give the same parameters, bit for bit.
 TEST(UnusedGradPs, PerElementStepsSurviveACheckpoint) {
-  ps::PSOptions o;
-  o.consistency = ps::Consistency::bsp;
-  o.update = ps::PSOptions::Update::adam;
-  o.lr = 0.01;
-  o.partition_bytes = 400;
-  o.timeout = std::chrono::seconds(20);
+  const ps::PSOptions o = bspOptions(ps::PSOptions::Update::adam);
   runJob(2, 2, 2, o, [&](const std::shared_ptr<comm::Store>& store, int rank) {
     ps::Worker wk(store, rank, 2, 2, o);
     Model model = makeModel(torch::kFloat);
