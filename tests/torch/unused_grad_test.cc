@@ -356,6 +356,10 @@ TEST(UnusedGradPs, PerElementStepsSurviveACheckpoint) {
     for (const auto& [name, t] : state) with_counts += name.find("#elem_steps") != std::string::npos;
     EXPECT_GT(with_counts, 0u) << "no tensor kept per-element update counts";
     const auto first = train(3, 6);
+    // Every worker's last pulls are answered before worker 0 puts the servers back at step 3: a pull of
+    // step 6 that reached a server after the restore would wait for a step that no longer comes.
+    store->set(fmt::format("pulled{}", rank), {1});
+    store->wait({"pulled0", "pulled1"}, std::chrono::seconds(30));
     wk.loadState(state);
     psm.refresh();
     const auto again = train(3, 6);
