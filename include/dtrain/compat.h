@@ -65,8 +65,8 @@ inline void keepGroupOptions(std::vector<torch::optim::OptimizerParamGroup>& ins
 // Clears the gradients of every parameter of `opt`, as libtorch 2.x's zero_grad(set_to_none) does:
 // set_to_none makes them undefined (2.x's default: the optimizer then skips a parameter that gets no
 // gradient before the next step), otherwise they are zeroed in place (1.13's zero_grad(), which has no
-// argument). The same on both generations.
-// What zero_grad() does by default: set to none on 2.x, zero on 1.13.
+// argument). The same on both generations. kZeroGradSetsToNone: what zero_grad() does by default (set to
+// none on 2.x, zero on 1.13).
 inline constexpr bool kZeroGradSetsToNone = TORCH_VERSION_MAJOR >= 2;
 inline void zeroGrad(torch::optim::Optimizer& opt, bool set_to_none) {
 #if TORCH_VERSION_MAJOR >= 2

@@ -20,6 +20,7 @@
 #include "dtrain/zero.h"
 #include "torch/device/tensor_comm.h"
 #include "errors.h"
+#include "grad_hook.h"
 
 namespace dtrain {
 
@@ -351,24 +352,6 @@ void DistributedDataParallel::Impl::broadcastFrom(int root, const std::vector<at
   for (auto& w : works) w->wait();
 }
 
-namespace {
-// Runs after a parameter's gradient accumulator: the gradient is in place.
-class ReadyHook : public torch::autograd::FunctionPostHook {
- public:
-  ReadyHook(std::shared_ptr<std::atomic<DistributedDataParallel::Impl*>> owner, size_t index)
-      : owner_(std::move(owner)), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& inputs) override {
-    if (auto* m = owner_->load()) m->onGradReady(index_, inputs.empty() || inputs[0].defined());
-    return outputs;
-  }
-
- private:
-  std::shared_ptr<std::atomic<DistributedDataParallel::Impl*>> owner_;
-  size_t index_;
-};
-}  // namespace
-
 DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Module> module,
                                                  std::shared_ptr<comm::ProcessGroup> pg, DDPOptions options)
     : impl_(std::make_unique<Impl>()) {
@@ -420,9 +403,10 @@ DistributedDataParallel::DistributedDataParallel(std::shared_ptr<torch::nn::Modu
   m.buildBuckets(detail::reverseOrder(m.params.size()));
   owner_ = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < m.params.size(); ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
-    m.hook_keys.push_back(acc->add_post_hook(std::make_unique<ReadyHook>(owner_, i)));
-    m.accumulators.push_back(std::move(acc));
+    // After the gradient accumulator: the gradient is in place.
+    m.hook_keys.push_back(detail::addAccumulatorHook<Impl>(
+        m.params[i], owner_, [i](Impl& impl, const at::Tensor&, bool arrived) { impl.onGradReady(i, arrived); },
+        m.accumulators));
   }
 }
 

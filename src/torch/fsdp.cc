@@ -21,28 +21,13 @@
 #include "dtrain/tensor.h"
 #include "torch/device/tensor_comm.h"
 #include "torch/fsdp_impl.h"
+#include "torch/grad_hook.h"
 #include "torch/sharding.h"
 
 namespace dtrain {
 using fsdp_detail::Unit;
 
 namespace {
-
-class GradHook : public torch::autograd::FunctionPostHook {
- public:
-  GradHook(std::shared_ptr<std::atomic<FullyShardedDataParallel::Impl*>> owner, size_t unit, size_t index)
-      : owner_(std::move(owner)), unit_(unit), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& inputs) override {
-    // (autograd may run the node with no gradient, e.g. for an output that no loss used)
-    if (auto* m = owner_->load()) m->onGradReady(unit_, index_, inputs.empty() || inputs[0].defined());
-    return outputs;
-  }
-
- private:
-  std::shared_ptr<std::atomic<FullyShardedDataParallel::Impl*>> owner_;
-  size_t unit_, index_;
-};
 
 // Children per unit: the caller's, or consecutive children until min_unit_params elements.
 std::vector<int> childrenPerUnit(const torch::nn::Sequential& seq, const FsdpOptions& o) {
@@ -138,9 +123,9 @@ FullyShardedDataParallel::FullyShardedDataParallel(torch::nn::Sequential model, 
   for (size_t k = 0; k < m.units.size(); ++k) {
     auto& u = m.units[k];
     for (size_t i = 0; i < u.params.size(); ++i) {
-      auto acc = torch::autograd::impl::grad_accumulator(u.params[i]);
-      acc->add_post_hook(std::make_unique<GradHook>(m.owner, k, i));
-      u.accumulators.push_back(std::move(acc));
+      detail::addAccumulatorHook<Impl>(
+          u.params[i], m.owner, [k, i](Impl& impl, const at::Tensor&, bool arrived) { impl.onGradReady(k, i, arrived); },
+          u.accumulators);
     }
   }
 }

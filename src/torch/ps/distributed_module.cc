@@ -3,34 +3,15 @@
 
 #include <ATen/ATen.h>
 #include <fmt/format.h>
-#include <torch/csrc/autograd/function_hook.h>
-#include <torch/csrc/autograd/variable.h>
 #include <torch/torch.h>
 
 #include <atomic>
 
 #include "../buckets.h"
+#include "../grad_hook.h"
 #include "dtrain/comm/error.h"
-#include "dtrain/compat.h"
 
 namespace dtrain::ps {
-
-namespace {
-template <class Impl>
-class GradHook : public torch::autograd::FunctionPostHook {
- public:
-  GradHook(std::shared_ptr<std::atomic<Impl*>> owner, size_t index) : owner_(std::move(owner)), index_(index) {}
-  torch::autograd::variable_list operator()(const torch::autograd::variable_list& outputs,
-                                            const torch::autograd::variable_list& inputs) override {
-    if (auto* m = owner_->load(); m && !inputs.empty()) m->onGrad(index_, inputs[0]);
-    return outputs;
-  }
-
- private:
-  std::shared_ptr<std::atomic<Impl*>> owner_;
-  size_t index_;
-};
-}  // namespace
 
 struct DistributedModule::Impl {
   struct Bucket {
@@ -149,9 +130,9 @@ DistributedModule::DistributedModule(std::shared_ptr<torch::nn::Module> module, 
   beforeForward();
   m.owner = std::make_shared<std::atomic<Impl*>>(impl_.get());
   for (size_t i = 0; i < n; ++i) {
-    auto acc = torch::autograd::impl::grad_accumulator(m.params[i]);
-    m.hook_keys.push_back(acc->add_post_hook(std::make_unique<GradHook<Impl>>(m.owner, i)));
-    m.accumulators.push_back(std::move(acc));
+    m.hook_keys.push_back(detail::addAccumulatorHook<Impl>(
+        m.params[i], m.owner, [i](Impl& impl, const at::Tensor& grad, bool) { impl.onGrad(i, grad); },
+        m.accumulators));
   }
 }
 
