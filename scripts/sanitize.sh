@@ -46,7 +46,9 @@ export UBSAN_OPTIONS="print_stacktrace=1:halt_on_error=1"
 configure() {  # configure DIR SANITIZER FUZZ OPT
   CC=clang-14 CXX=clang++-14 cmake -S "$root" -B "$1" -G Ninja -DCMAKE_BUILD_TYPE=Sanitize \
     -DCMAKE_C_FLAGS_SANITIZE="$4 -g1" -DCMAKE_CXX_FLAGS_SANITIZE="$4 -g1" -DDTRAIN_TORCH=OFF \
-    -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_FUZZ_TORCH="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON >/dev/null
+    -DDTRAIN_SANITIZE="$2" -DDTRAIN_FUZZ="$3" -DDTRAIN_FUZZ_TORCH="$3" -DDTRAIN_WITH_MPI=OFF -DDTRAIN_BUILD_TESTS=ON \
+    -DCMAKE_C_COMPILER_LAUNCHER="${CMAKE_C_COMPILER_LAUNCHER:-}" -DCMAKE_CXX_COMPILER_LAUNCHER="${CMAKE_CXX_COMPILER_LAUNCHER:-}" \
+    -DDTRAIN_TEST_TIME_SCALE="${DTRAIN_TEST_TIME_SCALE:-1}" >/dev/null
 }
 
 # ctest over whole test executables (labels), each test under its CTest deadline. The sweeps' cases at 4
@@ -64,7 +66,7 @@ run_tests() {  # run_tests DIR TESTS...
     ((${n:-0} > 0)) || { echo "sanitize.sh: $t lists no tests in $dir (did it build?)" >&2; return 1; }
   done
   # The log keeps the failed tests' names for the summary at the end (CI shows only the output's tail).
-  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout 600 -L "$re" -E "_world[45]( |\$)${EXCLUDE:+|$EXCLUDE}" \
+  ctest --test-dir "$dir" --output-on-failure -j"$jobs" --timeout $((600 * ${DTRAIN_TEST_TIME_SCALE:-1})) -L "$re" -E "_world[45]( |\$)${EXCLUDE:+|$EXCLUDE}" \
     2>&1 | tee "$dir/ctest.log"
   return "${PIPESTATUS[0]}"
 }

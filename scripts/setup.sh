@@ -28,7 +28,7 @@ main_pkgs=(
   libtorch-dev libopenblas0-pthread
 )
 test_pkgs=(
-  libgtest-dev libgmock-dev libbenchmark-dev
+  libgtest-dev libgmock-dev libbenchmark-dev ccache
   openmpi-bin libopenmpi-dev python3-torch python3-numpy python3-venv python3-av
   iproute2 procps
   clang-tidy-14 clang-14 libclang-rt-14-dev

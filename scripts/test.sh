@@ -14,7 +14,8 @@
 # Usage: bash scripts/test.sh            (from the repository root or anywhere)
 #        bash scripts/test.sh --quick [FILE ...]   the fast loop: see scripts/quick_test.py
 # Env: BUILD_DIR (default build: the two builds are BUILD_DIR-torch2 and BUILD_DIR-torch1), JOBS (default
-# 2), CTEST_ARGS (extra ctest arguments, both builds), TORCH_GENERATIONS ("2 1" by default; "2" or "1" for one).
+# 2), CTEST_ARGS (extra ctest arguments, both builds), TORCH_GENERATIONS ("2 1" by default; "2" or "1" for one),
+# DTRAIN_TEST_TIME_SCALE (deadlines x this, default 1), DTRAIN_CCACHE (0: no ccache).
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 # The contributor's fast loop (scripts/quick_test.py): rebuild what the changed files affect in an existing
@@ -26,10 +27,30 @@ fi
 base=${BUILD_DIR:-$root/build}
 jobs=${JOBS:-2}
 generations=${TORCH_GENERATIONS:-2 1}
+# DTRAIN_TEST_TIME_SCALE (a whole number, default 1): every test deadline, CTest's and the tests' own, times
+# this, for a machine slower or busier than an idle 2-core one (tests/harness.h).
+export DTRAIN_TEST_TIME_SCALE=${DTRAIN_TEST_TIME_SCALE:-1}
+scale=$DTRAIN_TEST_TIME_SCALE
 
 # The test executables whose tests run against 1.13 too (labels: one per executable, tests/CMakeLists.txt).
 torch1_tests=(large_batch_test zero_test fsdp_test ddp_test checkpoint_test powersgd_test device_test milnce_test
               unused_grad_test)
+# ccache (Debian's package, from scripts/setup.sh) in front of every compiler this script starts: the two
+# builds, the consumer projects and the clang builds of sanitize.sh (CMake reads CMAKE_<LANG>_COMPILER_LAUNCHER
+# from the environment when it configures a new build; the builds configured below get it on the command
+# line). Within one cold run it compiles once what several builds share: the comm layer and the tools,
+# which the libtorch 1.13 build and the add_subdirectory consumer compile again with the same flags. The
+# cache lives outside the clone (~/.cache/ccache; CCACHE_DIR moves it), and paths under the clone are
+# hashed relative to it (CCACHE_BASEDIR), so a later run from another clone on this machine reuses it.
+# The precompiled libtorch headers are cached too (the sloppiness ccache's manual asks for with them).
+# DTRAIN_CCACHE=0 turns it off.
+if [[ ${DTRAIN_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
+  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=1
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}  # precompiled headers are ~0.7 GB each
+  ccache --zero-stats >/dev/null
+fi
 timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
   local label=$1 start=$SECONDS
@@ -53,7 +74,9 @@ for gen in $generations; do
   # .deb step turned them off in build-torch1.
   args=(-G Ninja -DCMAKE_BUILD_TYPE=Release -DDTRAIN_WITH_MPI=ON -DDTRAIN_BUILD_TESTS=ON -DDTRAIN_BUILD_EXAMPLES=ON
         -DMILNCE_REQUIRE_VIDEO=ON
-        -DDTRAIN_BUILD_BENCHMARKS=ON)
+        -DDTRAIN_BUILD_BENCHMARKS=ON -DCMAKE_C_COMPILER_LAUNCHER="${CMAKE_C_COMPILER_LAUNCHER:-}"
+        -DCMAKE_CXX_COMPILER_LAUNCHER="${CMAKE_CXX_COMPILER_LAUNCHER:-}"
+        -DCMAKE_CUDA_COMPILER_LAUNCHER="${CMAKE_CUDA_COMPILER_LAUNCHER:-}" -DDTRAIN_TEST_TIME_SCALE="$scale")
   if [[ $gen == 2 ]]; then
     # The libtorch root inside the wheel (lib/, include/, share/cmake/Torch), as pytorch.org's zip has it.
     args+=(-DCMAKE_PREFIX_PATH="$("$root/.venv/bin/python" -c 'import torch; print(torch.__path__[0])')")
@@ -64,7 +87,7 @@ for gen in $generations; do
   if [[ $gen == 2 ]]; then
     timed "libtorch 2.x: build" cmake --build "$build" -j"$jobs"
     # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
-    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout 600 -LE '^gpu_test$' \
+    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout $((600 * scale)) -LE '^gpu_test$' \
       ${CTEST_ARGS:-}
     # The GPU tests (tests/gpu) on their own, so that what did not run is seen: each is skipped with the
     # reason where no GPU is (CTest: "Not Run", listed under "did not run"), never counted as passed.
@@ -83,7 +106,7 @@ for gen in $generations; do
       milnce "${torch1_tests[@]}"
     label_re=$(IFS='|'; echo "^(${torch1_tests[*]})\$")
     timed "libtorch 1.13: ctest (${#torch1_tests[@]} executables)" ctest --test-dir "$build" --output-on-failure -j"$jobs" \
-      --timeout 600 -L "$label_re" ${CTEST_ARGS:-}
+      --timeout $((600 * scale)) -L "$label_re" ${CTEST_ARGS:-}
     # cpack builds the `all` target first: without the tests, examples and dtrain-bench that is what is
     # built already (the library, the tools and milnce), so the .deb costs no second build; CI's .deb lacks
     # dtrain-bench (a release build makes it from a full build: cmake --build build && cpack -G DEB).
@@ -112,4 +135,9 @@ timed "structural checks" env BUILD_DIR="$check_build" TIDY_BUILD="$base-asan" T
 builds=()
 for gen in $generations; do builds+=("$base-torch$gen"); done
 echo; python3 "$root/scripts/profile_tests.py" "${builds[@]}" --top 8 || true
+if [[ -n ${CMAKE_CXX_COMPILER_LAUNCHER:-} ]]; then
+  echo; echo "== test.sh: ccache (hits: compiled earlier, here or by another clone; misses: compiled now)"
+  ccache --show-stats | grep -E "^(Cacheable|  Hits|  Misses|Cache size)" || true
+  timings+=("ccache: $(ccache --print-stats | awk -F'\t' '/^(direct|preprocessed)_cache_hit\t/{h+=$2} /^cache_miss\t/{m=$2} END{printf "%d hits, %d misses", h, m}')")
+fi
 echo; echo "test.sh: all passed"; printf '  %s\n' "${timings[@]}"

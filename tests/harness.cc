@@ -9,6 +9,7 @@
 #include <unistd.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <memory>
 #include <cstdlib>
@@ -75,9 +76,25 @@ std::vector<ChildResult> runInThisProcess(int world, const std::function<void(in
 }
 }  // namespace
 
+double timeScale() {
+  static const double scale = [] {
+    const char* env = std::getenv("DTRAIN_TEST_TIME_SCALE");
+    if (!env || !*env) return 1.0;
+    char* end = nullptr;
+    long v = std::strtol(env, &end, 10);
+    if (*end != '\0' || v < 1 || v > 100) {
+      fprintf(stderr, "DTRAIN_TEST_TIME_SCALE='%s': expected a whole number from 1 to 100\n", env);
+      std::exit(2);
+    }
+    return static_cast<double>(v);
+  }();
+  return scale;
+}
+
 std::vector<ChildResult> runRanks(int world, const std::function<void(int)>& fn,
                                   std::chrono::seconds deadline) {
   if (mpiRunner()) return runInThisProcess(world, fn);
+  deadline = scaled(deadline);
   TempDir dir;
   std::vector<ChildResult> res(world);
   std::cout.flush();
@@ -207,6 +224,7 @@ StoreServer::~StoreServer() {
 }
 uint16_t StoreServer::port() const { return server_ ? server_->port() : port_; }
 std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeout) const {
+  timeout = scaled(timeout);
   if (server_pid_ > 0) return std::make_shared<comm::TcpStore>("127.0.0.1", port_, timeout);
   if (!server_) return std::make_shared<comm::FileStore>(file_, timeout);
   return std::make_shared<comm::TcpStore>("127.0.0.1", server_->port(), timeout);
@@ -253,7 +271,8 @@ std::string runPython(const std::string& code) {
 
 std::pair<int, std::string> runCommand(const std::string& cmd, int timeout_seconds) {
   std::string out;
-  std::string full = "timeout " + std::to_string(timeout_seconds) + " " + cmd + " 2>&1";
+  const long seconds = std::lround(timeout_seconds * timeScale());
+  std::string full = "timeout " + std::to_string(seconds) + " " + cmd + " 2>&1";
   FILE* p = popen(full.c_str(), "r");
   if (!p) return {-1, "popen failed"};
   char buf[4096];

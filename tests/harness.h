@@ -25,6 +25,18 @@ struct ChildResult {
   std::string describe() const;
 };
 
+// DTRAIN_TEST_TIME_SCALE (default 1): how much longer than on an idle developer machine the tests may
+// take, for a slower or loaded machine. It multiplies every deadline the harness sets (runRanks,
+// runCommand, StoreServer::client) and those a test passes through scaled(); CMake multiplies the CTest
+// TIMEOUTs by the value it was configured with (-DDTRAIN_TEST_TIME_SCALE, scripts/test.sh passes the
+// environment's). A deadline that a test asserts as the library's behaviour (an op timing out after its
+// configured timeout) is the library's option, not scaled; only how long the test waits for it is.
+double timeScale();
+template <class Rep, class Period>
+std::chrono::duration<Rep, Period> scaled(std::chrono::duration<Rep, Period> d) {
+  return std::chrono::duration_cast<std::chrono::duration<Rep, Period>>(d * timeScale());
+}
+
 // The test runs under mpirun (DTRAIN_TEST_MPI_DIR set, a shared scratch directory): runRanks then runs
 // fn in this process as rank OMPI_COMM_WORLD_RANK, without forking (processes past `world` sit the
 // test out), and StoreServer is a FileStore in that directory. mpiRank(): this process's rank, or -1.

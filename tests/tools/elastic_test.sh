@@ -23,6 +23,7 @@
 #
 # Needs root (network namespaces). Everything is bounded and the rig is always taken down (EXIT trap).
 set -euo pipefail
+ts=${DTRAIN_TEST_TIME_SCALE:-1}  # every deadline below x this (tests/harness.h)
 
 src=$(cd "${1:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
 bin=$(cd "${2:?usage: elastic_test.sh SOURCE_DIR BIN_DIR [SCENARIO...]}" && pwd)
@@ -55,7 +56,7 @@ trap 'exit 129' HUP
 cd "$work"
 
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
-timeout 60 "$bin/milnce" gen-data --out data --videos 600 --eval-videos 60 --seed 5 >gen.log 2>&1 ||
+timeout $((60 * ts)) "$bin/milnce" gen-data --out data --videos 600 --eval-videos 60 --seed 5 >gen.log 2>&1 ||
   { cat gen.log; fail "milnce gen-data failed"; }
 # Global batch 24 = 2 x 3 ranks x accum 4 = 2 x 2 x 6 = 2 x 4 x 3: the same at every size the job takes.
 train=(train --data "$work/data" --epochs 30 --batch 2 --accum 4 --no-progress --log-samples --snapshot-every 5)
@@ -66,7 +67,7 @@ declare -A extra=([kill]="--checkpoint-every 5" [cut]="--checkpoint-every 5" [jo
 reference() {
   local name=$1
   shift
-  timeout 200 "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" "$@" --out "$work/$name" \
+  timeout $((200 * ts)) "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" "$@" --out "$work/$name" \
     >"$name.log" 2>&1 || { tail -20 "$name.log"; fail "the uninterrupted reference run $name failed"; }
   echo "elastic_test: reference $name (uninterrupted, 3 ranks): $(grep 'after training' "$name.log")"
 }
@@ -77,11 +78,11 @@ reference ref
 cluster up --name "$rig" --hosts 4 --gbit 10 --no-rate-check --owner $$ >/dev/null
 port=$((29000 + $$ % 1000))
 etcd_url=http://10.212.0.4:2379
-cluster exec "$rig" 3 -- timeout 600 /usr/bin/etcd --name e0 --data-dir "$work/etcd" \
+cluster exec "$rig" 3 -- timeout $((600 * ts)) /usr/bin/etcd --name e0 --data-dir "$work/etcd" \
   --listen-client-urls "$etcd_url" --advertise-client-urls "$etcd_url" \
   --listen-peer-urls http://127.0.0.1:2380 --initial-advertise-peer-urls http://127.0.0.1:2380 \
   --initial-cluster e0=http://127.0.0.1:2380 >"$work/etcd.log" 2>&1 &
-deadline=$((SECONDS + 30))
+deadline=$((SECONDS + 30 * ts))
 until cluster exec "$rig" 0 -- bash -c "exec 3<>/dev/tcp/10.212.0.4/2379" 2>/dev/null; do
   ((SECONDS < deadline)) || { cat "$work/etcd.log"; fail "etcd did not listen on $etcd_url within 30 s"; }
   sleep 0.2
@@ -91,14 +92,14 @@ done
 agent() {
   local s=$1 h=$2 rdzv=(--rdzv-endpoint "10.212.0.1:$port")
   [[ $s == etcd ]] && rdzv=(--rdzv-backend etcd --rdzv-endpoint "$etcd_url")
-  cluster exec "$rig" "$h" -- timeout 240 "$bin/dtrain-run" --nnodes 2:4 "${rdzv[@]}" \
-    --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout 3 --last-call 1 \
+  cluster exec "$rig" "$h" -- timeout $((240 * ts)) "$bin/dtrain-run" --nnodes 2:4 "${rdzv[@]}" \
+    --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout $((3 * ts)) --last-call 1 \
     "$bin/milnce" "${train[@]}" ${extra[$s]} --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
   pids[$h]=$!
 }
 # Waits (bounded) until rank 0 has begun optimizer step N (its samples log says so).
 wait_step() {
-  local s=$1 n=$2 deadline=$((SECONDS + 120))
+  local s=$1 n=$2 deadline=$((SECONDS + 120 * ts))
   until grep -q "^epoch [0-9]* step $n:" "$work/$s/run/samples-rank0.txt" 2>/dev/null; do
     ((SECONDS < deadline)) || fail "$s: rank 0 did not reach step $n within 120 s"
     sleep 0.2

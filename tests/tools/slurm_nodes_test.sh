@@ -11,6 +11,7 @@
 # Needs root and the packages munge slurmctld slurmd slurm-client (scripts/setup.sh): without them it
 # fails, saying so, like tests/tools/slurm_test.cc, rather than skip.
 set -euo pipefail
+ts=${DTRAIN_TEST_TIME_SCALE:-1}  # every deadline below x this (tests/harness.h)
 
 src=${1:?usage: slurm_nodes_test.sh SOURCE_DIR BIN_DIR}
 bin=${2:?usage: slurm_nodes_test.sh SOURCE_DIR BIN_DIR}
@@ -39,7 +40,7 @@ cd "$work"
 # 2 CPUs a node (the machine's count): -N 2 -n 4 then puts 2 tasks on each node (with more CPUs Slurm
 # fills the first node: 3 and 1).
 t0=$SECONDS
-CPUS=2 START_TIMEOUT=40 timeout 90 bash "$src/scripts/slurm.sh" start "$work/slurm" --nodes 2 --owner $$ >/dev/null ||
+CPUS=2 START_TIMEOUT=$((40 * ts)) timeout $((90 * ts)) bash "$src/scripts/slurm.sh" start "$work/slurm" --nodes 2 --owner $$ >/dev/null ||
   fail "could not start a two-node Slurm (scripts/slurm.sh start --nodes 2; needs munge slurmctld slurmd slurm-client)"
 echo "slurm_nodes_test: two-node Slurm up in $((SECONDS - t0)) s"
 
@@ -49,7 +50,7 @@ echo "slurm_nodes_test: two-node Slurm up in $((SECONDS - t0)) s"
 t0=$SECONDS
 rc=0
 # shellcheck disable=SC2016  # (expanded by each task's bash)
-slurm run "$work/slurm" -- timeout 45 srun -N 2 -n 4 -l bash -c '
+slurm run "$work/slurm" -- timeout $((45 * ts)) srun -N 2 -n 4 -l bash -c '
   first=$(scontrol show hostnames "$SLURM_STEP_NODELIST" | head -n 1)
   echo "where: node=$SLURMD_NODENAME netns=$(readlink /proc/self/ns/net) first=$first=$(getent hosts "$first" | cut -d" " -f1) master=${MASTER_ADDR:-unset}"
   exec "$0"' "$bin/example-allreduce" >srun.log 2>&1 || rc=$?
@@ -73,11 +74,11 @@ read -r c d <<<"${ns_of[dtn1]}"
   fail "ranks are not in one network namespace per node: dtn0: ${ns_of[dtn0]}, dtn1: ${ns_of[dtn1]}"
 
 # ---- 2. sbatch of the MIL-NCE example across both nodes -------------------------------------------
-timeout 30 "$bin/milnce" gen-data --out data --videos 200 --eval-videos 20 --seed 5 >gen.log 2>&1 ||
+timeout $((30 * ts)) "$bin/milnce" gen-data --out data --videos 200 --eval-videos 20 --seed 5 >gen.log 2>&1 ||
   { cat gen.log; fail "milnce gen-data failed"; }
 t0=$SECONDS
 rc=0
-slurm run "$work/slurm" -- env DTRAIN_BIN="$bin" DATA_DIR=data RUN_DIR=run timeout 100 sbatch --wait --parsable -N 2 \
+slurm run "$work/slurm" -- env DTRAIN_BIN="$bin" DATA_DIR=data RUN_DIR=run timeout $((100 * ts)) sbatch --wait --parsable -N 2 \
   -o job.log "$src/examples/slurm/milnce_train.sbatch" --epochs 2 --batch 16 --no-progress >sbatch.out 2>&1 || rc=$?
 echo "slurm_nodes_test: sbatch --wait -N 2 milnce_train.sbatch: exit $rc in $((SECONDS - t0)) s"
 sed 's/^/  /' sbatch.out job.log 2>/dev/null || true
