@@ -35,7 +35,7 @@ if(DTRAIN_CUDA)
                         "libnccl: ${DTRAIN_NCCL_LIBRARY}, cudart: ${DTRAIN_CUDART_LIBRARY}); the torch wheel's "
                         "nvidia-nccl package or the CUDA toolkit's NCCL provides them")
   endif()
-  target_sources(dtrain_comm PRIVATE ${PROJECT_SOURCE_DIR}/src/comm/nccl/nccl_comm.cc)
+  target_sources(dtrain_comm PRIVATE ${PROJECT_SOURCE_DIR}/src/comm/nccl/cuda_api.cc)  # nccl_comm.cc: every build
   target_include_directories(dtrain_comm SYSTEM PRIVATE ${DTRAIN_NCCL_INCLUDE_DIR} ${CUDAToolkit_INCLUDE_DIRS})
   target_link_libraries(dtrain_comm PRIVATE ${DTRAIN_NCCL_LIBRARY} ${DTRAIN_CUDART_LIBRARY})
   # PUBLIC: what links dtrain compiles with it too (and may test it), and the targets that reuse dtrain's

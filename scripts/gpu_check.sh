@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
 # gpu_check.sh: builds the CUDA variant of dtrain on a GPU machine and runs what only a GPU can check,
-# writing logs and a summary to OUT_DIR (summary.txt: one PASS / FAIL / NOT RUN line per point).
+# writing logs and a summary to OUT_DIR (summary.txt: one PASS / FAIL / NOT RUN line per point, and INFO
+# lines for the measurements, which pass or fail nothing). It cannot pass by accident: a machine that shows
+# a GPU (nvidia-smi -L) where no GPU test ran is a FAIL, and so is any non-zero exit, one at process exit
+# included.
 #
 #   bash scripts/gpu_check.sh OUT_DIR [DEBS_DIR]
 #   bash scripts/gpu_check.sh --fetch-debs DEBS_DIR     # on a Debian machine with its archive: the .debs
 #
-# The machine it is made for (../shared/REFERENCE-wave3.md, section 7): Ubuntu 24.04, GCC 13, CMake 4,
+# The machine it is made for (docs/GPU.md, "The GPU machine"): Ubuntu 24.04, GCC 13, CMake 4,
 # 16 cores, one GPU, PyTorch 2.x with CUDA in a virtual environment (PYTHON, default: the first of
 # /opt/torch/.venv/bin/python and python3 whose torch has CUDA), no network. The build dependencies it
 # lacks (nlohmann-json, CLI11, GoogleTest, fmt) come as Debian .debs in DEBS_DIR (default
@@ -17,9 +20,9 @@
 #      a checkpoint saved from CUDA tensors loaded on the CPU. Skipped tests are listed as NOT RUN.
 #   2. device_test, local_step_test: the device layer's CPU-side tests in the CUDA build, on this machine.
 #   3. dtrain-bench ddp --device cuda against PyTorch DDP on the same GPU in the same run (world 1: NCCL on
-#      both sides; world 2: dtrain staged, PyTorch Gloo with CUDA tensors): the step-time ratio.
-#   4. milnce train --device cuda (one process) against the README job on the CPU (2 ranks) on the same
-#      generated data, MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point
+#      both sides; world 2: dtrain staged, PyTorch Gloo with CUDA tensors): the step-time ratio (INFO).
+#   4. milnce train --device cuda against the same run on the CPU (one process each, the same batch and
+#      generated data), MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point,
 #      and the wall time of each.
 #   5. milnce train --raw-video --device cuda on generated videos (where the machine has FFmpeg's
 #      development libraries; NOT RUN otherwise).
@@ -66,7 +69,14 @@ torch_root=$("$python" -c 'import torch; print(torch.__path__[0])')
   "$python" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "gpus", torch.cuda.device_count(),
       *(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())))'
   nvidia-smi -L 2>/dev/null || true
+  echo "driver: $(nvidia-smi --query-gpu=driver_version --format=csv,noheader 2>/dev/null | head -1)"
+  echo "nvcc: $( (nvcc --version 2>/dev/null || /usr/local/cuda/bin/nvcc --version 2>/dev/null) | grep -o 'release [0-9.]*' | head -1)"
+  "$python" -c 'import torch; print("NCCL loaded by torch:", ".".join(map(str, torch.cuda.nccl.version())) if torch.cuda.is_available() else "-")' 2>/dev/null
+  echo "dtrain: $(git -C "$root" rev-parse --short HEAD 2>/dev/null)$(git -C "$root" diff --quiet 2>/dev/null || echo ' (with local changes)')"
 } | tee "$out/machine.txt"
+# A GPU the driver shows: then the GPU tests must run (a build or runtime that cannot see it is a FAIL).
+gpu_here=0
+nvidia-smi -L 2>/dev/null | grep -q "^GPU " && gpu_here=1
 
 # ---- build dependencies from .debs, unpacked into a prefix ----
 prefix=$build/deps-prefix
@@ -99,9 +109,9 @@ run_tests() {  # run_tests NAME SECONDS
   local name=$1 limit=$2
   timeout "$limit" "$bin/$name" --gtest_output="json:$out/$name.json" >"$out/$name.log" 2>&1
   local rc=$?
-  "$python" - "$out/$name.json" "$name" "$rc" "$out/$name.log" <<'PY' | tee -a "$summary"
+  "$python" - "$out/$name.json" "$name" "$rc" "$out/$name.log" "$gpu_here" <<'PY' | tee -a "$summary"
 import json, re, sys
-path, name, rc, log = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4]
+path, name, rc, log, gpu_here = sys.argv[1], sys.argv[2], int(sys.argv[3]), sys.argv[4], sys.argv[5] == "1"
 why, last = {}, ""  # a skipped test's reason, from the log (gtest's JSON does not keep it)
 for line in open(log, errors="replace"):
     if "not run:" in line:
@@ -113,15 +123,22 @@ try:
     doc = json.load(open(path))
 except Exception as e:
     print(f"FAIL  {name}: exit {rc}, no results ({e})"); sys.exit()
+passed = failed = 0
 for suite in doc["testsuites"]:
     for t in suite["testsuite"]:
         full = f"{suite['name']}.{t['name']}"
         if t.get("result") == "SKIPPED" or t.get("status") == "NOTRUN":
             print(f"NOT RUN  {name} {full} {why.get(full, '')[:200]}")
         elif t.get("failures"):
+            failed += 1
             print(f"FAIL  {name} {full}: {t['failures'][0]['failure'].splitlines()[0][:200]}")
         else:
+            passed += 1
             print(f"PASS  {name} {full} ({t.get('time', '?')})")
+if rc != 0 and not failed:  # every test passed or was skipped, yet the process failed (at exit, say)
+    print(f"FAIL  {name}: exit {rc} after its tests ({name}.log)")
+if name == "gpu_test" and gpu_here and not passed:
+    print(f"FAIL  {name}: nvidia-smi shows a GPU, but no GPU test ran (each was skipped: see the NOT RUN lines)")
 PY
 }
 run_tests gpu_test 300
@@ -155,7 +172,7 @@ for line in open(sys.argv[1]):
 for w in (1, 2):
     d, t = ms.get(f"dtrain world={w}"), ms.get(f"torch world={w}")
     if d and t:
-        print(f"PASS  ddp --device cuda world={w}: dtrain {d:.2f} ms/step, PyTorch {t:.2f} ms/step, "
+        print(f"INFO  ddp --device cuda world={w}: dtrain {d:.2f} ms/step, PyTorch {t:.2f} ms/step, "
               f"PyTorch/dtrain = {t / d:.2f}x")
     else:
         print(f"FAIL  ddp --device cuda world={w}: no step time (dtrain {d}, torch {t}; bench.txt, bench.err)")
@@ -169,8 +186,9 @@ timeout 240 "$bin/milnce" train --data "$data" --out "$build/milnce-gpu" --epoch
   >"$out/milnce-gpu.log" 2>&1
 gpu_rc=$? gpu_s=$((SECONDS - t0))
 t0=$SECONDS
-timeout 300 "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/milnce" train --data "$data" --out "$build/milnce-cpu" \
-  --epochs "$epochs" --no-progress >"$out/milnce-cpu.log" 2>&1
+# Like with like: one process on the CPU too, with the same (default) batch.
+timeout 300 "$bin/milnce" train --data "$data" --out "$build/milnce-cpu" --epochs "$epochs" --device cpu --no-progress \
+  >"$out/milnce-cpu.log" 2>&1
 cpu_rc=$? cpu_s=$((SECONDS - t0))
 for r in milnce-gpu milnce-cpu; do cp "$build/$r/eval.json" "$out/$r-eval.json" 2>/dev/null; done
 "$python" - "$out" "$gpu_rc" "$gpu_s" "$cpu_rc" "$cpu_s" "$epochs" <<'PY' | tee -a "$summary"
@@ -185,9 +203,10 @@ g, c = r10("milnce-gpu"), r10("milnce-cpu")
 if gpu_rc or cpu_rc or g is None or c is None:
     print(f"FAIL  milnce --device cuda: exit {gpu_rc} (gpu), {cpu_rc} (cpu); R@10 {g} / {c} (milnce-*.log)")
 else:
-    ok = abs(g - c) <= 0.01 and gpu_s < cpu_s
-    print(f"{'PASS' if ok else 'FAIL'}  milnce train {epochs} epochs: GPU (1 process) R@10 {100 * g:.1f}% in {gpu_s} s, "
-          f"CPU (2 ranks) R@10 {100 * c:.1f}% in {cpu_s} s (within 1 point and faster: {ok})")
+    ok = abs(g - c) <= 0.01  # the times are measurements, not a criterion
+    print(f"{'PASS' if ok else 'FAIL'}  milnce train {epochs} epochs: GPU R@10 {100 * g:.1f}%, CPU R@10 {100 * c:.1f}% "
+          f"(one process each, the same batch: within 1 point: {ok})")
+    print(f"INFO  milnce train {epochs} epochs: {gpu_s} s on the GPU, {cpu_s} s on the CPU")
 PY
 
 # ---- 5: raw video on the GPU: decoded clips (uint8) moved to the GPU, S3D-G there ----

@@ -25,12 +25,12 @@ fuzz_timeout=${FUZZ_TIMEOUT:-10}
 # The comm layer's tests whose code is threads and bytes from peers: stores, the process group and its
 # Work executor, the collectives over tcp and shm (the fault and mismatch paths included), rendezvous,
 # the flight recorder and the timeline writer, and the fuzzers' regression inputs.
-asan_tests=${ASAN_TESTS:-store_test auth_test work_test local_step_test collectives_test mismatch_test fault_test rendezvous_test flight_recorder_test timeline_test decoder_regression_test tune_test}
+asan_tests=${ASAN_TESTS:-store_test auth_test work_test nccl_fake_test local_step_test collectives_test mismatch_test fault_test rendezvous_test flight_recorder_test timeline_test decoder_regression_test tune_test}
 # ThreadSanitizer: the multi-threaded parts of the comm layer (the store server's thread and parked
 # requests, the Work executor and its continuations, the group's thread with aborts from others, the
 # timeline's writer thread, the flight recorder). The collectives' tests are left out for CI's time: their
 # ranks are processes, and their threads are the group's, which work_test and local_step_test drive.
-tsan_tests=${TSAN_TESTS:-store_test work_test local_step_test timeline_test flight_recorder_test tune_test}
+tsan_tests=${TSAN_TESTS:-store_test work_test nccl_fake_test local_step_test timeline_test flight_recorder_test tune_test}
 parts=("$@")
 fuzz_summary=()
 ((${#parts[@]})) || parts=(fuzz asan tsan)

@@ -51,6 +51,17 @@ if [[ ${DTRAIN_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
   export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}  # precompiled headers are ~0.7 GB each
   ccache --zero-stats >/dev/null
 fi
+# ctest_logged LOG ARGS...: ctest, its output also kept in LOG (for the count of tests in the summary).
+ctest_logged() {
+  local log=$1
+  shift
+  ctest "$@" 2>&1 | tee "$log"
+  return "${PIPESTATUS[0]}"
+}
+# counted LABEL LOG: the summary's line with how many tests LOG's ctest ran and passed.
+counted() {
+  timings+=("$1: $(grep -o '[0-9]*% tests passed, [0-9]* tests failed out of [0-9]*' "$2" | tail -1)")
+}
 timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
   local label=$1 start=$SECONDS
@@ -87,8 +98,9 @@ for gen in $generations; do
   if [[ $gen == 2 ]]; then
     timed "libtorch 2.x: build" cmake --build "$build" -j"$jobs"
     # Every test has its own deadline (CTest TIMEOUT); --timeout bounds anything that slips through.
-    timed "libtorch 2.x: ctest" ctest --test-dir "$build" --output-on-failure -j"$jobs" --timeout $((600 * scale)) -LE '^gpu_test$' \
-      ${CTEST_ARGS:-}
+    timed "libtorch 2.x: ctest" ctest_logged "$build/ctest.log" --test-dir "$build" --output-on-failure -j"$jobs" \
+      --timeout $((600 * scale)) -LE '^gpu_test$' ${CTEST_ARGS:-}
+    counted "libtorch 2.x: tests" "$build/ctest.log"
     # The GPU tests (tests/gpu) on their own, so that what did not run is seen: each is skipped with the
     # reason where no GPU is (CTest: "Not Run", listed under "did not run"), never counted as passed.
     echo; echo "== test.sh: GPU tests (tests/gpu) in the CUDA build"
@@ -105,8 +117,9 @@ for gen in $generations; do
     timed "libtorch 1.13: build" cmake --build "$build" -j"$jobs" --target dtrain dtrain-run dtrain-trace dtrain-report \
       milnce "${torch1_tests[@]}"
     label_re=$(IFS='|'; echo "^(${torch1_tests[*]})\$")
-    timed "libtorch 1.13: ctest (${#torch1_tests[@]} executables)" ctest --test-dir "$build" --output-on-failure -j"$jobs" \
-      --timeout $((600 * scale)) -L "$label_re" ${CTEST_ARGS:-}
+    timed "libtorch 1.13: ctest (${#torch1_tests[@]} executables)" ctest_logged "$build/ctest.log" --test-dir "$build" \
+      --output-on-failure -j"$jobs" --timeout $((600 * scale)) -L "$label_re" ${CTEST_ARGS:-}
+    counted "libtorch 1.13: tests" "$build/ctest.log"
     # cpack builds the `all` target first: without the tests, examples and dtrain-bench that is what is
     # built already (the library, the tools and milnce), so the .deb costs no second build; CI's .deb lacks
     # dtrain-bench (a release build makes it from a full build: cmake --build build && cpack -G DEB).
@@ -121,6 +134,8 @@ done
 # and under TSan, in clang builds of their own (scripts/sanitize.sh says which tests and why).
 timed "fuzzing and sanitizers (clang: ASan + UBSan, TSan)" env BUILD_DIR="$base" JOBS="$jobs" \
   bash "$root/scripts/sanitize.sh"
+counted "ASan + UBSan: tests" "$base-asan/ctest.log"
+counted "ThreadSanitizer: tests" "$base-tsan/ctest.log"
 # The structural checks: tool-includes reads the 1.13 build's compile commands (the 2.x one without it);
 # clang-tidy's function-size reads the comm layer's and the tools' translation units of the comm-only clang
 # build that sanitize.sh made (build-asan: no libtorch headers to parse, ~1 min where a libtorch build takes

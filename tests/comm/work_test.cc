@@ -1,6 +1,7 @@
 // Work::then: dependent steps, where they run, and how errors reach the end of a chain.
 #include <gtest/gtest.h>
 
+#include <atomic>
 #include <thread>
 
 #include "dtrain/comm/error.h"
@@ -47,6 +48,35 @@ TEST(WorkThen, StepsRunInOrderAndTheChainEndsWithTheLast) {
     return WorkPtr();
   })->wait();
   EXPECT_TRUE(again);
+}
+
+// Two threads may race to complete one op (a watchdog seeing its end, an issuer failing the group): the
+// first result stays, and the callbacks run once.
+TEST(WorkFinish, TheFirstResultWinsAndCallbacksRunOnce) {
+  auto a = op("nccl allreduce seq=7");
+  int calls = 0;
+  a->onComplete([&] { ++calls; });
+  a->finish(std::make_exception_ptr(TimeoutError("[rank 0] nccl allreduce seq=7 timed out")));
+  a->finish();  // too late: must not turn the failure into success
+  EXPECT_EQ(calls, 1);
+  EXPECT_EQ(errorOf(a), "[rank 0] nccl allreduce seq=7 timed out");
+  auto b = op("b");
+  b->finish();
+  b->finish(std::make_exception_ptr(Error("late")));
+  EXPECT_EQ(errorOf(b), "");
+  // Racing threads: one success and one failure, many times; either may win, but only one does.
+  for (int i = 0; i < 200; ++i) {
+    auto w = op("w");
+    std::atomic<int> n{0};
+    w->onComplete([&] { ++n; });
+    std::thread t1([&] { w->finish(); });
+    std::thread t2([&] { w->finish(std::make_exception_ptr(Error("lost"))); });
+    t1.join();
+    t2.join();
+    EXPECT_EQ(n.load(), 1);
+    const std::string e = errorOf(w);
+    EXPECT_TRUE(e.empty() || e == "lost") << e;
+  }
 }
 
 TEST(WorkThen, ErrorsReachTheEndNamingTheOp) {

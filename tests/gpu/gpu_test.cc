@@ -5,7 +5,8 @@
 // model, 2 ranks sharing one GPU (the staged path) and NCCL at world 1 (NCCL up to 2.29 refuses two
 // ranks on one GPU) and at world 2 where 2 GPUs exist; FSDP stage 3, PowerSGD and SyncBatchNorm on CUDA
 // tensors against the same on the CPU; a peer killed mid-collective on the staged path; a checkpoint
-// saved from CUDA tensors loaded on the CPU.
+// saved from CUDA tensors loaded on the CPU and restored onto CUDA; the staged path at 64 MiB (many
+// chunks) and the order after a slow producer on a side stream, checked by value.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -25,6 +26,12 @@
 #include "harness.h"
 #include "milnce/train.h"
 #include "torch/device/tensor_comm.h"
+
+#ifdef DTRAIN_WITH_CUDA
+#include <c10/cuda/CUDAFunctions.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#endif
 
 namespace dtrain {
 namespace {
@@ -143,8 +150,13 @@ TEST(GpuDdp, NcclAtWorldOneEqualsOneProcess) {
     auto y = torch::empty({12}, x.options());
     device::allreduce(*pg, x, y, comm::ReduceOp::avg)->wait();
     EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat)));
+    // At world 1 an all-gather and a reduce-scatter copy the input: checked by value, after a reset.
+    y.fill_(-1);
     device::allgather(*pg, x, y)->wait();
+    EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat))) << "allgather at world 1";
+    y.fill_(-1);
     device::reduceScatter(*pg, x, y, comm::ReduceOp::sum)->wait();
+    EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat))) << "reduce_scatter at world 1";
     device::broadcast(*pg, y, 0)->wait();
     EXPECT_TRUE(torch::equal(y.cpu(), torch::arange(12, torch::kFloat)));
     expectClose(train(pg, gpu, 5), train(nullptr, gpu, 5), 1e-5);
@@ -364,6 +376,48 @@ TEST(GpuStaged, PeerKilledMidCollectiveFailsNamingIt) {
   EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
 }
 
+#ifdef DTRAIN_WITH_CUDA
+// Values through the device paths that the training tests do not reach: the staged path's many chunks (a
+// 64 MiB tensor: 16 chunks of 4 MiB), and the order after the caller's stream: a slow producer on a side
+// stream (made current) whose last kernel writes the input, then the collective, checked by value. Also
+// that no op changes the caller's current device.
+void checkStreamOrderAndChunks(comm::ProcessGroup& pg, int rank, int world) {
+  const c10::Device gpu(c10::kCUDA, 0);
+  const int device_before = c10::cuda::current_device();
+  auto big = torch::full({16 << 20}, static_cast<float>(rank + 1), gpu);  // 64 MiB
+  device::allreduce(pg, big, comm::ReduceOp::sum)->wait();
+  const float sum = static_cast<float>(world * (world + 1) / 2);
+  EXPECT_TRUE(torch::equal(big.cpu(), torch::full({16 << 20}, sum))) << "64 MiB allreduce: wrong values";
+  auto side = c10::cuda::getStreamFromPool(/*isHighPriority=*/false, 0);
+  auto t = torch::zeros({1 << 20}, gpu);
+  {
+    c10::cuda::CUDAStreamGuard g(side);
+    auto m = torch::randn({2048, 2048}, gpu);
+    for (int i = 0; i < 20; ++i) m = torch::matmul(m, m).clamp(-1, 1);  // slow, on the side stream
+    t.add_(m.sum() * 0).fill_(static_cast<float>(rank + 1));            // the input is written last
+    device::allreduce(pg, t, comm::ReduceOp::sum)->wait();
+  }
+  EXPECT_TRUE(torch::equal(t.cpu(), torch::full({1 << 20}, sum))) << "the collective did not wait for the producer";
+  EXPECT_EQ(c10::cuda::current_device(), device_before) << "an op changed the current device";
+}
+
+TEST(GpuDevicePaths, StagedChunksAndStreamOrderByValue) {
+  DTRAIN_NEEDS_GPUS(1);
+  test::StoreServer server;
+  auto results = test::runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2, "staged");
+    checkStreamOrderAndChunks(*pg, rank, 2);
+  }, 120s);
+  test::expectAllOk(results);
+  results = test::runRanks(1, [&](int) {
+    auto pg = group(server, 0, 1);
+    EXPECT_EQ(device::pathFor(*pg, torch::zeros({1}, c10::Device(c10::kCUDA, 0))), device::Path::nccl);
+    checkStreamOrderAndChunks(*pg, 0, 1);
+  }, 120s);
+  test::expectAllOk(results);
+}
+#endif
+
 TEST(GpuCheckpoint, SavedFromCudaTensorsLoadsOnTheCpu) {
   DTRAIN_NEEDS_GPUS(1);
   test::TempDir dir;
@@ -387,6 +441,24 @@ TEST(GpuCheckpoint, SavedFromCudaTensorsLoadsOnTheCpu) {
     back.restoreOptimizer(cpu_opt);
     auto a = net->parameters(), b = cpu_net->parameters();
     for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(torch::equal(a[i].cpu(), b[i])) << i;
+    // And back onto CUDA: the model and Adam's state, then one more step equal on both devices.
+    auto gpu_net = torch::nn::Sequential(torch::nn::Linear(32, 64), torch::nn::ReLU(), torch::nn::Linear(64, 64),
+                                         torch::nn::ReLU(), torch::nn::Linear(64, 4));
+    gpu_net->to(c10::Device(c10::kCUDA, 0));
+    back.restoreModel(*gpu_net);
+    torch::optim::Adam gpu_opt(gpu_net->parameters(), torch::optim::AdamOptions(1e-2));
+    back.restoreOptimizer(gpu_opt);
+    for (auto* pair : {&opt, &gpu_opt}) {
+      auto& model = pair == &opt ? net : gpu_net;
+      pair->zero_grad();
+      torch::nn::functional::cross_entropy(model->forward(x.cuda()), y.cuda()).backward();
+      pair->step();
+    }
+    auto c = gpu_net->parameters();
+    for (size_t i = 0; i < a.size(); ++i) {
+      EXPECT_TRUE(c[i].is_cuda()) << i;
+      EXPECT_LT((a[i] - c[i]).abs().max().item<float>(), 1e-6) << "parameter " << i << " after a step on CUDA";
+    }
   });
   test::expectAllOk(results);
 }

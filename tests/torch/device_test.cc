@@ -55,6 +55,23 @@ TEST(DeviceTensors, ChecksNameTheProblem) {
             std::string::npos);
 }
 
+// An output of another dtype than the input would be written with the input's element size (f32 into an
+// f16 buffer: past its end): every collective refuses it before anything runs.
+TEST(DeviceTensors, AnOutputOfAnotherDtypeIsRefused) {
+  test::StoreServer server;
+  auto pg = comm::ProcessGroup::create(server.client(), 0, 1, {});
+  const auto in = torch::ones({8}), half = torch::zeros({8}, torch::kHalf);
+  for (const auto& [name, call] : std::vector<std::pair<std::string, std::function<void()>>>{
+           {"allreduce", [&] { device::allreduce(*pg, in, half, comm::ReduceOp::sum)->wait(); }},
+           {"allgather", [&] { device::allgather(*pg, in, half)->wait(); }},
+           {"reduceScatter", [&] { device::reduceScatter(*pg, in, half, comm::ReduceOp::sum)->wait(); }}}) {
+    const std::string err = test::errorOf(call);
+    EXPECT_NE(err.find("collective: input of dtype Float, output of dtype Half (they must be the same)"), std::string::npos)
+        << name << ": " << err;
+  }
+  EXPECT_TRUE(torch::equal(half, torch::zeros({8}, torch::kHalf))) << "the output was written";
+}
+
 // CPU tensors go to the group as they are, in place and out of place, even and uneven.
 TEST(DeviceTensors, HostPathAtWorldThree) {
   test::StoreServer server;

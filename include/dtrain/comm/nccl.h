@@ -15,12 +15,19 @@
 //   call. Each returns a Work that completes when the GPU has finished the op (a watchdog thread polls
 //   its event and NCCL's asynchronous error); wait() blocks the host until then, so work queued on any
 //   stream afterwards sees the result. Buffers must stay valid until the Work completes.
-// - Every op first compares its fingerprint (op, dtype, count, reduce op, root, sequence number) with
-//   the other ranks' over pg: ranks that disagree all fail with a ProtocolError naming both calls, and a
-//   dead peer is named by pg's transport before any kernel waits for it.
-// - Past the deadline (a peer stuck inside a kernel), or on an asynchronous NCCL error, the communicator
-//   is aborted (ncclCommAbort) and the op fails with an error naming it, its sequence number, the GPU and
-//   the group's ranks; later ops fail at once.
+// - With GroupOptions::check_fingerprints (DTRAIN_DEBUG=detail), every op first compares its fingerprint
+//   (op, dtype, count, reduce op, root, sequence number) with the other ranks' over pg: ranks that
+//   disagree all fail with a ProtocolError naming both calls, and a dead peer is named by pg's transport
+//   before any kernel waits for it. Without it no host exchange runs per op (DDP issues them from
+//   autograd's thread), and a mismatch or a dead peer is found at the deadline.
+// - Ops may be issued from several threads: each is issued whole (check, launch, queue) before the next.
+// - Past the deadline (a peer stuck inside a kernel), on an asynchronous NCCL error, or on any failure
+//   while issuing, the communicator is aborted (ncclCommAbort) first, and then the op and every op still
+//   pending fail with an error naming the op, its sequence number, the GPU and the group's ranks; later
+//   ops fail at once with the same error.
+// - The calls leave the calling thread's current CUDA device as they found it.
+// - The destructor waits for the pending ops (each fails at its deadline at the latest), then ends the
+//   communicator with ncclCommFinalize and ncclCommDestroy (an abort if it broke), each bounded in time.
 #pragma once
 #include <cstddef>
 #include <memory>
@@ -32,6 +39,12 @@
 namespace dtrain::comm {
 
 class ProcessGroup;
+class NcclComm;
+namespace nccl {
+class DeviceApi;
+// Internal (src/comm/nccl/device_api.h): create() over the CUDA and NCCL calls given, for the tests.
+std::shared_ptr<NcclComm> createComm(ProcessGroup& pg, int device, std::shared_ptr<DeviceApi> api);
+}  // namespace nccl
 
 // True when dtrain was built with NCCL (a CUDA build: DTRAIN_CUDA). Says nothing about GPUs being there.
 bool ncclBuilt();
@@ -62,6 +75,7 @@ class NcclComm {
   struct Impl;
 
  private:
+  friend std::shared_ptr<NcclComm> nccl::createComm(ProcessGroup&, int, std::shared_ptr<nccl::DeviceApi>);
   explicit NcclComm(std::unique_ptr<Impl> impl);
   std::unique_ptr<Impl> impl_;
 };

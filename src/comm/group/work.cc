@@ -75,6 +75,9 @@ void Work::finish(std::exception_ptr error) {
   std::vector<std::function<void()>> callbacks;
   {
     std::lock_guard<std::mutex> g(mu_);
+    // The first result wins: a second finish (a watchdog and a failing issuer racing for one op) must not
+    // turn a failure into success, nor run the callbacks twice.
+    if (done_) return;
     done_ = true;
     finished_at_ = Clock::now();
     error_ = std::move(error);

@@ -1,28 +1,17 @@
-// The NCCL backend of a build without CUDA (dtrain/comm/nccl.h): it says so.
+// The NCCL backend of a build without CUDA (dtrain/comm/nccl.h): it says so. The communicator itself
+// (nccl_comm.cc) is built everywhere, so that its tests drive it through a fake (device_api.h).
+#include "comm/nccl/device_api.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/nccl.h"
-#include "dtrain/comm/process_group.h"
 
 namespace dtrain::comm {
-
-struct NcclComm::Impl {};
 
 bool ncclBuilt() { return false; }
 std::string ncclVersionText() { return ""; }
 
-std::shared_ptr<NcclComm> NcclComm::create(ProcessGroup& pg, int device) {
+std::shared_ptr<nccl::DeviceApi> nccl::cudaNcclApi(int rank, int device) {
   throw InvalidArgument(fmt::format("[rank {}] NCCL on cuda:{}: this dtrain was built without CUDA (DTRAIN_CUDA=OFF: "
-                                    "the libtorch it was built with is CPU-only)", pg.rank(), device));
+                                    "the libtorch it was built with is CPU-only)", rank, device));
 }
-
-NcclComm::NcclComm(std::unique_ptr<Impl> impl) : impl_(std::move(impl)) {}
-NcclComm::~NcclComm() = default;
-WorkPtr NcclComm::allreduce(const void*, void*, size_t, DType, ReduceOp, void*) { return nullptr; }
-WorkPtr NcclComm::broadcast(void*, size_t, DType, int, void*) { return nullptr; }
-WorkPtr NcclComm::allgather(const void*, void*, size_t, DType, void*) { return nullptr; }
-WorkPtr NcclComm::reduceScatter(const void*, void*, size_t, DType, ReduceOp, void*) { return nullptr; }
-int NcclComm::device() const { return -1; }
-int NcclComm::rank() const { return 0; }
-int NcclComm::size() const { return 1; }
 
 }  // namespace dtrain::comm

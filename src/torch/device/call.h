@@ -32,6 +32,8 @@ comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Ten
                      const HostOp& op);
 // A CUDA tensor's path (nccl or staged) in this group; collective on the group's first CUDA tensor.
 Path choose(comm::ProcessGroup& pg, const at::Tensor& t);
+// choose(), and the NCCL communicator made now when that is the path (tensor_comm.h: prepare).
+void prepare(comm::ProcessGroup& pg, const at::Tensor& t);
 // The call on CUDA tensors by `path` (nccl or staged).
 comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Tensor& in, const at::Tensor& out);
 }  // namespace cuda

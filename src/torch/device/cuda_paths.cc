@@ -33,15 +33,26 @@ using Clock = std::chrono::steady_clock;
 constexpr size_t kChunkBytes = size_t{4} << 20;
 constexpr int64_t kMaxChunks = 16;
 
-// A CUDA event without timing, destroyed with its owner.
+// A CUDA event without timing on `device`, destroyed with its owner. Every call on it sets its device
+// first (restoring the thread's afterwards): the group's thread and the thread that drops the last
+// reference must not open a context on GPU 0 when the rank works on another one.
 struct Event {
   cudaEvent_t e = nullptr;
-  explicit Event(int rank) {
+  c10::Device device;
+  Event(int rank, c10::Device dev) : device(dev) {
+    c10::cuda::CUDAGuard g(device);
     cudaError_t r = cudaEventCreateWithFlags(&e, cudaEventDisableTiming);
     DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] staging: cudaEventCreate: {}", rank, cudaGetErrorString(r));
   }
   ~Event() {
-    if (e) cudaEventDestroy(e);
+    if (!e) return;
+    c10::cuda::CUDAGuard g(device);
+    cudaEventDestroy(e);
+  }
+  // Records it on the stream (of its device).
+  void record(const c10::cuda::CUDAStream& stream, int rank) const {
+    cudaError_t r = cudaEventRecord(e, stream.stream());
+    DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] staging: cudaEventRecord: {}", rank, cudaGetErrorString(r));
   }
   Event(const Event&) = delete;
   Event& operator=(const Event&) = delete;
@@ -49,6 +60,7 @@ struct Event {
 
 // Polls the event until it fires; a deadline, never an unbounded cudaEventSynchronize.
 void waitFor(const Event& ev, Clock::time_point deadline, const std::string& what, int rank) {
+  c10::cuda::CUDAGuard g(ev.device);
   for (;;) {
     const cudaError_t q = cudaEventQuery(ev.e);
     if (q == cudaSuccess) return;
@@ -118,27 +130,31 @@ comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Ten
     const int64_t len = std::max<int64_t>(0, std::min(step, n - off));
     const at::Tensor d_in = chunks == 1 ? src : src.narrow(0, off, len), h_in = chunks == 1 ? hin : hin.narrow(0, off, len);
     const at::Tensor d_out = chunks == 1 ? dst : dst.narrow(0, off, len), h_out = chunks == 1 ? hout : hout.narrow(0, off, len);
-    auto ready = std::make_shared<Event>(rank);
+    auto ready = std::make_shared<Event>(rank, dev);
     {
       c10::cuda::CUDAStreamGuard sg(stream);
       if (copy_in) h_in.copy_(d_in, /*non_blocking=*/true);
     }
-    cudaError_t r = cudaEventRecord(ready->e, stream.stream());
-    DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] staging: cudaEventRecord: {}", rank, cudaGetErrorString(r));
+    ready->record(stream, rank);
     const std::string what = fmt::format("staged copy to the host of {} elements (chunk {} of {})", len, i + 1, chunks);
     pg.localStep(what, [ready, deadline, what, rank] { waitFor(*ready, deadline, what, rank); });
     comm::WorkPtr w = op(h_in.data_ptr(), h_out.data_ptr(), static_cast<size_t>(chunks == 1 ? n : len));
-    // The result goes back on the caller's stream as soon as this chunk is done: work queued there after
-    // wait() returns is ordered after the copy. The host buffers live until the copy has been queued
-    // (pinned memory from libtorch's caching host allocator, which holds it until the copy is done).
-    parts.push_back(w->then([stream, dev, d_out, h_out, hin, hout]() -> comm::WorkPtr {
+    // The result goes back on the caller's stream as soon as this chunk is done, and the chunk counts as
+    // done once that copy has finished (an event after it, waited for in the group's order): a consumer
+    // on another stream or thread then reads the result, not the old contents. The host buffers live
+    // until then.
+    comm::ProcessGroup* group = &pg;
+    const std::string back = fmt::format("staged copy back of {} elements (chunk {} of {})", len, i + 1, chunks);
+    parts.push_back(w->then([group, stream, dev, d_out, h_out, hin, hout, deadline, back, rank]() -> comm::WorkPtr {
       c10::cuda::CUDAGuard g(dev);
       c10::cuda::CUDAStreamGuard sg(stream);
       d_out.copy_(h_out, /*non_blocking=*/true);
-      return nullptr;
+      auto done = std::make_shared<Event>(rank, dev);
+      done->record(stream, rank);
+      return group->localStep(back, [done, deadline, back, rank, d_out, hin, hout] { waitFor(*done, deadline, back, rank); });
     }));
   }
-  // Done when every chunk's copy back has been queued.
+  // Done when every chunk's copy back has finished.
   comm::WorkPtr all = parts[0];
   for (size_t i = 1; i < parts.size(); ++i) all = all->then([w = parts[i]] { return w; });
   return all;
@@ -172,6 +188,10 @@ Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
   return *std::static_pointer_cast<Path>(a);
 }
 
+void prepare(comm::ProcessGroup& pg, const at::Tensor& t) {
+  if (choose(pg, t) == Path::nccl) ncclFor(pg, t.device().index());
+}
+
 comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Tensor& in, const at::Tensor& out) {
   if (path == Path::nccl) return viaNccl(pg, c, in, out);
   const auto dt = toCommDType(in.scalar_type());
@@ -184,6 +204,8 @@ comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Te
 Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
   throw InvalidArgument(fmt::format("[rank {}] a tensor on {}: this dtrain was built without CUDA", pg.rank(), t.device().str()));
 }
+
+void prepare(comm::ProcessGroup& pg, const at::Tensor& t) { choose(pg, t); }
 
 comm::WorkPtr run(comm::ProcessGroup& pg, Path, const Call&, const at::Tensor& in, const at::Tensor&) {
   choose(pg, in);

@@ -45,6 +45,10 @@ Path pathFor(comm::ProcessGroup& pg, const at::Tensor& t) {
   return t.device().is_cuda() ? cuda::choose(pg, t) : Path::host;
 }
 
+void prepare(comm::ProcessGroup& pg, const at::Tensor& t) {
+  if (t.device().is_cuda()) cuda::prepare(pg, t);
+}
+
 comm::WorkPtr hostCall(comm::ProcessGroup& pg, const Call& c, const void* in, void* out, size_t in_count, comm::DType t) {
   switch (c.kind) {
     case Call::allreduce: return pg.allreduce(in, out, in_count, t, c.rop);
@@ -58,12 +62,16 @@ comm::WorkPtr hostCall(comm::ProcessGroup& pg, const Call& c, const void* in, vo
 
 namespace {
 
-// What every collective on tensors checks first: both communicable, on one device.
+// What every collective on tensors checks first: both communicable, on one device, of one dtype (the
+// output is written with the input's element size).
 void checkPair(const at::Tensor& in, const at::Tensor& out) {
   checkTensor(in, "collective input");
   checkTensor(out, "collective output");
   DTRAIN_CHECK(in.device() == out.device(), InvalidArgument, "collective: input on {}, output on {}",
                in.device().str(), out.device().str());
+  DTRAIN_CHECK(in.scalar_type() == out.scalar_type(), InvalidArgument,
+               "collective: input of dtype {}, output of dtype {} (they must be the same)",
+               c10::toString(in.scalar_type()), c10::toString(out.scalar_type()));
 }
 
 comm::WorkPtr run(comm::ProcessGroup& pg, const Call& c, const at::Tensor& in, const at::Tensor& out) {

@@ -39,6 +39,12 @@ void checkTensor(const at::Tensor& t, const char* what);
 void checkSameDevice(const at::Tensor& first, const std::string& first_name, const at::Tensor& t,
                      const std::string& name, const char* who);
 
+// Collective over pg: decides the path of tensors like t in pg and, for NCCL, makes pg's communicator now.
+// NCCL warns that making a communicator while another's kernels are in flight can deadlock, so code that
+// will use a second group on the GPU (DDP's comm hooks) prepares it before its first step. Nothing for
+// CPU tensors.
+void prepare(comm::ProcessGroup& pg, const at::Tensor& t);
+
 // In place: every rank's t becomes the reduction.
 comm::WorkPtr allreduce(comm::ProcessGroup& pg, const at::Tensor& t, comm::ReduceOp op);
 // Out of place: out (as many elements as in, on its device) becomes the reduction of every rank's in.
