@@ -35,22 +35,6 @@ scale=$DTRAIN_TEST_TIME_SCALE
 # The test executables whose tests run against 1.13 too (labels: one per executable, tests/CMakeLists.txt).
 torch1_tests=(large_batch_test zero_test fsdp_test ddp_test checkpoint_test powersgd_test device_test milnce_test
               unused_grad_test)
-# ccache (Debian's package, from scripts/setup.sh) in front of every compiler this script starts: the two
-# builds, the consumer projects and the clang builds of sanitize.sh (CMake reads CMAKE_<LANG>_COMPILER_LAUNCHER
-# from the environment when it configures a new build; the builds configured below get it on the command
-# line). Within one cold run it compiles once what several builds share: the comm layer and the tools,
-# which the libtorch 1.13 build and the add_subdirectory consumer compile again with the same flags. The
-# cache lives outside the clone (~/.cache/ccache; CCACHE_DIR moves it), and paths under the clone are
-# hashed relative to it (CCACHE_BASEDIR), so a later run from another clone on this machine reuses it.
-# The precompiled libtorch headers are cached too (the sloppiness ccache's manual asks for with them).
-# DTRAIN_CCACHE=0 turns it off.
-if [[ ${DTRAIN_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
-  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
-  export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=1
-  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
-  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}  # precompiled headers are ~0.7 GB each
-  ccache --zero-stats >/dev/null
-fi
 # ctest_logged LOG ARGS...: ctest, its output also kept in LOG (for the count of tests in the summary).
 ctest_logged() {
   local log=$1
@@ -78,6 +62,23 @@ timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
 }
 
 timed "setup (Debian packages, the torch wheel)" bash "$root/scripts/setup.sh"
+
+# ccache (Debian's package, from scripts/setup.sh) in front of every compiler this script starts: the two
+# builds, the consumer projects and the clang builds of sanitize.sh (CMake reads CMAKE_<LANG>_COMPILER_LAUNCHER
+# from the environment when it configures a new build; the builds configured below get it on the command
+# line). Within one cold run it compiles once what several builds share: the comm layer and the tools,
+# which the libtorch 1.13 build and the add_subdirectory consumer compile again with the same flags. The
+# cache lives outside the clone (~/.cache/ccache; CCACHE_DIR moves it), and paths under the clone are
+# hashed relative to it (CCACHE_BASEDIR), so a later run from another clone on this machine reuses it.
+# The precompiled libtorch headers are cached too (the sloppiness ccache's manual asks for with them).
+# DTRAIN_CCACHE=0 turns it off.
+if [[ ${DTRAIN_CCACHE:-1} != 0 ]] && command -v ccache >/dev/null; then
+  export CMAKE_C_COMPILER_LAUNCHER=ccache CMAKE_CXX_COMPILER_LAUNCHER=ccache CMAKE_CUDA_COMPILER_LAUNCHER=ccache
+  export CCACHE_BASEDIR=$root CCACHE_NOHASHDIR=1
+  export CCACHE_SLOPPINESS=pch_defines,time_macros,include_file_mtime,include_file_ctime
+  export CCACHE_MAXSIZE=${CCACHE_MAXSIZE:-20G}  # precompiled headers are ~0.7 GB each
+  ccache --zero-stats >/dev/null
+fi
 
 for gen in $generations; do
   build=$base-torch$gen
