@@ -44,7 +44,9 @@ ctest_logged() {
 }
 # counted LABEL LOG: the summary's line with how many tests LOG's ctest ran and passed.
 counted() {
-  timings+=("$1: $(grep -o '[0-9]*% tests passed, [0-9]* tests failed out of [0-9]*' "$2" | tail -1)")
+  local line
+  line=$(grep -so '[0-9]*% tests passed, [0-9]* tests failed out of [0-9]*' "$2" | tail -1 || true)
+  timings+=("$1: ${line:-no count in $2}")
 }
 timings=()
 timed() {  # timed LABEL COMMAND...: runs it, remembers how long it took
