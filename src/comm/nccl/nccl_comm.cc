@@ -144,18 +144,24 @@ struct NcclComm::Impl {
     return s;
   }
 
+  // Holding mu: polls communicator c while a teardown call (abort, finalize) answered in progress, for
+  // at most teardownLimit(); the last answer.
+  Status finishTeardownCall(Handle c, Status s) {
+    const auto until = Clock::now() + teardownLimit();
+    while (s.kind == Status::in_progress && Clock::now() < until) {
+      std::this_thread::sleep_for(kPoll);
+      s = api->asyncError(c);
+    }
+    return s;
+  }
+
   // Holding mu: aborts the communicator, polling while NCCL answers in progress, and forgets it. Returns
   // "" or why the abort did not finish.
   std::string abortLocked() {
     if (!comm) return "";
     Handle c = comm;
     comm = nullptr;  // never used again, whatever the abort answers
-    Status s = api->abort(c);
-    const auto until = Clock::now() + teardownLimit();
-    while (s.kind == Status::in_progress && Clock::now() < until) {
-      std::this_thread::sleep_for(kPoll);
-      s = api->asyncError(c);
-    }
+    const Status s = finishTeardownCall(c, api->abort(c));
     if (s.kind == Status::in_progress)
       return fmt::format("ncclCommAbort was still in progress after {} s (the communicator is left to the process)",
                          std::chrono::duration<double>(teardownLimit()).count());
@@ -297,12 +303,7 @@ struct NcclComm::Impl {
   void teardown() {
     std::lock_guard<std::mutex> g(mu);
     if (!comm) return;
-    const auto until = Clock::now() + teardownLimit();
-    Status s = api->finalize(comm);
-    while (s.kind == Status::in_progress && Clock::now() < until) {
-      std::this_thread::sleep_for(kPoll);
-      s = api->asyncError(comm);
-    }
+    Status s = finishTeardownCall(comm, api->finalize(comm));
     if (s.kind != Status::ok) {
       std::string problem = abortLocked();
       teardown_problem = s.kind == Status::failed ? "ncclCommFinalize: " + s.text
