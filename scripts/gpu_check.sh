@@ -14,13 +14,18 @@
 # lacks (nlohmann-json, CLI11, GoogleTest, fmt) come as Debian .debs in DEBS_DIR (default
 # <repo>/.gpu-debs, which git ignores; --fetch-debs fills it), unpacked with dpkg -x into BUILD_DIR/deps-prefix,
 # never into /. Everything is bounded: about 2-3 minutes to build with every core, then the checks:
-#   1. gpu_test (tests/gpu): DDP on the MLP and on the MIL-NCE model with CUDA tensors equal to one process
-#      (2 ranks sharing the GPU: staged; NCCL at world 1; NCCL on 2 GPUs where 2 exist), FSDP stage 3,
-#      PowerSGD and SyncBatchNorm on CUDA equal to the CPU, a peer killed mid-collective on the staged path,
-#      a checkpoint saved from CUDA tensors loaded on the CPU. Skipped tests are listed as NOT RUN.
+#   1. gpu_test (tests/gpu): DDP (SGD and Adam) on the MLP and on the MIL-NCE model with CUDA tensors equal
+#      to one process (2 ranks sharing the GPU: staged; NCCL at world 1; NCCL on 2 GPUs where 2 exist; NCCL
+#      with 2 ranks on one GPU where NCCL 2.30+ accepts it, with its timeout, mismatch and peer-death
+#      paths), FSDP stage 3, PowerSGD and SyncBatchNorm on CUDA equal to the CPU, a peer killed
+#      mid-collective on the staged path, CPU and CUDA ranks in one group refused, the staged path at
+#      64 MiB and after a slow producer by value, a checkpoint saved from CUDA tensors loaded on the CPU
+#      and restored onto CUDA. Skipped tests are listed as NOT RUN, with the reason.
 #   2. device_test, local_step_test: the device layer's CPU-side tests in the CUDA build, on this machine.
 #   3. dtrain-bench ddp --device cuda against PyTorch DDP on the same GPU in the same run (world 1: NCCL on
-#      both sides; world 2: dtrain staged, PyTorch Gloo with CUDA tensors): the step-time ratio (INFO).
+#      both sides; world 2: dtrain staged, PyTorch Gloo with CUDA tensors): the step-time ratio (INFO); and
+#      NCCL at world 2 with and without DTRAIN_DEBUG=detail's fingerprint check, where NCCL can run 2 ranks.
+#   Checks 3-5 are NOT RUN, with torch's reason, where torch sees no GPU (a FAIL if nvidia-smi shows one).
 #   4. milnce train --device cuda against the same run on the CPU (one process each, the same batch and
 #      generated data), MILNCE_EPOCHS epochs (default 8, to stay in the time budget): R@10 within 1 point,
 #      and the wall time of each.
@@ -77,6 +82,19 @@ torch_root=$("$python" -c 'import torch; print(torch.__path__[0])')
 # A GPU the driver shows: then the GPU tests must run (a build or runtime that cannot see it is a FAIL).
 gpu_here=0
 nvidia-smi -L 2>/dev/null | grep -q "^GPU " && gpu_here=1
+# What torch sees (checks 3-5 need a GPU it can use: NOT RUN, with this reason, where it has none).
+gpus=$("$python" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo 0)
+no_gpu_why=""
+if [[ $gpus == 0 ]]; then
+  no_gpu_why=$("$python" -c '
+import torch
+try:
+    torch.cuda.init(); print("torch sees no GPU")
+except Exception as e:
+    print(str(e).splitlines()[0][:160])' 2>&1 | tail -1)
+  [[ $gpu_here == 1 ]] && result "FAIL" "nvidia-smi shows a GPU, but torch cannot use it: $no_gpu_why"
+fi
+nccl_ver=$("$python" -c 'import torch; print(".".join(map(str, torch.cuda.nccl.version())))' 2>/dev/null || echo "")
 
 # ---- build dependencies from .debs, unpacked into a prefix ----
 prefix=$build/deps-prefix
@@ -147,6 +165,17 @@ run_tests local_step_test 120
 
 # ---- 3: DDP step time against PyTorch on the same GPU ----
 export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
+if [[ $gpus == 0 ]]; then
+  for point in "ddp --device cuda against PyTorch (check 3)" "the NCCL fingerprint check's cost (check 3)" \
+               "milnce train --device cuda against the CPU (check 4)" "milnce train --raw-video --device cuda (check 5)"; do
+    result "NOT RUN" "$point: no GPU here ($no_gpu_why)"
+  done
+  log "done in $((SECONDS - started)) s"
+  echo "---- summary ($summary)"
+  cat "$summary"
+  ! grep -q "^FAIL" "$summary"
+  exit
+fi
 bench() {  # bench LABEL COMMAND...: the last line of the command's output, into bench.txt
   local label=$1
   shift
@@ -159,6 +188,23 @@ bench "dtrain world=1" "$bin/dtrain-bench" ddp --device cuda --steps 50
 bench "torch world=1" "$python" "$root/benches/peers/torch_ddp.py" 1 50 --device cuda
 bench "dtrain world=2" "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/dtrain-bench" ddp --device cuda --steps 50
 bench "torch world=2" "$python" "$root/benches/peers/torch_ddp.py" 2 50 --device cuda
+# The NCCL fingerprint check (DTRAIN_DEBUG=detail: a host exchange before every op) against none, at
+# world 2 on NCCL: two ranks on this one GPU, where NCCL accepts that (2.30+, NCCL_MULTI_RANK_GPU_ENABLE=1).
+fp_why=""
+if [[ $gpus -ge 2 ]]; then
+  fp_env=(env DTRAIN_CUDA_COMM=nccl)
+elif "$python" -c "import sys; v=tuple(map(int,'$nccl_ver'.split('.')[:2])); sys.exit(0 if v >= (2, 30) else 1)" 2>/dev/null; then
+  fp_env=(env DTRAIN_CUDA_COMM=nccl NCCL_MULTI_RANK_GPU_ENABLE=1)
+else
+  fp_why="one GPU and NCCL ${nccl_ver:-?}: two ranks on one GPU need NCCL 2.30 or later (NCCL_MULTI_RANK_GPU_ENABLE=1)"
+fi
+if [[ -z $fp_why ]]; then
+  bench "dtrain world=2 nccl" "${fp_env[@]}" "$bin/dtrain-run" --standalone --nproc-per-node 2 "$bin/dtrain-bench" ddp --device cuda --steps 50
+  bench "dtrain world=2 nccl detail" "${fp_env[@]}" DTRAIN_DEBUG=detail "$bin/dtrain-run" --standalone --nproc-per-node 2 \
+    "$bin/dtrain-bench" ddp --device cuda --steps 50
+else
+  result "NOT RUN" "the NCCL fingerprint check's cost: $fp_why"
+fi
 "$python" - "$out/bench.txt" <<'PY' | tee -a "$summary"
 import re, sys
 ms = {}
@@ -176,6 +222,10 @@ for w in (1, 2):
               f"PyTorch/dtrain = {t / d:.2f}x")
     else:
         print(f"FAIL  ddp --device cuda world={w}: no step time (dtrain {d}, torch {t}; bench.txt, bench.err)")
+off, on = ms.get("dtrain world=2 nccl"), ms.get("dtrain world=2 nccl detail")
+if off and on:
+    print(f"INFO  NCCL fingerprint check (DTRAIN_DEBUG=detail) at world=2: {on:.2f} ms/step with it, {off:.2f} without, "
+          f"{on / off:.2f}x")
 PY
 
 # ---- 4: MIL-NCE on the GPU against the README job on the CPU ----

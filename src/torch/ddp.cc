@@ -433,8 +433,9 @@ void DistributedDataParallel::registerCommHook(std::shared_ptr<CommHook> hook) {
     std::vector<int> all(static_cast<size_t>(m.pg->size()));
     for (size_t r = 0; r < all.size(); ++r) all[r] = static_cast<int>(r);
     m.chain_pg = m.pg->newGroup(all);
-    // Its NCCL communicator now (CUDA parameters), not at the first step while the first group's kernels
-    // may be in flight: NCCL warns that this can deadlock.
+    // Its path agreed and, for CUDA parameters, its NCCL communicator made now, not at the first step:
+    // there the chained collectives start in continuations on the group's thread, and the first group's
+    // kernels may be in flight (NCCL warns that making a communicator then can deadlock).
     if (!m.params.empty()) device::prepare(*m.chain_pg, m.params[0]);
   }
   if (hook && !m.hook_runner) m.hook_runner = std::make_unique<detail::HookRunner>();

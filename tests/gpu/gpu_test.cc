@@ -6,7 +6,9 @@
 // ranks on one GPU) and at world 2 where 2 GPUs exist; FSDP stage 3, PowerSGD and SyncBatchNorm on CUDA
 // tensors against the same on the CPU; a peer killed mid-collective on the staged path; a checkpoint
 // saved from CUDA tensors loaded on the CPU and restored onto CUDA; the staged path at 64 MiB (many
-// chunks) and the order after a slow producer on a side stream, checked by value.
+// chunks) and the order after a slow producer on a side stream, checked by value; Adam under DDP against
+// Adam in one process on the same GPU; a group of CPU and CUDA ranks refused on every rank; NCCL with two
+// ranks on one GPU where the NCCL loaded accepts that (2.30+), with its failure paths.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
@@ -15,6 +17,7 @@
 
 #include "dtrain/checkpoint.h"
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/nccl.h"
 #include "dtrain/data_parallel.h"
 #include "dtrain/ddp.h"
 #include "dtrain/device.h"
@@ -95,10 +98,12 @@ std::vector<at::Tensor> cpuParams(torch::nn::Module& m) {
   return out;
 }
 
-// `steps` SGD steps of mlp() on `device` on this rank's share of the global batch, with DDP over pg when
-// given (else plain libtorch on the whole batch); the parameters on the CPU.
+enum class Optim { sgd, adam };
+
+// `steps` steps of mlp() on `device` on this rank's share of the global batch (SGD with momentum, or
+// Adam), with DDP over pg when given (else plain libtorch on the whole batch); the parameters on the CPU.
 std::vector<at::Tensor> train(const std::shared_ptr<comm::ProcessGroup>& pg, const c10::Device& device, int steps,
-                              std::shared_ptr<CommHook> hook = nullptr) {
+                              std::shared_ptr<CommHook> hook = nullptr, Optim optim = Optim::sgd) {
   auto net = mlp();
   net->to(device);
   auto [x, y] = globalBatch();
@@ -112,11 +117,13 @@ std::vector<at::Tensor> train(const std::shared_ptr<comm::ProcessGroup>& pg, con
   std::unique_ptr<DistributedDataParallel> ddp;
   if (pg) ddp = std::make_unique<DistributedDataParallel>(net.ptr(), pg);
   if (ddp && hook) ddp->registerCommHook(hook);
-  torch::optim::SGD opt(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
+  std::unique_ptr<torch::optim::Optimizer> opt;
+  if (optim == Optim::adam) opt = std::make_unique<torch::optim::Adam>(net->parameters(), torch::optim::AdamOptions(1e-3));
+  else opt = std::make_unique<torch::optim::SGD>(net->parameters(), torch::optim::SGDOptions(0.05).momentum(0.9));
   for (int i = 0; i < steps; ++i) {
-    opt.zero_grad();
+    opt->zero_grad();
     torch::nn::functional::cross_entropy(net->forward(x), y).backward();
-    opt.step();
+    opt->step();
   }
   return cpuParams(*net);
 }
@@ -162,6 +169,116 @@ TEST(GpuDdp, NcclAtWorldOneEqualsOneProcess) {
     expectClose(train(pg, gpu, 5), train(nullptr, gpu, 5), 1e-5);
   });
   test::expectAllOk(results);
+}
+
+// Adam on DDP's averaged gradients against Adam in one process on the same GPU (same kernels): at world 1
+// (NCCL) the gradients are the one process's, so the parameters match to rounding; at world 2 sharing the
+// GPU (staged) each rank's half-batch gradients are averaged, and Adam's update (m / sqrt(v)) keeps their
+// relative rounding.
+TEST(GpuDdp, AdamEqualsOneProcessOnTheSameGpu) {
+  DTRAIN_NEEDS_GPUS(1);
+  test::StoreServer server;
+  const c10::Device gpu(c10::kCUDA, 0);
+  auto results = test::runRanks(1, [&](int) {
+    auto pg = group(server, 0, 1);
+    EXPECT_EQ(device::pathFor(*pg, torch::zeros({1}, gpu)), device::Path::nccl);
+    expectClose(train(pg, gpu, 4, nullptr, Optim::adam), train(nullptr, gpu, 4, nullptr, Optim::adam), 1e-6);
+  });
+  test::expectAllOk(results);
+  results = test::runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2);
+    EXPECT_EQ(device::pathFor(*pg, torch::zeros({1}, gpu)), device::Path::staged);
+    expectClose(train(pg, gpu, 4, nullptr, Optim::adam), train(nullptr, gpu, 4, nullptr, Optim::adam), 1e-4);
+  });
+  test::expectAllOk(results);
+}
+
+// A group where one rank passes CPU tensors and the other CUDA tensors fails on both, saying so (the
+// ranks exchange their places once, on the group's first tensor collective: tensor_comm.h, pathFor).
+TEST(GpuDevicePaths, CpuAndCudaRanksInOneGroupFailOnEveryRank) {
+  DTRAIN_NEEDS_GPUS(1);
+  test::StoreServer server;
+  auto results = test::runRanks(2, [&](int rank) {
+    auto pg = group(server, rank, 2, "auto", 20s);
+    auto t = rank == 0 ? torch::ones({8}) : torch::ones({8}, c10::Device(c10::kCUDA, 0));
+    const std::string err = test::errorOf([&] { device::allreduce(*pg, t, comm::ReduceOp::sum)->wait(); });
+    EXPECT_NE(err.find("the ranks pass tensors of different kinds (rank 0 on cpu, rank 1 on cuda:0)"), std::string::npos)
+        << err;
+  }, 60s);
+  test::expectAllOk(results);
+}
+
+// NCCL with two ranks on the one GPU, where the NCCL loaded accepts it (2.30 or later with
+// NCCL_MULTI_RANK_GPU_ENABLE=1, experimental): values, DDP against one process, and the failure paths a
+// one-GPU machine otherwise cannot reach (a fingerprint mismatch, a peer that never calls, a peer killed).
+// Not run, with the reason, where NCCL is older or a first two-rank allreduce does not complete.
+std::shared_ptr<comm::ProcessGroup> sharedNcclGroup(test::StoreServer& server, int rank, std::chrono::seconds timeout,
+                                                    bool fingerprints) {
+  ::setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  comm::GroupOptions o;
+  o.timeout = timeout;
+  o.cuda_path = "nccl";
+  o.check_fingerprints = fingerprints;
+  return comm::ProcessGroup::create(server.client(), rank, 2, o);
+}
+
+TEST(GpuNcclSharedGpu, TwoRanksOnOneGpuWhereNcclAcceptsIt) {
+  DTRAIN_NEEDS_GPUS(1);
+  const std::string version = comm::ncclVersionText();
+  int major = 0, minor = 0;
+  if (std::sscanf(version.c_str(), "%d.%d", &major, &minor) != 2 || major < 2 || (major == 2 && minor < 30))
+    GTEST_SKIP() << "not run: NCCL " << version << " is loaded; two ranks on one GPU need NCCL 2.30 or later "
+                 << "(NCCL_MULTI_RANK_GPU_ENABLE=1)";
+  const c10::Device gpu(c10::kCUDA, 0);
+  test::StoreServer probe_server;
+  auto probe = test::runRanks(2, [&](int rank) {
+    auto pg = sharedNcclGroup(probe_server, rank, 30s, false);
+    auto t = torch::full({1024}, static_cast<float>(rank + 1), gpu);
+    device::allreduce(*pg, t, comm::ReduceOp::sum)->wait();
+    if (!torch::equal(t.cpu(), torch::full({1024}, 3.0f))) throw Error("wrong sum");
+  }, 90s);
+  for (const auto& r : probe)
+    if (!r.ok()) GTEST_SKIP() << "not run: NCCL " << version << " with NCCL_MULTI_RANK_GPU_ENABLE=1 did not complete a "
+                              << "two-rank allreduce on one GPU (MPS may be needed): " << r.describe();
+  test::StoreServer server;
+  auto results = test::runRanks(2, [&](int rank) {
+    auto pg = sharedNcclGroup(server, rank, 30s, true);
+    EXPECT_EQ(device::pathFor(*pg, torch::zeros({1}, gpu)), device::Path::nccl);
+    expectClose(train(pg, gpu, 3), train(nullptr, gpu, 3), 1e-5);
+    // A mismatch (16 against 32 elements) fails both ranks, naming both calls.
+    auto t = torch::ones({rank == 0 ? 16 : 32}, gpu);
+    const std::string e = test::errorOf([&] { device::allreduce(*pg, t, comm::ReduceOp::sum)->wait(); });
+    EXPECT_NE(e.find("collective mismatch on the NCCL communicator"), std::string::npos) << e;
+  }, 120s);
+  test::expectAllOk(results);
+  // A peer that never calls (it leaves): the op fails by the deadline, naming it.
+  test::StoreServer server2;
+  results = test::runRanks(2, [&](int rank) {
+    auto pg = sharedNcclGroup(server2, rank, 5s, false);
+    auto t = torch::ones({16}, gpu);
+    device::allreduce(*pg, t, comm::ReduceOp::sum)->wait();
+    if (rank == 1) return;
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = test::errorOf([&] { device::allreduce(*pg, t, comm::ReduceOp::sum)->wait(); });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << e;
+    EXPECT_NE(e.find("nccl allreduce seq=1 f32 x 16 sum"), std::string::npos) << e;  // timed out, or NCCL saw the exit
+  }, 120s);
+  test::expectAllOk(results);
+  // A peer killed: with the fingerprint check the survivor's next op names it within the deadline.
+  test::StoreServer server3;
+  results = test::runRanks(2, [&](int rank) {
+    auto pg = sharedNcclGroup(server3, rank, 10s, true);
+    auto t = torch::ones({16}, gpu);
+    device::allreduce(*pg, t, comm::ReduceOp::sum)->wait();
+    if (rank == 1) std::raise(SIGKILL);
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string e = test::errorOf([&] { device::allreduce(*pg, t, comm::ReduceOp::sum)->wait(); });
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, 30s) << e;
+    EXPECT_NE(e.find("rank 1"), std::string::npos) << e;
+  }, 120s);
+  ASSERT_EQ(results.size(), 2u);
+  EXPECT_TRUE(results[0].ok()) << results[0].describe();
+  EXPECT_EQ(results[1].signal, SIGKILL) << results[1].describe();
 }
 
 TEST(GpuDdp, NcclOnTwoGpusEqualsOneProcess) {

@@ -1,11 +1,12 @@
 // The device layer without a GPU: choosing a device (and the errors without one), the checks on tensors,
-// the host path of tensor collectives, and DTRAIN_CUDA_COMM. What needs a GPU is in tests/gpu/.
+// the path choice, the host path of tensor collectives, and DTRAIN_CUDA_COMM. What needs a GPU is in tests/gpu/
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
 #include <cstdlib>
 
 #include "dtrain/comm/error.h"
+#include "dtrain/comm/nccl.h"
 #include "dtrain/comm/process_group.h"
 #include "dtrain/device.h"
 #include "harness.h"
@@ -103,6 +104,77 @@ TEST(DeviceTensors, HostPathAtWorldThree) {
     EXPECT_TRUE(torch::equal(gathered, torch::tensor({0.0f, 1.0f, 1.0f, 2.0f, 2.0f, 2.0f})));
     EXPECT_NE(test::errorOf([&] { device::allgather(*pg, mine, torch::empty({5})); }).find("allgather: output elements"),
               std::string::npos);
+  });
+  test::expectAllOk(results);
+}
+
+// The path choice is a pure function of every rank's place (path.h).
+TEST(PathChoice, FromEveryRanksPlace) {
+  using device::Path;
+  using device::Place;
+  const Place cpu = Place::cpu(), g0{0, 100}, g1{1, 101}, g0b{0, 102};
+  auto choose = [](std::vector<Place> p, const char* mode = "auto", bool nccl = true) {
+    return device::choosePath(p, mode, nccl);
+  };
+  EXPECT_EQ(choose({cpu, cpu, cpu}).path, Path::host);
+  EXPECT_EQ(choose({cpu}).path, Path::host);
+  EXPECT_EQ(choose({g0}).path, Path::nccl);                // a world of one
+  EXPECT_EQ(choose({g0, g1, g0b}).path, Path::nccl);       // a GPU of its own each (index 0 on two hosts)
+  EXPECT_EQ(choose({g0, g1, g0b}, "staged").path, Path::staged);
+  EXPECT_EQ(choose({g0, g1, g0b}, "nccl").path, Path::nccl);
+  EXPECT_EQ(choose({g0, g1, g0b}, "auto", false).path, Path::staged);  // no NCCL in this build
+  EXPECT_EQ(choose({g0, g1, g0}).path, Path::staged);      // ranks 0 and 2 share one GPU
+  for (const auto& c : {choose({g0, g1, g0}), choose({g0, g1, g0}, "auto", false), choose({cpu, cpu}, "staged")})
+    EXPECT_TRUE(c.error.empty()) << c.error;
+  const std::string shared = choose({g0, g1, g0}, "nccl").error;
+  EXPECT_NE(shared.find("ranks 0 and 2 share one GPU, and NCCL refuses two ranks on one GPU"), std::string::npos) << shared;
+  EXPECT_NE(choose({g0, g1}, "nccl", false).error.find("built without NCCL"), std::string::npos);
+  // NCCL 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1 on every rank: mode nccl may share a GPU; auto still stages
+  // (NCCL calls it experimental: hangs possible).
+  Place s0 = g0, s1 = g1;
+  s0.nccl_shares_gpus = s1.nccl_shares_gpus = true;
+  EXPECT_EQ(choose({s0, s1, s0}, "nccl").path, Path::nccl);
+  EXPECT_EQ(choose({s0, s1, s0}).path, Path::staged);
+  EXPECT_NE(choose({s0, s1, g0}, "nccl").error.find("ranks 0 and 2 share one GPU"), std::string::npos);
+  EXPECT_NE(choose({cpu}, "nvlink").error.find("cuda_path 'nvlink' (expected auto, nccl or staged)"), std::string::npos);
+  // CPU on some ranks, a GPU on others: refused, naming each rank's place, in every mode.
+  for (const char* mode : {"auto", "nccl", "staged"}) {
+    const std::string mixed = choose({cpu, g1, cpu}, mode).error;
+    EXPECT_NE(mixed.find("the ranks pass tensors of different kinds (rank 0 on cpu, rank 1 on cuda:1, rank 2 on cpu)"),
+              std::string::npos) << mixed;
+  }
+  std::vector<Place> many(10, g0);
+  for (int r = 0; r < 10; ++r) many[static_cast<size_t>(r)].gpu = static_cast<uint64_t>(r + 1);
+  many[9] = cpu;
+  const std::string long_list = choose(many).error;
+  EXPECT_NE(long_list.find("rank 7 on cuda:0 and 2 more)"), std::string::npos) << long_list;
+}
+
+TEST(PathChoice, NcclSharesGpusOnlyWhenAskedFor) {
+  ::unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+  EXPECT_FALSE(device::ncclSharesGpus());
+  ::setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
+  if (!comm::ncclBuilt()) EXPECT_FALSE(device::ncclSharesGpus());
+  ::unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
+}
+
+// The agreement runs over the group: a rank that passes a CUDA tensor where the others pass CPU tensors
+// makes every rank fail with the same words (before, the CUDA rank's exchange met the others' data op and
+// the error was the group's fingerprint mismatch, which did not say why). No GPU is needed: the place is
+// given as the CUDA path would compute it.
+TEST(PathChoice, AGroupOfCpuAndCudaRanksFailsOnEveryRank) {
+  test::StoreServer server;
+  auto results = test::runRanks(3, [&](int rank) {
+    auto pg = comm::ProcessGroup::create(server.client(), rank, 3);
+    const device::Place mine = rank == 1 ? device::Place{0, 42} : device::Place::cpu();
+    const std::string err = test::errorOf([&] { device::agreePath(*pg, mine); });
+    EXPECT_NE(err.find("[rank " + std::to_string(rank) + "] tensor collective: the ranks pass tensors of different kinds "
+                       "(rank 0 on cpu, rank 1 on cuda:0, rank 2 on cpu)"), std::string::npos) << err;
+    // The group is still usable, and CPU tensors everywhere agree on the host path.
+    EXPECT_EQ(device::agreePath(*pg, device::Place::cpu()), device::Path::host);
+    auto t = torch::full({2}, 1.0f);
+    device::allreduce(*pg, t, comm::ReduceOp::sum)->wait();
+    EXPECT_TRUE(torch::equal(t, torch::full({2}, 3.0f)));
   });
   test::expectAllOk(results);
 }

@@ -30,10 +30,10 @@ namespace cuda {
 // input is not read (a broadcast's non-root).
 comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor& out, bool chunkable, bool copy_in,
                      const HostOp& op);
-// A CUDA tensor's path (nccl or staged) in this group; collective on the group's first CUDA tensor.
-Path choose(comm::ProcessGroup& pg, const at::Tensor& t);
-// choose(), and the NCCL communicator made now when that is the path (tensor_comm.h: prepare).
-void prepare(comm::ProcessGroup& pg, const at::Tensor& t);
+// Where the CUDA tensor t is (path.h), this rank being `rank`.
+Place placeOf(const at::Tensor& t, int rank);
+// The NCCL communicator of t's device in pg, made now (tensor_comm.h: prepare).
+void prepareNccl(comm::ProcessGroup& pg, const at::Tensor& t);
 // The call on CUDA tensors by `path` (nccl or staged).
 comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Tensor& in, const at::Tensor& out);
 }  // namespace cuda

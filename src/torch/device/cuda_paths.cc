@@ -72,17 +72,6 @@ void waitFor(const Event& ev, Clock::time_point deadline, const std::string& wha
   }
 }
 
-// Where a GPU is, the same in every process that sees it: host name and PCI bus id (CUDA_VISIBLE_DEVICES
-// may give one GPU different indices in different processes).
-uint64_t placeOf(int device, int rank) {
-  char bus[64] = {0};
-  cudaError_t r = cudaDeviceGetPCIBusId(bus, sizeof(bus), device);
-  DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] cuda:{}: cudaDeviceGetPCIBusId: {}", rank, device, cudaGetErrorString(r));
-  char host[256] = {0};
-  gethostname(host, sizeof(host) - 1);
-  return std::hash<std::string>{}(std::string(host) + "/" + bus);
-}
-
 std::shared_ptr<comm::NcclComm> ncclFor(comm::ProcessGroup& pg, int device) {
   auto a = pg.attachment(fmt::format("dtrain.nccl.cuda:{}", device),
                          [&] { return std::static_pointer_cast<void>(comm::NcclComm::create(pg, device)); });
@@ -160,37 +149,19 @@ comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Ten
   return all;
 }
 
-Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
+Place placeOf(const at::Tensor& t, int rank) {
   const int dev = t.device().index();
-  auto a = pg.attachment(fmt::format("dtrain.cuda_path.cuda:{}", dev), [&] {
-    const std::string& mode = pg.options().cuda_path;
-    Path p = Path::staged;
-    if (mode != "staged") {
-      // A GPU of its own for every rank: compare where each rank's GPU is.
-      std::vector<uint64_t> places(static_cast<size_t>(pg.size()));
-      const uint64_t mine = placeOf(dev, pg.rank());
-      if (pg.size() > 1) pg.allgather(&mine, places.data(), 1, comm::DType::i64)->wait();
-      else places[0] = mine;
-      std::string shared;
-      for (int r = 0; r < pg.size() && shared.empty(); ++r)
-        for (int q = r + 1; q < pg.size(); ++q)
-          if (places[static_cast<size_t>(r)] == places[static_cast<size_t>(q)]) {
-            shared = fmt::format("ranks {} and {} share one GPU", r, q);
-            break;
-          }
-      DTRAIN_CHECK(shared.empty() || mode != "nccl", InvalidArgument,
-                   "[rank {}] DTRAIN_CUDA_COMM=nccl: {}, and NCCL refuses two ranks on one GPU (DTRAIN_CUDA_COMM=auto "
-                   "stages such tensors through the host)", pg.rank(), shared);
-      p = shared.empty() ? Path::nccl : Path::staged;
-    }
-    return std::static_pointer_cast<void>(std::make_shared<Path>(p));
-  });
-  return *std::static_pointer_cast<Path>(a);
+  char bus[64] = {0};
+  cudaError_t r = cudaDeviceGetPCIBusId(bus, sizeof(bus), dev);
+  DTRAIN_CHECK(r == cudaSuccess, Error, "[rank {}] cuda:{}: cudaDeviceGetPCIBusId: {}", rank, dev, cudaGetErrorString(r));
+  char host[256] = {0};
+  gethostname(host, sizeof(host) - 1);
+  // Host name and PCI bus id: the same GPU in every process that sees it (CUDA_VISIBLE_DEVICES may give
+  // one GPU different indices in different processes).
+  return Place{dev, std::hash<std::string>{}(std::string(host) + "/" + bus), ncclSharesGpus()};
 }
 
-void prepare(comm::ProcessGroup& pg, const at::Tensor& t) {
-  if (choose(pg, t) == Path::nccl) ncclFor(pg, t.device().index());
-}
+void prepareNccl(comm::ProcessGroup& pg, const at::Tensor& t) { ncclFor(pg, t.device().index()); }
 
 comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Tensor& in, const at::Tensor& out) {
   if (path == Path::nccl) return viaNccl(pg, c, in, out);
@@ -201,20 +172,20 @@ comm::WorkPtr run(comm::ProcessGroup& pg, Path path, const Call& c, const at::Te
 
 #else  // a build without CUDA: no CUDA tensor gets here (checkTensor refuses it first)
 
-Path choose(comm::ProcessGroup& pg, const at::Tensor& t) {
-  throw InvalidArgument(fmt::format("[rank {}] a tensor on {}: this dtrain was built without CUDA", pg.rank(), t.device().str()));
+namespace {
+[[noreturn]] void refuse(int rank, const at::Tensor& t) {
+  throw InvalidArgument(fmt::format("[rank {}] a tensor on {}: this dtrain was built without CUDA", rank, t.device().str()));
 }
+}  // namespace
 
-void prepare(comm::ProcessGroup& pg, const at::Tensor& t) { choose(pg, t); }
+Place placeOf(const at::Tensor& t, int rank) { refuse(rank, t); }
 
-comm::WorkPtr run(comm::ProcessGroup& pg, Path, const Call&, const at::Tensor& in, const at::Tensor&) {
-  choose(pg, in);
-  return nullptr;
-}
+void prepareNccl(comm::ProcessGroup& pg, const at::Tensor& t) { refuse(pg.rank(), t); }
+
+comm::WorkPtr run(comm::ProcessGroup& pg, Path, const Call&, const at::Tensor& in, const at::Tensor&) { refuse(pg.rank(), in); }
 
 comm::WorkPtr staged(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor&, bool, bool, const HostOp&) {
-  choose(pg, in);
-  return nullptr;
+  refuse(pg.rank(), in);
 }
 
 #endif

@@ -11,15 +11,6 @@
 
 namespace dtrain::device {
 
-const char* pathName(Path p) {
-  switch (p) {
-    case Path::host: return "host";
-    case Path::nccl: return "nccl";
-    case Path::staged: return "staged";
-  }
-  return "?";
-}
-
 void checkTensor(const at::Tensor& t, const char* what) {
   DTRAIN_CHECK(t.defined(), InvalidArgument, "{}: undefined tensor", what);
 #ifdef DTRAIN_WITH_CUDA
@@ -42,11 +33,17 @@ void checkSameDevice(const at::Tensor& first, const std::string& first_name, con
 }
 
 Path pathFor(comm::ProcessGroup& pg, const at::Tensor& t) {
-  return t.device().is_cuda() ? cuda::choose(pg, t) : Path::host;
+  const bool gpu = t.device().is_cuda();
+  // Agreed once per group and device of this rank; a failed agreement is tried again by the next call.
+  auto a = pg.attachment(gpu ? fmt::format("dtrain.path.cuda:{}", t.device().index()) : "dtrain.path.cpu", [&] {
+    const Place mine = gpu ? cuda::placeOf(t, pg.rank()) : Place::cpu();
+    return std::static_pointer_cast<void>(std::make_shared<Path>(agreePath(pg, mine)));
+  });
+  return *std::static_pointer_cast<Path>(a);
 }
 
 void prepare(comm::ProcessGroup& pg, const at::Tensor& t) {
-  if (t.device().is_cuda()) cuda::prepare(pg, t);
+  if (pathFor(pg, t) == Path::nccl) cuda::prepareNccl(pg, t);
 }
 
 comm::WorkPtr hostCall(comm::ProcessGroup& pg, const Call& c, const void* in, void* out, size_t in_count, comm::DType t) {
@@ -112,7 +109,7 @@ comm::WorkPtr reduceScatter(comm::ProcessGroup& pg, const at::Tensor& in, const 
 comm::WorkPtr onHost(comm::ProcessGroup& pg, const at::Tensor& in, const at::Tensor& out,
                      const std::function<comm::WorkPtr(const void* in, void* out)>& op) {
   checkPair(in, out);
-  if (in.device().is_cuda())
+  if (pathFor(pg, in) != Path::host)  // staged even where NCCL is the path: it has no uneven collectives
     return cuda::staged(pg, in, out, /*chunkable=*/false, /*copy_in=*/true,
                         [op](const void* i, void* o, size_t) { return op(i, o); });
   auto w = op(in.data_ptr(), out.data_ptr());

@@ -20,14 +20,13 @@
 #include <string>
 
 #include "dtrain/comm/process_group.h"
+#include "torch/device/path.h"
 
 namespace dtrain::device {
 
-enum class Path { host, nccl, staged };
-const char* pathName(Path p);
-
-// The path `t` takes through `pg` (collective on the first CUDA tensor of a group: the ranks agree on
-// whether each has a GPU of its own).
+// The path `t` takes through `pg` (path.h: choosePath). Collective on a group's first tensor of each
+// device of this rank: the ranks agree, once, on where each one's tensors are; a group whose ranks pass
+// CPU tensors on some and CUDA tensors on others fails there on every rank, saying so.
 Path pathFor(comm::ProcessGroup& pg, const at::Tensor& t);
 
 // InvalidArgument naming `what` unless t is defined, contiguous, of a dtype dtrain communicates and on
@@ -39,10 +38,11 @@ void checkTensor(const at::Tensor& t, const char* what);
 void checkSameDevice(const at::Tensor& first, const std::string& first_name, const at::Tensor& t,
                      const std::string& name, const char* who);
 
-// Collective over pg: decides the path of tensors like t in pg and, for NCCL, makes pg's communicator now.
-// NCCL warns that making a communicator while another's kernels are in flight can deadlock, so code that
-// will use a second group on the GPU (DDP's comm hooks) prepares it before its first step. Nothing for
-// CPU tensors.
+// Collective over pg: decides the path of tensors like t in pg (pathFor) and, for NCCL, makes pg's
+// communicator now. NCCL warns that making a communicator while another's kernels are in flight can
+// deadlock, so code that will use a second group on the GPU (DDP's comm hooks) prepares it before its
+// first step; and the exchange pathFor waits for must not first happen inside a continuation on the
+// group's own thread.
 void prepare(comm::ProcessGroup& pg, const at::Tensor& t);
 
 // In place: every rank's t becomes the reduction.
