@@ -20,12 +20,14 @@ what=${1:-all}
 torch_pin=${DTRAIN_TORCH_VERSION:-2.15.0}
 venv=${DTRAIN_VENV:-$root/.venv}
 lizard_pin=1.24.3  # scripts/check_structure.sh's function-size measure
+pytest_pin=9.2.0  # the Python backend's tests (tests/python)
+skbuild_pin=1.1.2  # scikit-build-core: pip install --no-build-isolation ./python
 
 main_pkgs=(
   build-essential cmake ninja-build pkg-config git libssl-dev libcurl4-openssl-dev
   libcli11-dev libfmt-dev nlohmann-json3-dev zlib1g-dev
   libavformat-dev libavcodec-dev libswscale-dev libavutil-dev
-  libtorch-dev libopenblas0-pthread
+  libtorch-dev libopenblas0-pthread python3-dev
 )
 test_pkgs=(
   libgtest-dev libgmock-dev libbenchmark-dev ccache
@@ -55,17 +57,19 @@ apt_install() {
 
 # The torch wheel in its own environment, made with Debian's python3 (python3-venv), so the version on
 # PyPI and the interpreter are the same on every machine of this kind. numpy: the parity tests use it;
-# lizard: scripts/check_structure.sh measures every function with it.
+# lizard: scripts/check_structure.sh measures every function with it; pytest and scikit-build-core: the
+# Python backend (python/) is built and tested with them.
 torch2_venv() {
   [[ -x $venv/bin/python ]] || /usr/bin/python3 -m venv "$venv"
   local have
-  have=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"), m.version("numpy"), m.version("lizard"))' 2>/dev/null || true)
-  if [[ $have == "$torch_pin "* ]]; then
+  have=$("$venv/bin/python" -c 'import importlib.metadata as m; print(m.version("torch"), m.version("numpy"), m.version("lizard"), m.version("pytest"), m.version("scikit-build-core"))' 2>/dev/null || true)
+  if [[ $have == "$torch_pin "*" $pytest_pin $skbuild_pin" ]]; then
     echo "setup: torch $torch_pin and lizard present in $venv"
     return
   fi
   echo "setup: installing torch==$torch_pin (the CUDA wheel and its nvidia-* dependencies, ~3 GB) and lizard into $venv"
-  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_pin" numpy "lizard==$lizard_pin"
+  "$venv/bin/pip" install -q --disable-pip-version-check "torch==$torch_pin" numpy "lizard==$lizard_pin" \
+    "pytest==$pytest_pin" "scikit-build-core==$skbuild_pin"
 }
 
 case $what in

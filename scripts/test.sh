@@ -94,6 +94,8 @@ for gen in $generations; do
   if [[ $gen == 2 ]]; then
     # The libtorch root inside the wheel (lib/, include/, share/cmake/Torch), as pytorch.org's zip has it.
     args+=(-DCMAKE_PREFIX_PATH="$("$root/.venv/bin/python" -c 'import torch; print(torch.__path__[0])')")
+    # The torch.distributed backend (python/) too, against the same wheel.
+    args+=(-DDTRAIN_BUILD_PYTHON=ON -DPython_EXECUTABLE="$root/.venv/bin/python")
   fi
   echo; echo "== test.sh: libtorch $gen.x in $build"
   cmake -S "$root" -B "$build" "${args[@]}"
