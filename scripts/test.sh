@@ -115,6 +115,11 @@ for gen in $generations; do
     gpu_why=$("$build/bin/gpu_test" --gtest_filter='GpuDdp.NcclAtWorldOne*' 2>&1 | grep -m1 -o "not run: .*" || true)
     timings+=("GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (${gpu_why:-a GPU is here})")
     echo "test.sh: GPU tests: ${gpu_total} built, $((gpu_total - gpu_skipped)) run, ${gpu_skipped} not run (${gpu_why:-a GPU is here})"
+    # The torch.distributed backend (python/, built above) under pytest: every collective against Gloo,
+    # PyTorch's DDP, ZeRO, FSDP and a DeviceMesh on dtrain against Gloo, the faults, torchrun on the example.
+    timed "Python backend: pytest (tests/python)" bash -c 'PYTHONPATH="$1/python" "$2/.venv/bin/python" -m pytest -q \
+      -p no:cacheprovider "$2/tests/python" 2>&1 | tee "$1/pytest.log"; exit "${PIPESTATUS[0]}"' _ "$build" "$root"
+    timings+=("Python backend: $(grep -Eo '[0-9]+ (passed|failed)[^=]*' "$build/pytest.log" | tail -1)")
     # find_package(dtrain) against an install made with libtorch 2.x: a DDP step on 2 ranks.
     timed "libtorch 2.x: consumer project (installed)" env BUILD_DIR="$build" JOBS="$jobs" \
       bash "$root/scripts/consumer_test.sh" installed

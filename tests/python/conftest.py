@@ -24,8 +24,8 @@ class Ranks:
         assert not bad, "\n".join(bad)
 
 
-def run_ranks(scenario, world, timeout=120, env=None, args=()):
-    """Starts `world` processes of `ranks.py scenario`, waits for all (bounded), returns their results."""
+def run_ranks(scenario, world, timeout=120, env=None, args=(), script="ranks.py"):
+    """Starts `world` processes of `script scenario`, waits for all (bounded), returns their results."""
     port = free_port()
     procs = []
     for rank in range(world):
@@ -36,7 +36,7 @@ def run_ranks(scenario, world, timeout=120, env=None, args=()):
         for k, v in (env or {}).items():  # per-rank values: {"VAR": {rank: value}}
             if isinstance(v, dict) and rank in v:
                 e[k] = v[rank]
-        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, "ranks.py"), scenario, *map(str, args)],
+        procs.append(subprocess.Popen([sys.executable, os.path.join(HERE, script), scenario, *map(str, args)],
                                       env=e, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
     results = []
     for p in procs:

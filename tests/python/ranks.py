@@ -364,7 +364,7 @@ def scenario_mesh():
 
 def scenario_kill():
     """Rank 1 dies in the middle of a run; the others' next collective raises, naming it, within the timeout."""
-    init(timeout=10)
+    init(timeout=5)
     t = torch.ones(1 << 16)
     dist.all_reduce(t)
     if RANK == 1:
@@ -397,7 +397,7 @@ def scenario_mismatch():
 
 def scenario_secret():
     try:
-        init(timeout=10)
+        init(timeout=5)
         dist.barrier()
     except (dist.DistBackendError, RuntimeError) as e:
         print("raised:", str(e).splitlines()[0])

@@ -57,3 +57,27 @@ def test_a_wrong_job_secret_is_refused(ranks):
 
 def test_unsupported_calls_say_so(ranks):
     ranks("unsupported", 2).ok()
+
+
+def test_the_entry_point_registers_it_without_an_import(ranks):
+    import torch
+    major, minor = (int(x) for x in torch.__version__.split(".")[:2])
+    if (major, minor) < (2, 15):
+        pytest.skip(f"torch {torch.__version__} has no torch.distributed.backends entry points (2.15 and later)")
+    r = ranks("dtrain", 2, script="no_import.py")
+    r.ok()
+    assert all("entry point: ok" in out for _, out in r.results)
+
+
+def test_torchrun_trains_the_readme_example(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from conftest import free_port
+    example = os.path.join(os.path.dirname(__file__), "..", "..", "examples", "python", "ddp_train.py")
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-port", str(free_port()), example, "--steps", "5"],
+                         capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "dtrain: world 2, 5 steps" in out.stdout, out.stdout
