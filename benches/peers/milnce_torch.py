@@ -134,7 +134,9 @@ def milnce(v, t):
 
 def run(rank, world, args, port, q):
     peer_env.check_threads(torch)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    if args.backend == "dtrain":
+        import dtrain  # noqa: F401  (python/: the torch.distributed backend)
+    dist.init_process_group(args.backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     vocab, wv, videos, rate = load(args.data)
     torch.manual_seed(0)
     net = Net(wv, videos[0][0].shape[1])
@@ -181,9 +183,11 @@ if __name__ == "__main__":
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--warmup-steps", type=int, default=5)
     ap.add_argument("--candidates", type=int, default=4)
+    ap.add_argument("--backend", default="gloo", choices=["gloo", "dtrain"])
     args = ap.parse_args()
     q = mp.get_context("spawn").SimpleQueue()
     mp.spawn(run, args=(args.world, args, peer_env.free_port(), q), nprocs=args.world)
     dt = q.get()
     print(f"torch-milnce world={args.world} batch_per_rank={args.batch} candidates={args.candidates} "
-          f"ms_per_step={dt * 1e3:.1f} samples_per_s={args.world * args.batch / dt:.1f}")
+          f"ms_per_step={dt * 1e3:.1f} samples_per_s={args.world * args.batch / dt:.1f}"
+          + (f" backend={args.backend}" if args.backend != "gloo" else ""))

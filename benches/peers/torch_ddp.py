@@ -9,7 +9,7 @@ rank, the workload of `dtrain-bench ddp`. Prints rank 0's line:
 after WARMUP untimed steps (3) and STEPS timed ones. Then checks that every rank holds the same
 parameters (DDP's invariant: each parameter's sum); exits 1 if they differ.
 
-usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N] [--opt O] [--device D]
+usage: torch_ddp.py WORLD [STEPS (20)] [BATCH_PER_RANK (64)] [--hook H] [--warmup N] [--opt O] [--device D] [--backend B]
        torchrun ... torch_ddp.py env [STEPS] [BATCH_PER_RANK] [--hook H] [--warmup N] [--opt O]
 
 WORLD: spawns WORLD ranks on this host (rendezvous on 127.0.0.1); the parent compares the ranks'
@@ -21,6 +21,8 @@ lr 1e-3, PyTorch's ZeRO stage 1: the peer of `dtrain-bench zero --mode zero1`); 
 --device cuda: the model and batches on cuda:0 (every rank), the peer of `dtrain-bench ddp --device cuda`:
 NCCL at world 1 (DDP wrapped even then), Gloo with CUDA tensors at world 2 and more (NCCL refuses two ranks on
 one GPU); the line then ends device=cuda.
+--backend dtrain: torch.distributed on dtrain's backend (python/; the package importable: pip install ./python,
+or PYTHONPATH=<build>/python) instead of Gloo; the line then ends backend=dtrain.
 --hook: none, fp16 (fp16_compress_hook) or powersgd:R (powerSGD_hook, matrix_approximation_rank R,
 start_powerSGD_iter 2, the rest of PowerSGDState's defaults). bytes_per_step is what each rank hands
 to allreduce per step once the hook is active, computed from the model's shapes and the hook's rules
@@ -123,7 +125,9 @@ def train(rank, world, a):
 
 
 def spawned(rank, world, a, port, q):
-    backend = "nccl" if a.device == "cuda" and world == 1 else "gloo"
+    backend = "nccl" if a.device == "cuda" and world == 1 else a.backend
+    if backend == "dtrain":
+        import dtrain  # noqa: F401  (python/: the torch.distributed backend)
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     q.put((rank, *train(rank, world, a)))
     dist.destroy_process_group()
@@ -134,7 +138,8 @@ def report(world, a, results):
     differ = sum(r[3] != sums0 for r in results)
     print(f"torch-ddp world={world} params={params} batch_per_rank={a.batch} ms_per_step={dt * 1e3:.1f} "
           f"samples_per_s={world * a.batch / dt:.1f} hook={a.hook} bytes_per_step={nbytes if world > 1 else 0}"
-          + (f" opt={a.opt}" if a.opt != "sgd" else "") + (f" device={a.device}" if a.device != "cpu" else ""),
+          + (f" opt={a.opt}" if a.opt != "sgd" else "") + (f" device={a.device}" if a.device != "cpu" else "")
+          + (f" backend={a.backend}" if a.backend != "gloo" else ""),
           flush=True)
     if differ:
         sys.exit(f"torch_ddp: {differ} of {world} ranks hold parameters different from rank 0's")
@@ -149,12 +154,15 @@ def main():
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--opt", default="sgd", choices=["sgd", "adam", "zero-adam"])
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--backend", default="gloo", choices=["gloo", "dtrain"])
     a = p.parse_args()
     if a.hook not in ("none", "fp16") and not (a.hook.startswith("powersgd:") and a.hook[9:].isdigit()
                                                and int(a.hook[9:]) > 0):
         sys.exit(f"torch_ddp: --hook must be none, fp16 or powersgd:R with R >= 1 (got '{a.hook}')")
     if a.world == "env":
-        dist.init_process_group("gloo", init_method="env://")
+        if a.backend == "dtrain":
+            import dtrain  # noqa: F401
+        dist.init_process_group(a.backend, init_method="env://")
         rank, world = dist.get_rank(), dist.get_world_size()
         out = train(rank, world, a)
         gathered = [None] * world
