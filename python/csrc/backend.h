@@ -12,6 +12,7 @@
 #include <torch/csrc/distributed/c10d/Store.hpp>
 #include <torch/csrc/distributed/c10d/Work.hpp>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <deque>
@@ -88,7 +89,7 @@ class DtrainBackend : public c10d::Backend {
   c10::intrusive_ptr<c10d::Work> recv(std::vector<at::Tensor>& tensors, int src, int tag) override;
   c10::intrusive_ptr<c10d::Work> recvAnysource(std::vector<at::Tensor>& tensors, int tag) override;
   c10::intrusive_ptr<c10d::Work> barrier(const c10d::BarrierOptions& opts) override;
-  uint64_t getSequenceNumberForGroup() override { return seq_; }
+  uint64_t getSequenceNumberForGroup() override { return seq_.load(); }
 
   comm::ProcessGroup& group() { return *pg_; }
 
@@ -103,7 +104,7 @@ class DtrainBackend : public c10d::Backend {
 
   std::shared_ptr<comm::ProcessGroup> pg_;
   std::shared_ptr<Completer> completer_;
-  uint64_t seq_ = 0;
+  std::atomic<uint64_t> seq_{0};  // ops are issued from Python's threads and the futures' callbacks
 };
 
 // The creator torch.distributed calls (python/dtrain/__init__.py).

@@ -270,18 +270,34 @@ def train_ddp(group, variant):
     return [p.detach().clone() for p in model.parameters()]
 
 
-def scenario_ddp(variant):
-    gloo = init()
+def check_ddp(gloo, variant):
     mine, ref = train_ddp(None, variant), train_ddp(gloo, variant)
     for i, (a, b) in enumerate(zip(mine, ref)):
         same(a, b, f"DDP {variant}: parameter {i}", exact=False)
+
+
+def scenario_ddp(variant):
+    check_ddp(init(), variant)
     dist.destroy_process_group()
 
 
-def scenario_zero():
+def scenario_training(*names):
+    """Several trainings in one group (one process start for all): prints RESULT <name> ok, or stops at the
+    first that fails (the ranks may then disagree on what comes next)."""
+    gloo = init()
+    for name in names:
+        kind, _, variant = name.partition(":")
+        if kind == "ddp":
+            check_ddp(gloo, variant)
+        else:
+            globals()["check_" + kind](gloo)
+        print(f"RESULT {name} ok", flush=True)
+    dist.destroy_process_group()
+
+
+def check_zero(gloo):
     from torch.distributed.optim import ZeroRedundancyOptimizer
     from torch.nn.parallel import DistributedDataParallel as DDP
-    gloo = init()
     results = []
     for group in (None, gloo):
         model = mlp()
@@ -296,13 +312,11 @@ def scenario_zero():
         results.append([p.detach().clone() for p in model.parameters()])
     for i, (a, b) in enumerate(zip(*results)):
         same(a, b, f"ZeroRedundancyOptimizer: parameter {i}", exact=False)
-    dist.destroy_process_group()
 
 
-def scenario_fsdp2():
+def check_fsdp2(gloo):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    gloo = init()
     results = []
     for backend in ("dtrain", "gloo"):
         mesh = init_device_mesh("cpu", (WORLD,)) if backend == "dtrain" else None
@@ -323,12 +337,10 @@ def scenario_fsdp2():
         results.append([p.full_tensor().detach().clone() for p in model.parameters()])
     for i, (a, b) in enumerate(zip(*results)):
         same(a, b, f"FSDP2: parameter {i}", exact=False)
-    dist.destroy_process_group()
 
 
-def scenario_fsdp1():
+def check_fsdp1(gloo):
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
-    gloo = init()
     results = []
     for group in (None, gloo):
         model = FSDP(mlp(), process_group=group, use_orig_params=True, device_id=torch.device("cpu"))
@@ -342,7 +354,6 @@ def scenario_fsdp1():
             results.append([p.detach().clone() for p in model.parameters()])
     for i, (a, b) in enumerate(zip(*results)):
         same(a, b, f"FSDP1: parameter {i}", exact=False)
-    dist.destroy_process_group()
 
 
 def scenario_mesh():
