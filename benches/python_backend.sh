@@ -31,7 +31,7 @@ done
 
 echo "== python_backend: PyTorch DDP, world 2, gloo against dtrain (REPS=$reps, interleaved)"
 data=$build/python-bench-milnce
-[[ -d $data ]] || "$build/bin/milnce" gen-data --out "$data" >/dev/null
+[[ -d $data ]] || "$build/bin/milnce" gen-data --out "$data" >/dev/null 2>&1
 for ((i = 1; i <= reps; i++)); do
   for backend in gloo dtrain; do
     "$python" "$here/peers/torch_ddp.py" 2 20 64 --backend "$backend"

@@ -4,9 +4,9 @@ dtrain's backend (python/), one compute thread per rank. Prints one line per siz
 
     torch-allreduce backend=dtrain world=2 bytes=4096 us=... busbw_GBps=... wrong=0
 
-after WARMUP untimed calls; the time is the median of REPS timed loops of ITERS calls each (a barrier
-before each loop). Every call's result is checked (each rank adds rank + 1: the sum is known): wrong=
-counts the elements that differ.
+after 3 untimed calls; the time is the median of REPS timed loops of ITERS calls each (a barrier before
+each loop; the buffer is not refilled inside it, as dtrain-bench does not). After each loop one more call
+on fresh values (each rank adds rank + 1: the sum is known) is checked: wrong= counts the elements that differ.
 
 usage: torch_allreduce.py WORLD [--backend gloo|dtrain] [--sizes 4096,65536,...] [--iters N] [--reps R]
 """
@@ -39,9 +39,10 @@ def run(rank, world, a, port, q):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(iters):
-                t.fill_(rank + 1)
-                dist.all_reduce(t)
+                dist.all_reduce(t)  # the values grow (to inf): the time does not depend on them
             times.append((time.perf_counter() - t0) / iters)
+            t.fill_(rank + 1)  # one checked call after each timed loop
+            dist.all_reduce(t)
             wrong += int((t != want).sum())
         if rank == 0:
             us = statistics.median(times) * 1e6

@@ -118,9 +118,12 @@ class Work final : public c10d::Work {
         future_(c10::make_intrusive<c10::ivalue::Future>(c10::ListType::create(c10::TensorType::get()))) {}
 
   // Follows w: once it completes, `after` runs (copies into the caller's tensors) on the completing thread,
-  // the Work finishes, and the future completes on the completer's thread.
-  void start(const comm::WorkPtr& w, std::function<void()> after) {
+  // the Work finishes, and the future completes on the completer's thread; or right there when nobody
+  // can have added a callback yet (the op completed before start() returned, or the caller waits at once:
+  // a synchronous call), which spares a thread hand-off per call.
+  void start(const comm::WorkPtr& w, std::function<void()> after, bool waited_at_once) {
     dw_ = w;
+    inline_ = true;
     c10::intrusive_ptr<Work> self = c10::intrusive_ptr<Work>::reclaim_copy(this);
     w->onComplete([self, w, after = std::move(after)] {
       std::exception_ptr err;
@@ -135,9 +138,11 @@ class Work final : public c10d::Work {
         if (err) self->future_->setError(err);
         else self->future_->markCompleted(c10::IValue(self->outputs_));
       };
-      if (auto c = self->completer_.lock()) c->post(std::move(complete));
-      else complete();  // the backend is gone: here
+      auto c = self->inline_.load() ? nullptr : self->completer_.lock();
+      if (c) c->post(std::move(complete));
+      else complete();  // no callback yet, or the backend is gone: here
     });
+    inline_ = waited_at_once;  // else returned to the caller from here on, who may add callbacks
   }
 
   bool wait(std::chrono::milliseconds timeout) override {
@@ -163,6 +168,7 @@ class Work final : public c10d::Work {
   std::weak_ptr<Completer> completer_;  // the backend's: a Work may outlive it
   c10::intrusive_ptr<c10::ivalue::Future> future_;
   comm::WorkPtr dw_;
+  std::atomic<bool> inline_{true};
 };
 
 // ---- tensors ----
@@ -359,7 +365,7 @@ struct DtrainBackend::Op {
     }
     for (auto& f : back) after.push_back(std::move(f));
     auto work = c10::make_intrusive<Work>(b.rank_, type, ++b.seq_, std::move(outputs), b.completer_);
-    work->start(w, sequence(std::move(after)));
+    work->start(w, sequence(std::move(after)), !async);
     return work;
   }
 };
