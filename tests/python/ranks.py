@@ -200,6 +200,33 @@ def scenario_collectives():
     out = [None]
     dist.scatter_object_list(out, [("s", r) for r in range(WORLD)] if RANK == 0 else None, src=0)
     assert out == [("s", RANK)], out
+    # Coalesced: PyTorch batches these into all_reduce_coalesced, all_gather_into_tensor_coalesced and
+    # reduce_scatter_tensor_coalesced.
+    a, b = torch.full((3,), float(RANK)), torch.full((5,), float(2 * RANK))
+    with dist._coalescing_manager(async_ops=True) as cm:
+        dist.all_reduce(a)
+        dist.all_reduce(b)
+    cm.wait()
+    s = float(sum(range(WORLD)))
+    same(a, torch.full((3,), s), "coalesced all_reduce (first)")
+    same(b, torch.full((5,), 2 * s), "coalesced all_reduce (second)")
+    ins = [torch.full((2,), float(RANK + k)) for k in range(2)]
+    outs = [torch.empty(2 * WORLD) for _ in range(2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(outs, ins):
+            dist.all_gather_into_tensor(o, i)
+    cm.wait()
+    for k in range(2):
+        same(outs[k], torch.tensor([float(r + k) for r in range(WORLD) for _ in range(2)]), f"coalesced all_gather {k}")
+    rs_in = [torch.arange(2 * WORLD, dtype=torch.float32) + k for k in range(2)]
+    rs_out = [torch.empty(2) for _ in range(2)]
+    with dist._coalescing_manager(async_ops=True) as cm:
+        for o, i in zip(rs_out, rs_in):
+            dist.reduce_scatter_tensor(o, i)
+    cm.wait()
+    for k in range(2):
+        want = (torch.arange(2 * WORLD, dtype=torch.float32) + k)[2 * RANK:2 * RANK + 2] * WORLD
+        same(rs_out[k], want, f"coalesced reduce_scatter {k}")
     # Async: a future with the outputs.
     t = torch.ones(3)
     work = dist.all_reduce(t, async_op=True)
