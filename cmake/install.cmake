@@ -47,6 +47,10 @@ write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
 install(FILES ${PROJECT_BINARY_DIR}/dtrainConfig.cmake ${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
               ${PROJECT_SOURCE_DIR}/cmake/torch_wheel_link.cmake
         DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+# The license (Apache-2.0), with the vendored Chart.js's (MIT, inlined into dtrain-report's pages) beside it.
+install(FILES ${PROJECT_SOURCE_DIR}/LICENSE DESTINATION ${CMAKE_INSTALL_DATAROOTDIR}/doc/libdtrain-dev RENAME copyright)
+install(FILES ${PROJECT_SOURCE_DIR}/third_party/chartjs/LICENSE.md DESTINATION ${CMAKE_INSTALL_DATAROOTDIR}/doc/libdtrain-dev
+        RENAME chartjs-LICENSE.md)
 
 # ---- the .deb: a development package (headers, static libraries, CMake package) plus the two tools ----
 # It depends on Debian's libtorch-dev, so it is made only from a build against that libtorch (a wheel's or
@@ -58,6 +62,7 @@ if(NOT Torch_DIR MATCHES "^/usr/lib/")  # Debian's: /usr/lib/<triplet>/cmake/Tor
 endif()
 set(CPACK_PACKAGE_NAME libdtrain-dev)
 set(CPACK_PACKAGE_VENDOR dtrain)
+set(CPACK_RESOURCE_FILE_LICENSE ${PROJECT_SOURCE_DIR}/LICENSE)  # Apache-2.0; /usr/share/doc/libdtrain-dev/copyright
 set(CPACK_PACKAGE_CONTACT "dtrain maintainers <dtrain@localhost>")
 set(CPACK_PACKAGE_DESCRIPTION_SUMMARY
     "Distributed training for C++ on libtorch: collectives, DDP, parameter server, launcher")
