@@ -79,6 +79,8 @@ std::string joinInts(const std::vector<double>& v, const char* fmt) {
 
 // What every configuration shares: the stage, the batch and the one-process reference to check against.
 struct Bench {
+  Bench(const Options& opts, std::shared_ptr<comm::ProcessGroup> group, int stages, int r)
+      : o(opts), pg(std::move(group)), P(stages), rank(r) {}
   const Options& o;
   std::shared_ptr<comm::ProcessGroup> pg;
   int P, rank;

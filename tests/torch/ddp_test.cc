@@ -43,7 +43,9 @@ void trainAndCompare(int world, const Case& c, double tol) {
     o.find_unused_parameters = c.unused;
     o.last_bucket_bytes = c.last_bucket_bytes;
     DistributedDataParallel ddp(model.ptr(), pg, o);
-    if (c.buckets) EXPECT_EQ(ddp.bucketLayout().size(), c.buckets);
+    if (c.buckets) {
+      EXPECT_EQ(ddp.bucketLayout().size(), c.buckets);
+    }
     if (c.hook) ddp.registerCommHook(c.hook());
     auto opt = makeOpt(c.opt, *model), ref_opt = makeOpt(c.opt, *ref);
     for (int step = 0; step < 5; ++step) {

@@ -76,7 +76,9 @@ TEST(DdpTune, TriesEveryLayoutKeepsTheFastestTrainsAsOneProcessAndCaches) {
       step(net, opt, steps, rank, world, world);
       step(ref, ref_opt, steps, rank, 0, world);
       ++steps;
-      if (steps == 1) ASSERT_EQ(ddp.tuning().state, Kind::probing);
+      if (steps == 1) {
+        ASSERT_EQ(ddp.tuning().state, Kind::probing);
+      }
     } while (ddp.tuning().state == Kind::probing && steps < 200);
     const DDPTuning t = ddp.tuning();
     ASSERT_EQ(t.state, Kind::tuned);

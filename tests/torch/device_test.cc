@@ -154,7 +154,9 @@ TEST(PathChoice, NcclSharesGpusOnlyWhenAskedFor) {
   ::unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
   EXPECT_FALSE(device::ncclSharesGpus());
   ::setenv("NCCL_MULTI_RANK_GPU_ENABLE", "1", 1);
-  if (!comm::ncclBuilt()) EXPECT_FALSE(device::ncclSharesGpus());
+  if (!comm::ncclBuilt()) {
+    EXPECT_FALSE(device::ncclSharesGpus());
+  }
   ::unsetenv("NCCL_MULTI_RANK_GPU_ENABLE");
 }
 

@@ -131,7 +131,9 @@ double compare(PsgdNet& shapes, const std::vector<at::Tensor>& a, const std::vec
       off += n;
       double diff = (x - y).abs().max().item<double>(), scale = std::max(1e-12, y.abs().max().item<double>());
       worst = std::max(worst, diff / scale);
-      if (expect) EXPECT_LE(diff / scale, tol) << what << ", step " << s << ", " << item.key() << ": differs by " << diff;
+      if (expect) {
+        EXPECT_LE(diff / scale, tol) << what << ", step " << s << ", " << item.key() << ": differs by " << diff;
+      }
     }
   }
   return worst;

@@ -222,8 +222,9 @@ void trainDdp(int rank, int world, const std::shared_ptr<comm::ProcessGroup>& pg
           if (uses(s, k, r, world)) return true;
       return false;
     }();
-    if (!anyone && v.none)
+    if (!anyone && v.none) {
       EXPECT_FALSE(model.gate->lin->weight.grad().defined()) << v.describe(rank, world) << " step " << s;
+    }
     if (zero) sharded->step();
     else plain->step();
   }
@@ -536,7 +537,9 @@ TEST(UnusedGradDataParallel, MainGradientsAreOneProcesss) {
             .backward();
         row += n;
       }
-      if (none) EXPECT_EQ(net->branch->weight.grad().defined(), batch == 10) << "step " << s;
+      if (none) {
+        EXPECT_EQ(net->branch->weight.grad().defined(), batch == 10) << "step " << s;
+      }
       opt.step();
       ref_opt.step();
     }

@@ -27,6 +27,8 @@ constexpr const char* kVariables[] = {
     // the store and the process group
     "DTRAIN_INIT_METHOD", "DTRAIN_RESTART_COUNT", "DTRAIN_USE_AGENT_STORE", "DTRAIN_TIMEOUT", "DTRAIN_TRANSPORT",
     "DTRAIN_SEGMENT_BYTES", "DTRAIN_SPIN_US", "DTRAIN_DEBUG", "DTRAIN_IFNAME", "DTRAIN_CUDA_COMM",
+    // NCCL 2.30+ accepting ranks that share a GPU (src/torch/device/path.cc: ncclSharesGpus)
+    "NCCL_MULTI_RANK_GPU_ENABLE",
     // the job secret connections prove (src/comm/net/auth.cc)
     "DTRAIN_SECRET", "DTRAIN_SECRET_FILE",
     // the dtrain-run agents' stores of in-memory snapshots (dtrain/snapshot.h)

@@ -4,9 +4,9 @@
 #include <fmt/format.h>
 
 #include <cstdio>
-#include <cstdlib>
 #include <cstring>
 
+#include "comm/rendezvous/environment.h"
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/nccl.h"
 
@@ -94,9 +94,7 @@ Path agreePath(comm::ProcessGroup& pg, const Place& mine) {
 }
 
 bool ncclSharesGpus() {
-  if (!comm::ncclBuilt()) return false;
-  const char* on = std::getenv("NCCL_MULTI_RANK_GPU_ENABLE");
-  if (!on || std::string(on) != "1") return false;
+  if (!comm::ncclBuilt() || !comm::rendezvous::Environment::read().flag("NCCL_MULTI_RANK_GPU_ENABLE")) return false;
   int major = 0, minor = 0;
   if (std::sscanf(comm::ncclVersionText().c_str(), "%d.%d", &major, &minor) != 2) return false;
   return major > 2 || (major == 2 && minor >= 30);
