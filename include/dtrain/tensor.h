@@ -3,14 +3,18 @@
 #pragma once
 #include <ATen/core/Tensor.h>
 
+#include <optional>
 #include <string>
 
 #include "dtrain/comm/types.h"
 
 namespace dtrain {
 
-// float32/64, float16, bfloat16, int32/64 and uint8 map to their comm types; others throw
-// InvalidArgument naming the dtype and `what`.
+// The comm type of a torch dtype: float32/64, float16, bfloat16, int32/64 and uint8 map to their comm
+// types; any other dtype gives nullopt.
+std::optional<comm::DType> commDTypeOf(c10::ScalarType t);
+
+// As commDTypeOf, but an unmapped dtype throws InvalidArgument naming the dtype and `what`.
 comm::DType toCommDType(c10::ScalarType t, const char* what = "tensor");
 
 // Throws InvalidArgument (naming `what`) unless t is a defined, contiguous CPU tensor of a mapped dtype.

@@ -197,19 +197,6 @@ at::Tensor dense(const at::Tensor& t, std::vector<std::function<void()>>& after,
 // A contiguous tensor's bytes, as a flat uint8 tensor on its storage.
 at::Tensor bytes(const at::Tensor& c) { return c.reshape({-1}).view(at::kByte); }
 
-std::optional<comm::DType> nativeType(c10::ScalarType t) {
-  switch (t) {
-    case c10::kFloat: return comm::DType::f32;
-    case c10::kDouble: return comm::DType::f64;
-    case c10::kHalf: return comm::DType::f16;
-    case c10::kBFloat16: return comm::DType::bf16;
-    case c10::kInt: return comm::DType::i32;
-    case c10::kLong: return comm::DType::i64;
-    case c10::kByte: return comm::DType::u8;
-    default: return std::nullopt;
-  }
-}
-
 std::optional<comm::ReduceOp> nativeOp(RedOp op) {
   switch (op) {
     case RedOp::SUM: return comm::ReduceOp::sum;
@@ -258,7 +245,7 @@ RedOp prepareOp(const c10d::ReduceOp& rop, at::Tensor& t, const char* op) {
   return r;
 }
 
-bool native(const at::Tensor& t, RedOp op) { return nativeType(t.scalar_type()) && nativeOp(op); }
+bool native(const at::Tensor& t, RedOp op) { return commDTypeOf(t.scalar_type()) && nativeOp(op); }
 
 // Row r of g is rank r's contribution; the reduction over the rows, as t's dtype, by torch (the
 // reductions the comm layer has no kernel for).
@@ -456,7 +443,7 @@ c10::intrusive_ptr<c10d::Work> DtrainBackend::reduce(std::vector<at::Tensor>& te
     const RedOp r = prepareOp(opts.reduceOp, c, op.name);
     if (native(c, r)) {
       at::Tensor out = at::empty_like(c);
-      const auto dt = *nativeType(c.scalar_type());
+      const auto dt = *commDTypeOf(c.scalar_type());
       const auto rop = *nativeOp(r);
       const size_t n = static_cast<size_t>(c.numel());
       if (rank_ == root) op.after.push_back([t, out]() mutable { t.copy_(out.view_as(t)); });
@@ -613,7 +600,7 @@ comm::WorkPtr DtrainBackend::issueReduceScatter(Op& op, const at::Tensor& out, c
   at::Tensor c = dense(out, op.back, true, op.name);
   const RedOp r = prepareOp(rop, flat, op.name);
   if (native(flat, r)) {
-    const auto dt = *nativeType(flat.scalar_type());
+    const auto dt = *commDTypeOf(flat.scalar_type());
     const auto cop = *nativeOp(r);
     if (even) return device::reduceScatter(*pg_, flat, c, cop);
     return device::onHost(*pg_, flat, c, [this, counts, dt, cop](const void* i, void* o) {

@@ -8,7 +8,7 @@
 
 namespace dtrain {
 
-comm::DType toCommDType(c10::ScalarType t, const char* what) {
+std::optional<comm::DType> commDTypeOf(c10::ScalarType t) {
   switch (t) {
     case c10::kFloat: return comm::DType::f32;
     case c10::kDouble: return comm::DType::f64;
@@ -17,8 +17,12 @@ comm::DType toCommDType(c10::ScalarType t, const char* what) {
     case c10::kInt: return comm::DType::i32;
     case c10::kLong: return comm::DType::i64;
     case c10::kByte: return comm::DType::u8;
-    default: break;
+    default: return std::nullopt;
   }
+}
+
+comm::DType toCommDType(c10::ScalarType t, const char* what) {
+  if (auto d = commDTypeOf(t)) return *d;
   throw InvalidArgument(fmt::format("{}: dtype {} cannot be communicated (use float32/64, float16, bfloat16, "
                                     "int32/64 or uint8)", what, c10::toString(t)));
 }
