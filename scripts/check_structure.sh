@@ -26,6 +26,8 @@
 #                    (the algorithms and their reduction kernels) is included
 #   torch-version    libtorch's version is tested in one file: no TORCH_VERSION_* outside
 #                    include/dtrain/compat.h (in src/, include/, apps/, tools/, benches/, tests/, examples/)
+#   api-docs         every public declaration of include/dtrain has a Doxygen summary and no comment there
+#                    is malformed: scripts/check_api_docs.sh (needs doxygen: scripts/setup.sh installs it)
 #
 # Usage: scripts/check_structure.sh [--no-tidy] [--report FILE]
 #   --no-tidy      skip clang-tidy's half of function-size (lizard's runs)
@@ -82,6 +84,12 @@ while IFS= read -r hit; do
   fail "torch-version: $hit: only include/dtrain/compat.h tests libtorch's version"
 done < <(grep -rn --include='*.h' --include='*.cc' --include='*.cpp' --include='*.hpp' 'TORCH_VERSION_' \
            src include apps tools benches tests examples 2>/dev/null | grep -v '^include/dtrain/compat\.h:' | cut -d: -f1,2 || true)
+
+# ---- api-docs ----
+if ! bash "$root/scripts/check_api_docs.sh" "$tmp/api" >"$tmp/api-docs" 2>&1; then
+  grep -v '^api docs: ' "$tmp/api-docs" >"$tmp/api-docs.fails" || tail -n 1 "$tmp/api-docs" >"$tmp/api-docs.fails"
+  while IFS= read -r line; do fail "api-docs: $line"; done <"$tmp/api-docs.fails"
+fi
 
 # ---- tool-includes ----
 /usr/bin/python3 - "$ccdb" "$root" >>"$tmp/includes" <<'PY'

@@ -37,6 +37,7 @@ test_pkgs=(
   chromium
   munge slurmctld slurmd slurm-client
   etcd-server
+  doxygen  # scripts/check_api_docs.sh (check_structure.sh's api-docs)
 )
 
 apt_install() {

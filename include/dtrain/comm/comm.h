@@ -1,5 +1,6 @@
-// dtrain::comm in one include: stores, rendezvous, process groups and their collectives.
-// No libtorch anywhere in this layer; buffers are pointers + DType + element count.
+/// @file
+/// dtrain::comm in one include: stores, rendezvous, process groups and their collectives.
+/// No libtorch anywhere in this layer; buffers are pointers + DType + element count.
 #pragma once
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/etcd.h"
