@@ -232,15 +232,8 @@ std::shared_ptr<comm::Store> StoreServer::client(std::chrono::milliseconds timeo
 
 const char* const kPythonDtrainLoad =
     "import torch\n"
-    "import torch.jit._pickle\n"
     "def dtrain_load(path):\n"
-    "    allow = getattr(torch.serialization, 'safe_globals', None)  # PyTorch 2.5 and later\n"
-    "    if allow is None:\n"
-    "        return torch.load(path)\n"
-    "    jp = torch.jit._pickle\n"
-    "    with allow([jp.restore_type_tag, jp.build_intlist, jp.build_doublelist, jp.build_boollist, "
-    "jp.build_tensorlist]):\n"
-    "        return torch.load(path)\n";
+    "    return torch.load(path)  # the default: weights-only from PyTorch 2.6\n";
 
 std::string pythonPath() {
   const char* env = std::getenv("DTRAIN_TEST_PYTHON");

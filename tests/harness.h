@@ -76,11 +76,9 @@ class StoreServer {
 // /usr/bin/python3 with python3-torch 1.13). Both come from scripts/setup.sh, with numpy.
 std::string pythonPath();
 
-// Python source that defines dtrain_load(path): torch.load of a file dtrain wrote, on any PyTorch. Its
-// pickles hold torch.jit._pickle's restore_type_tag and build_*list (typed containers, as
-// torch::pickle_save writes them), which the weights-only torch.load of PyTorch 2.6 and later refuses
-// unless they are allow-listed (a user does the same: docs/CLUSTER.md "Checkpoints from Python"). Put
-// it first in a script.
+// Python source that defines dtrain_load(path): torch.load(path) with no arguments, as a user loads a
+// file dtrain wrote: weights-only by default on PyTorch 2.6 and later (src/torch/pickle_save.h). Put it
+// first in a script.
 extern const char* const kPythonDtrainLoad;
 
 // Runs pythonPath() on `code` (written to a file: no shell quoting) and returns its output; empty,

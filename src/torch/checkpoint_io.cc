@@ -22,6 +22,7 @@
 #include "dtrain/comm/error.h"
 #include "errors.h"
 #include "pickle_load.h"
+#include "pickle_save.h"
 #include "zip_layout.h"
 
 namespace dtrain::detail {
@@ -297,7 +298,7 @@ std::vector<char> pickleState(const CheckpointState& s, int rank, int world_size
 
 std::vector<char> pickleWithDigest(c10::impl::GenericDict dict) {
   dict.insert(kDigestKey, digestOf(dict));  // last: what a load recomputes (loadCheckpointDict)
-  return torch::pickle_save(dict);
+  return detail::torchSave(dict);
 }
 
 c10::IValue loadTorchArchive(const std::string& path, const std::vector<char>& bytes, const TorchFileKind& k) {

@@ -11,6 +11,7 @@
 #include "torch/device/tensor_comm.h"
 #include "torch/fsdp_impl.h"
 #include "torch/optim_state.h"
+#include "torch/pickle_save.h"
 
 namespace dtrain {
 
@@ -218,7 +219,7 @@ void FullyShardedDataParallel::captureSharded(CheckpointState& s, const torch::o
     gd.insert("units", units);
     groups.push_back(c10::IValue(gd));
   }
-  s.sharded[pre + ".param_groups"] = bytesTensor(torch::pickle_save(groups));
+  s.sharded[pre + ".param_groups"] = bytesTensor(detail::torchSave(groups));
 }
 
 void FullyShardedDataParallel::restoreSharded(const std::string& checkpoint_dir, torch::optim::Optimizer& optimizer) {

@@ -15,6 +15,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/optim.h"
 #include "torch/checkpoint_io.h"
+#include "torch/pickle_save.h"
 
 namespace dtrain::optim_state {
 
@@ -297,7 +298,7 @@ c10::impl::GenericDict consolidatedRoot(Kind k, const c10::Dict<int64_t, TensorD
 void writeConsolidated(const std::string& path, const c10::impl::GenericDict& root) {
   const auto p = std::filesystem::path(path);
   detail::writeFileAtomically(p.has_parent_path() ? p.parent_path().string() : std::string("."), p.filename().string(),
-                              torch::pickle_save(root));
+                              detail::torchSave(root));
 }
 
 c10::impl::GenericDict readStateDict(const std::string& path, Kind k) {

@@ -11,6 +11,7 @@
 #include "dtrain/comm/error.h"
 #include "dtrain/comm/process_group.h"
 #include "torch/optim_state.h"
+#include "torch/pickle_save.h"
 #include "torch/zero_impl.h"
 
 namespace dtrain {
@@ -28,7 +29,7 @@ std::vector<char> ownedState(const torch::optim::Optimizer& local, const std::ve
     auto it = state.find(compat::optimizerStateKey(params[i]));
     if (it != state.end()) mine.insert(static_cast<int64_t>(i), toDict(k, *it->second));
   }
-  return torch::pickle_save(mine);
+  return detail::torchSave(mine);
 }
 
 }  // namespace
@@ -139,7 +140,7 @@ void ZeroRedundancyOptimizer::captureSharded(CheckpointState& s) const {
     for (const auto& e : toDict(k, *it->second))
       s.sharded[fmt::format("zero.state.{}.{}", i, e.key())] = e.value().detach().clone();
   }
-  s.sharded["zero.param_groups"] = bytesTensor(torch::pickle_save(groupsOf(m, k)));
+  s.sharded["zero.param_groups"] = bytesTensor(detail::torchSave(groupsOf(m, k)));
 }
 
 void ZeroRedundancyOptimizer::restoreSharded(const std::string& checkpoint_dir) {

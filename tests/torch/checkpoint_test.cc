@@ -561,7 +561,10 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
       "print(d['scheduler'], d['metrics'])\n"
       "print(d['optimizer'].dtype, d['optimizer'].numel() > 0, d['rng'].dtype)\n"
       "torch.set_rng_state(d['rng'])\n"
-      "print(' '.join(repr(v) for v in torch.rand(4).tolist()))\n");
+      "print(' '.join(repr(v) for v in torch.rand(4).tolist()))\n"
+      "w = torch.load('" + path + "', weights_only=True)  # the default from PyTorch 2.6; an argument since 1.13\n"
+      "print('weights only:', sorted(w.keys()) == sorted(d.keys()), torch.equal(w['model']['fc.weight'], "
+      "d['model']['fc.weight']))\n");
   std::istringstream lines(out);
   std::string line;
   auto next = [&] {
@@ -582,6 +585,20 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
     nums >> v;
     EXPECT_EQ(v, static_cast<double>(rand_after_restore[i].item<float>())) << "draw " << i << "\n" << out;
   }
+  EXPECT_EQ(next(), "weights only: True True");
+  // Nothing for a weights-only load to allow-list: the pickle names no torch.jit._pickle builder (the
+  // optimizer's entry, a tensor of torch::save's bytes, is data to torch.load and may name anything).
+  std::ifstream f(path, std::ios::binary);
+  const std::string bytes((std::istreambuf_iterator<char>(f)), std::istreambuf_iterator<char>());
+  std::vector<detail::ZipEntry> entries;
+  ASSERT_EQ(detail::zipLayoutProblem(bytes.data(), bytes.size(), &entries), "");
+  std::string pickle;
+  for (const auto& e : entries)
+    if (e.name.size() >= 9 && e.name.compare(e.name.size() - 9, 9, "/data.pkl") == 0)
+      pickle = bytes.substr(e.offset, e.size);
+  ASSERT_FALSE(pickle.empty());
+  EXPECT_EQ(pickle.find("torch.jit"), std::string::npos);
+  EXPECT_NE(pickle.find("_rebuild_tensor_v2"), std::string::npos);
 }
 
 }  // namespace

@@ -14,6 +14,7 @@
 #include "dtrain/fsdp.h"
 #include "dtrain/zero.h"
 #include "harness.h"
+#include "torch/pickle_save.h"
 
 namespace dtrain::test {
 namespace {
@@ -208,11 +209,11 @@ void fsdpSteps(FullyShardedDataParallel& fsdp, torch::optim::Optimizer& opt, int
   }
 }
 
-// A name -> tensor map in a file (torch::pickle_save), and back.
+// A name -> tensor map in a file (as dtrain writes files: src/torch/pickle_save.h), and back.
 void saveNamed(const std::string& path, const std::map<std::string, at::Tensor>& m) {
   c10::Dict<std::string, at::Tensor> d;
   for (const auto& [name, t] : m) d.insert(name, t);
-  auto bytes = torch::pickle_save(d);
+  auto bytes = dtrain::detail::torchSave(d);  // what dtrain writes: torch.load reads it by default
   std::ofstream(path, std::ios::binary).write(bytes.data(), static_cast<std::streamsize>(bytes.size()));
 }
 
