@@ -269,6 +269,10 @@ void writeCsv(const std::string& path, const std::vector<std::string>& header,
 // data rejected.
 // InvalidArgument naming the file on a bad magic, header, dtype or size.
 at::Tensor readNpy(const std::string& path);
+// A 1-d .npy array of numpy's fixed-width strings ('<U': UTF-32, written back as UTF-8; '|S': bytes), as
+// np.save(path, np.array(words)) writes it: the HowTo100M reference's word dictionary (s3d_dict.npy).
+// InvalidArgument naming the file for anything else (an object array, another shape, a bad size).
+std::vector<std::string> readNpyStrings(const std::string& path);
 void writeNpy(const std::string& path, const at::Tensor& tensor);
 
 }  // namespace milnce

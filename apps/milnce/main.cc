@@ -3,6 +3,7 @@
 //   milnce gen-data --out data/milnce                         # videos, captions, word vectors, eval clips
 //   dtrain-run --standalone --nproc-per-node 2 milnce train --data data/milnce --out runs/milnce
 //   milnce eval --data data/milnce --run runs/milnce          # R@1/5/10 and median rank of the newest checkpoint
+//   milnce embed --weights s3d_howto100m.pth --dict s3d_dict.npy --text "cut the onion" --out text.npy
 //
 // Every command also runs as a single process; train evaluates before training and after every epoch, and
 // rank 0 writes RUN/metrics.jsonl (docs/OBSERVABILITY.md). Each command shows its progress on stderr: a
@@ -21,6 +22,7 @@
 #include "dtrain/distributed.h"
 #include "dtrain/progress.h"
 #include "milnce/data.h"
+#include "milnce/pretrained.h"
 #include "milnce/train.h"
 
 namespace {
@@ -160,19 +162,48 @@ int main(int argc, char** argv) {
   tr->add_flag("--raw-video", t.model.raw_video, "train S3D-G end to end from the videos of a milnce gen-video data set");
   tr->add_option("--loader-threads", t.loader_threads, "raw video: decoding threads per rank")->check(CLI::PositiveNumber);
   tr->add_option("--prefetch", t.prefetch, "raw video: micro-batches decoded ahead")->check(CLI::PositiveNumber);
+  tr->add_option("--init", t.init, "start from the HowTo100M reference's trained weights (a PyTorch state_dict "
+                 "such as s3d_howto100m.pth; raw video; the widths come from the file)");
+  tr->add_option("--dict", t.dict, "with --init: its word dictionary (s3d_dict.npy, or one word per line), which "
+                 "replaces the data set's vocabulary and word vectors");
 
   milnce::TrainOptions e;
   std::string checkpoint, eval_json;
-  auto* ev = app.add_subcommand("eval", "retrieval R@1/5/10 and median rank of a checkpoint");
+  auto* ev = app.add_subcommand("eval", "retrieval R@1/5/10 and median rank of a checkpoint, or of trained weights");
   ev->add_option("--data", e.data, "data directory")->required();
-  ev->add_option("--run", e.out, "run directory (its newest checkpoint is used)");
-  ev->add_option("--checkpoint", checkpoint, "a checkpoint file (or per-rank checkpoint directory) instead of --run's newest");
+  auto* ev_run = ev->add_option("--run", e.out, "run directory (its newest checkpoint is used)");
+  auto* ev_ckpt = ev->add_option("--checkpoint", checkpoint,
+                                 "a checkpoint file (or per-rank checkpoint directory) instead of --run's newest");
+  ev->add_option("--weights", e.init, "the HowTo100M reference's trained weights (a state_dict) instead of a "
+                 "checkpoint")->excludes(ev_ckpt);
+  ev->add_option("--dict", e.dict, "with --weights: its word dictionary");
   ev->add_option("--windows", e.eval_windows, "windows averaged per clip")->check(CLI::PositiveNumber);
   ev->add_option("--json", eval_json, "where to write the results (default: RUN/eval-epochN.json)");
   ev->add_option("--device", e.device, "cpu, cuda, cuda:N or auto");
   addProgressOption(ev, e.progress);
   addLoaderOptions(ev, e.loader);
   addModelOptions(ev, e.model);
+
+  milnce::EmbedOptions em;
+  auto* emb = app.add_subcommand("embed", "video or sentence embeddings of the HowTo100M reference's trained model, "
+                                          "as .npy");
+  emb->add_option("--weights", em.weights, "the trained weights (a PyTorch state_dict: s3d_howto100m.pth)")->required();
+  emb->add_option("--dict", em.dict, "its word dictionary (s3d_dict.npy, or one word per line): needed for --text");
+  auto* emb_videos = emb->add_option("--videos", em.videos, "embed every video file of this directory (by name)");
+  emb->add_option("--text", em.texts, "embed this sentence (repeat for more)")->excludes(emb_videos);
+  emb->add_option("--out", em.out, "embeddings, .npy float32 [N, D]; OUT.txt names each row's video or sentence")
+      ->required();
+  emb->add_option("--clips-out", em.clips_out, "videos: also the decoded clips, .npy uint8 [N, 3, T, S, S]");
+  emb->add_option("--frames", em.clip.frames, "frames per clip")->check(CLI::PositiveNumber);
+  emb->add_option("--fps", em.clip.fps, "frames per second decoded")->check(CLI::PositiveNumber);
+  emb->add_option("--size", em.clip.size, "clip height and width in pixels")->check(CLI::PositiveNumber);
+  emb->add_option("--start", em.clip.start, "seconds into each video")->check(CLI::NonNegativeNumber);
+  emb->add_flag("--crop-only,!--crop-and-scale", em.clip.crop_only,
+                "a centred size x size window, or the largest centred square scaled to size (the default)");
+  emb->add_option("--max-words", em.max_words, "words per sentence (pad or cut; the reference: 16)")
+      ->check(CLI::PositiveNumber);
+  emb->add_option("--batch", em.batch, "clips per forward pass")->check(CLI::PositiveNumber);
+  emb->add_option("--device", em.device, "cpu, cuda, cuda:N or auto");
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -184,15 +215,30 @@ int main(int argc, char** argv) {
     } else if (*tr) {
       auto dist = dtrain::init();
       milnce::train(dist, t);
+    } else if (*emb) {
+      milnce::embed(em);
     } else if (*ev) {
       auto data = milnce::Dataset::load(e.data);
       auto mo = e.model;
       mo.feature_dim = data.feature_dim;
       mo.raw_video = e.model.raw_video = data.raw_video;
+      std::optional<milnce::Pretrained> weights;
+      if (!e.init.empty()) {
+        weights = milnce::readPretrained(e.init, e.dict);
+        milnce::adoptPretrained(*weights, mo, data);
+      } else if (!e.dict.empty()) {
+        throw dtrain::InvalidArgument(fmt::format("--dict {}: a dictionary goes with its weights (--weights FILE)", e.dict));
+      }
       milnce::MilNceNet model(data.word_vectors, mo);
-      const auto parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
-      if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
-      milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
+      std::vector<dtrain::CheckpointState> parts;
+      if (weights) {
+        milnce::loadPretrained(model, *weights);
+        parts.emplace_back();  // epoch 0: the weights as trained elsewhere
+      } else {
+        parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
+        if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
+        milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
+      }
       model->to(dtrain::selectDevice(e.device));
       const dtrain::CheckpointState* st = &parts[0];
       dtrain::ProgressOptions po;
@@ -201,9 +247,11 @@ int main(int argc, char** argv) {
       dtrain::Progress progress("eval", static_cast<int64_t>(data.eval_clips.size()), po);
       auto r = milnce::evaluate(model, data, e.loader, e.eval_windows, &progress);
       std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
-                  milnce::formatRetrieval(fmt::format("epoch {}", st->epoch), r).c_str(),
+                  milnce::formatRetrieval(weights ? std::string("weights") : fmt::format("epoch {}", st->epoch), r).c_str(),
                   milnce::chanceRow(r.clips).c_str());
-      if (eval_json.empty()) eval_json = fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
+      if (eval_json.empty() && weights && ev_run->count() == 0) return 0;  // --weights alone: printed only
+      if (eval_json.empty())
+        eval_json = weights ? fmt::format("{}/eval-weights.json", e.out) : fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
       nlohmann::json j = {{"epoch", st->epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
                           {"median_rank", r.median_rank}, {"chance_R@10", std::min(1.0, 10.0 / std::max(1, r.clips))}};
       std::ofstream(eval_json) << j.dump(2) << "\n";

@@ -29,7 +29,8 @@ at::Tensor VideoEncoderImpl::forward(const at::Tensor& video) {
   return proj->forward(h);
 }
 
-TextEncoderImpl::TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden, int64_t embed) {
+TextEncoderImpl::TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden, int64_t embed, bool padding_in_max)
+    : padding_in_max(padding_in_max) {
   words = register_module("words", torch::nn::Embedding(torch::nn::EmbeddingOptions(word_vectors.size(0),
                                                                                     word_vectors.size(1))
                                                             .padding_idx(0)));
@@ -50,15 +51,17 @@ at::Tensor TextEncoderImpl::forward(const at::Tensor& tokens) {
   auto [distinct, where] = at::_unique(tokens.reshape(-1), /*sorted=*/false, /*return_inverse=*/true);
   // Max over real words only: padding (id 0) contributes zeros, which never win a max of ReLU outputs
   // (>= 0) and make a caption with no known word embed as zeros. Zeroing the padding row among the
-  // distinct words costs nothing, unlike masking every token.
-  auto per_word = torch::relu(fc1->forward(words->forward(distinct))) * (distinct != 0).unsqueeze(1);  // [U, H]
+  // distinct words costs nothing, unlike masking every token. The reference keeps it (padding_in_max):
+  // its padding row goes through fc1 like a word.
+  auto per_word = torch::relu(fc1->forward(words->forward(distinct)));  // [U, H]
+  if (!padding_in_max) per_word = per_word * (distinct != 0).unsqueeze(1);
   auto h = per_word.index_select(0, where).view({tokens.size(0), tokens.size(1), -1});  // [N, W, H]
   return fc2->forward(std::get<0>(h.max(/*dim=*/1)));
 }
 
 MilNceNetImpl::MilNceNetImpl(const at::Tensor& word_vectors, const ModelOptions& o) {
   video_enc = register_module("video", VideoEncoder(o));
-  text_enc = register_module("text", TextEncoder(word_vectors, o.hidden, o.embed));
+  text_enc = register_module("text", TextEncoder(word_vectors, o.hidden, o.embed, o.reference_text));
 }
 
 at::Tensor milNceLoss(const at::Tensor& video, const at::Tensor& text) {

@@ -19,6 +19,9 @@ struct ModelOptions {
   // (1.0: the reference's), its fc giving the embed-dimensional embedding.
   bool raw_video = false;
   double s3d_width = 0.25;
+  // The text encoder's max over the words includes the padding's row, as the reference's
+  // Sentence_Embedding does (set when starting from its trained weights: pretrained.h); false excludes it.
+  bool reference_text = false;
 };
 
 // Video: features [B, T, F] -> gated temporal convolution (Conv1d to 2H channels, GLU) -> max over
@@ -35,12 +38,14 @@ struct VideoEncoderImpl : torch::nn::Module {
 TORCH_MODULE(VideoEncoder);
 
 // Text, as the reference's Sentence_Embedding: frozen word vectors -> Linear(E, H) + ReLU -> max
-// over the words (padding excluded) -> Linear(H, D). Token ids [B, W] (0 = padding).
+// over the words (padding excluded; included with padding_in_max, as the reference) -> Linear(H, D).
+// Token ids [B, W] (0 = padding).
 struct TextEncoderImpl : torch::nn::Module {
-  TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden, int64_t embed);
+  TextEncoderImpl(const at::Tensor& word_vectors, int64_t hidden, int64_t embed, bool padding_in_max = false);
   at::Tensor forward(const at::Tensor& tokens);
   torch::nn::Embedding words{nullptr};
   torch::nn::Linear fc1{nullptr}, fc2{nullptr};
+  bool padding_in_max;
 };
 TORCH_MODULE(TextEncoder);
 

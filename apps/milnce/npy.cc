@@ -77,8 +77,16 @@ std::vector<int64_t> parseShape(const std::string& path, const std::string& tupl
 
 // ---- .npy ----
 
-at::Tensor readNpy(const std::string& path) {
-  const std::string s = readFile(path);
+namespace {
+
+// A .npy file's header: its dtype, order and shape, and where its data starts.
+struct NpyHeader {
+  std::string descr, order;
+  std::vector<int64_t> shape;
+  size_t offset = 0;
+};
+
+NpyHeader readNpyHeader(const std::string& path, const std::string& s) {
   if (s.size() < 10 || s.compare(0, 6, "\x93NUMPY") != 0) fail(path, "not a .npy file (bad magic)");
   const int major = static_cast<unsigned char>(s[6]);
   size_t header_len, offset;
@@ -95,12 +103,88 @@ at::Tensor readNpy(const std::string& path) {
   }
   if (s.size() < offset + header_len) fail(path, "truncated .npy header");
   const std::string header = s.substr(offset, header_len);
-  offset += header_len;
+  NpyHeader h;
+  h.offset = offset + header_len;
+  h.descr = npyHeaderValue(path, header, "descr");
+  h.order = npyHeaderValue(path, header, "fortran_order");
+  h.shape = parseShape(path, npyHeaderValue(path, header, "shape"));
+  if (h.order != "True" && h.order != "False") fail(path, fmt::format("bad .npy fortran_order '{}'", h.order));
+  return h;
+}
 
-  const std::string descr = npyHeaderValue(path, header, "descr");
-  const std::string order = npyHeaderValue(path, header, "fortran_order");
-  const std::vector<int64_t> shape = parseShape(path, npyHeaderValue(path, header, "shape"));
-  if (order != "True" && order != "False") fail(path, fmt::format("bad .npy fortran_order '{}'", order));
+// Appends code point c as UTF-8.
+void appendUtf8(std::string& out, uint32_t c) {
+  if (c < 0x80) {
+    out += static_cast<char>(c);
+  } else if (c < 0x800) {
+    out += static_cast<char>(0xc0 | c >> 6);
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  } else if (c < 0x10000) {
+    out += static_cast<char>(0xe0 | c >> 12);
+    out += static_cast<char>(0x80 | (c >> 6 & 0x3f));
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  } else {
+    out += static_cast<char>(0xf0 | c >> 18);
+    out += static_cast<char>(0x80 | (c >> 12 & 0x3f));
+    out += static_cast<char>(0x80 | (c >> 6 & 0x3f));
+    out += static_cast<char>(0x80 | (c & 0x3f));
+  }
+}
+
+}  // namespace
+
+std::vector<std::string> readNpyStrings(const std::string& path) {
+  const std::string s = readFile(path);
+  const NpyHeader h = readNpyHeader(path, s);
+  if (h.shape.size() != 1) fail(path, fmt::format("want a 1-d array of strings, got shape ({})", fmt::join(h.shape, ", ")));
+  // '<U8': 8 UTF-32LE code units per string; '|S8': 8 bytes. Both are padded with NULs.
+  const bool unicode = h.descr.size() > 2 && (h.descr[0] == '<' || h.descr[0] == '|' || h.descr[0] == '=') &&
+                       h.descr[1] == 'U';
+  const bool bytes = h.descr.size() > 2 && h.descr[0] == '|' && h.descr[1] == 'S';
+  if (!unicode && !bytes)
+    fail(path, fmt::format("unsupported dtype '{}' for strings (want numpy's fixed-width '<U' or '|S'{})", h.descr,
+                           h.descr == "|O" ? "; this array holds Python objects (pickled): save it with "
+                                             "np.save(path, np.array(words, dtype=str))"
+                                           : ""));
+  int64_t width = 0;
+  try {
+    width = std::stoll(h.descr.substr(2));
+  } catch (const std::exception&) {
+    fail(path, fmt::format("bad string dtype '{}'", h.descr));
+  }
+  const int64_t unit = unicode ? 4 : 1;
+  if (width < 1 || width > (1 << 20)) fail(path, fmt::format("bad string dtype '{}'", h.descr));
+  const int64_t n = h.shape[0];
+  if (n < 0 || n > std::numeric_limits<int64_t>::max() / width / unit ||
+      s.size() - h.offset != static_cast<size_t>(n * width * unit))
+    fail(path, fmt::format(".npy data is {} bytes, {} strings of {} need {}", s.size() - h.offset, n, h.descr,
+                           n * width * unit));
+  std::vector<std::string> out;
+  out.reserve(static_cast<size_t>(n));
+  const char* p = s.data() + h.offset;
+  for (int64_t i = 0; i < n; ++i, p += width * unit) {
+    std::string w;
+    for (int64_t k = 0; k < width; ++k) {
+      uint32_t c = 0;
+      if (unicode) std::memcpy(&c, p + 4 * k, 4);
+      else c = static_cast<unsigned char>(p[k]);
+      if (c == 0) break;
+      if (unicode && (c > 0x10ffff || (c >= 0xd800 && c < 0xe000)))
+        fail(path, fmt::format("string {} holds an invalid code point U+{:X}", i, c));
+      appendUtf8(w, c);
+    }
+    out.push_back(std::move(w));
+  }
+  return out;
+}
+
+at::Tensor readNpy(const std::string& path) {
+  const std::string s = readFile(path);
+  const NpyHeader h = readNpyHeader(path, s);
+  const std::string& descr = h.descr;
+  const std::string& order = h.order;
+  const std::vector<int64_t>& shape = h.shape;
+  size_t offset = h.offset;
   const NpyType* type = nullptr;
   for (const auto& t : kNpyTypes)
     if (descr == t.descr) type = &t;

@@ -105,7 +105,7 @@ class RunLog {
                       .set("clip_steps", o.loader.clip_steps).set("hidden", o.model.hidden).set("embed", o.model.embed)
                       .set("transport", dist.world()->transportName()).set("comm_hook", o.comm_hook)
                       .set("optimizer", o.optimizer).set("weight_decay", o.weight_decay).set("local_sgd", o.local_sgd)
-                      .set("zero", o.zero).set("raw_video", o.model.raw_video);
+                      .set("zero", o.zero).set("raw_video", o.model.raw_video).set("init", o.init);
     if (o.model.raw_video)
       config.set("frames", o.loader.frames).set("fps", o.loader.fps).set("size", o.loader.size)
           .set("s3d_width", o.model.s3d_width).set("loader_threads", o.loader_threads);
@@ -141,8 +141,8 @@ class RunLog {
 // The job of train(), in the order it runs: resume, evaluate, epochs (steps, checkpoint, evaluate).
 class Job {
  public:
-  Job(const dtrain::Distributed& dist, const TrainOptions& o)
-      : dist_(dist), o_(o), data_(loadData(o)), main_(dist.isMain()), trainer_(dist, data_, o),
+  Job(const dtrain::Distributed& dist, const TrainOptions& o, Dataset data, const Pretrained* init)
+      : dist_(dist), o_(o), data_(std::move(data)), main_(dist.isMain()), trainer_(dist, data_, o, init),
         ckpt_(trainer_.perRankState() ? dtrain::Checkpointer(o.out + "/checkpoints", dist.world(), o.keep)
                                  : dtrain::Checkpointer(o.out + "/checkpoints", dist, o.keep)),
         sampler_(static_cast<int64_t>(data_.videos.size()), dist, /*shuffle=*/true, o.seed, /*drop_last=*/true),
@@ -235,13 +235,6 @@ class Job {
   }
 
  private:
-  // The dataset, loaded before o.out is created (a wrong --data leaves no empty run directory behind).
-  static Dataset loadData(const TrainOptions& o) {
-    Dataset d = Dataset::load(o.data);
-    std::filesystem::create_directories(o.out);
-    return d;
-  }
-
   static dtrain::SnapshotOptions snapshotOptions(const TrainOptions& o, bool per_rank) {
     dtrain::SnapshotOptions so;
     so.replicated = !per_rank;
@@ -536,7 +529,22 @@ class Job {
 
 }  // namespace
 
-void train(const dtrain::Distributed& dist, const TrainOptions& o) { Job(dist, o).run(); }
+void train(const dtrain::Distributed& dist, const TrainOptions& options) {
+  // The data set (and --init's weights) are read before o.out is created: a wrong --data or --init leaves
+  // no empty run directory behind.
+  TrainOptions o = options;
+  Dataset data = Dataset::load(o.data);
+  std::optional<Pretrained> init;
+  if (!o.init.empty()) {
+    init = readPretrained(o.init, o.dict);
+    adoptPretrained(*init, o.model, data);
+  } else if (!o.dict.empty()) {
+    throw dtrain::InvalidArgument(fmt::format("--dict {}: a dictionary goes with the weights it was trained with "
+                                              "(--init FILE)", o.dict));
+  }
+  std::filesystem::create_directories(o.out);
+  Job(dist, o, std::move(data), init ? &*init : nullptr).run();
+}
 
 std::vector<dtrain::CheckpointState> loadCheckpoint(const std::string& checkpoints, const std::string& path) {
   if (!path.empty()) {

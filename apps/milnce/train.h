@@ -16,6 +16,7 @@
 #include "dtrain/progress.h"
 #include "milnce/data.h"
 #include "milnce/model.h"
+#include "milnce/pretrained.h"
 
 namespace milnce {
 
@@ -60,6 +61,10 @@ struct TrainOptions {
   // Each rank appends "epoch E step S: indices" per micro-batch to out/samples-rank<r>.txt: what was read,
   // to audit coverage across restarts (steps after the newest checkpoint are read again on resuming).
   bool log_samples = false;
+  // Start from the HowTo100M reference's trained model (pretrained.h): its state_dict file, and its word
+  // dictionary (a .npy of words) that replaces the data set's vocabulary and word vectors. The widths come
+  // from the file. A resumed run's checkpoint replaces these weights; pass the same options to resume.
+  std::string init, dict;
   int keep = 10;             // checkpoints kept
   int eval_windows = 4;
   bool eval = true;          // evaluate before training and after every eval_every epochs (and the last)
@@ -100,7 +105,9 @@ double learningRate(double base, int64_t step, int64_t total, int64_t warmup_ste
 // stay replicated). InvalidArgument for options FSDP cannot take (a comm hook, local SGD, lamb/lars).
 class Trainer {
  public:
-  Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o);
+  // `init`, when given, fills the model before DDP or FSDP takes it (o.model and data adopted it first:
+  // adoptPretrained).
+  Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o, const Pretrained* init = nullptr);
   ~Trainer();
   // Forward + backward of one micro-batch; `sync` false accumulates without communicating.
   double lossAndBackward(const Batch& local, bool sync = true);

@@ -87,7 +87,7 @@ std::unique_ptr<dtrain::FullyShardedDataParallel> shardEncoder(const Encoder& en
 
 }  // namespace
 
-Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o)
+Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const TrainOptions& o, const Pretrained* init)
     : dist_(dist), o_(o), device_(dtrain::selectDevice(o.device, dist.localRank())) {
   checkZeroOptions(o);
   if (data.raw_video != o.model.raw_video)
@@ -98,6 +98,7 @@ Trainer::Trainer(const dtrain::Distributed& dist, const Dataset& data, const Tra
   mo.feature_dim = data.feature_dim;
   torch::manual_seed(static_cast<uint64_t>(o.seed));
   model_ = MilNceNet(data.word_vectors, mo);
+  if (init) loadPretrained(model_, *init);  // every rank reads the same file
   model_->to(device_);  // before DDP or FSDP takes the parameters
   if (o.zero >= 2) {
     eval_model_ = MilNceNet(data.word_vectors, mo);

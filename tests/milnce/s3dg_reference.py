@@ -3,7 +3,8 @@
 reference (benches/peers/s3dg_torch.py, same module and parameter names as antoine77340/S3D_HowTo100M s3dg.py).
 
 usage: s3dg_reference.py OUT_DIR [--width 1.0] [--frames 8] [--size 32] [--seed 0] [--no-space-to-depth]
-                         [--embed 512] [--vocab V --word-dim 300 --text-hidden 2048] [--literal-bn]
+                         [--embed 512] [--vocab V | --dict-words FILE] [--word-dim 300 --text-hidden 2048]
+                         [--literal-bn]
 
 OUT_DIR gets:
   state_dict.pt         torch.save(model.state_dict()): the OrderedDict as is, like the reference's
@@ -13,6 +14,9 @@ OUT_DIR gets:
   mixed_5c.npy          float32 [1, C]       mixed_5c averaged over T, H, W
   tokens.npy            int64 [4, 12], ids in 0..V, zero padding at the end   (with --vocab)
   text_embedding.npy    float32 [4, embed]                                    (with --vocab)
+  dict.npy              the words of --dict-words FILE (one per line) as np.save(np.array(words)) writes them,
+                        a '<U' array like the reference's s3d_dict.npy; the text module then has len(words) + 1
+                        embeddings (word i is token i + 1)
 
 Weights: S3D built after torch.manual_seed(seed); then every Conv3d weight is redrawn kaiming_normal (fan_in,
 ReLU gain, the MIL-NCE reference's own 'kaiming_normal' init) and every BatchNorm gets weight U(0.5, 1.5),
@@ -45,11 +49,18 @@ def main():
     ap.add_argument("--no-space-to-depth", action="store_true")
     ap.add_argument("--embed", type=int, default=512)
     ap.add_argument("--vocab", type=int, default=None, help="V: build the text module with V + 1 embeddings")
+    ap.add_argument("--dict-words", default=None, help="a word list (one per line): dict.npy, and --vocab its size")
     ap.add_argument("--word-dim", type=int, default=300)
     ap.add_argument("--text-hidden", type=int, default=2048)
     ap.add_argument("--literal-bn", action="store_true",
                     help="keep torch's conv init and draw BN weights from N(0, 0.1) (output ignores the clip)")
     args = ap.parse_args()
+    if args.dict_words is not None:
+        with open(args.dict_words, encoding="utf-8") as f:
+            words = [w.rstrip("\r\n") for w in f]
+        args.vocab = len(words)
+        os.makedirs(args.out, exist_ok=True)
+        np.save(os.path.join(args.out, "dict.npy"), np.array(words))
     t_start = time.perf_counter()
     os.makedirs(args.out, exist_ok=True)
 
