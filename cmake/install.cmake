@@ -38,9 +38,12 @@ endforeach()
 
 install(EXPORT dtrainCommTargets NAMESPACE dtrain:: DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
 install(EXPORT dtrainTorchTargets NAMESPACE dtrain:: DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+# The license's text, installed below; dtrainConfig.cmake names it (dtrain_LICENSE, dtrain_LICENSE_FILE).
+set(DTRAIN_LICENSE_FILE ${CMAKE_INSTALL_DATAROOTDIR}/doc/libdtrain-dev/copyright)
 configure_package_config_file(${PROJECT_SOURCE_DIR}/cmake/dtrainConfig.cmake.in
                               ${PROJECT_BINARY_DIR}/dtrainConfig.cmake
-                              INSTALL_DESTINATION ${DTRAIN_INSTALL_CMAKEDIR})
+                              INSTALL_DESTINATION ${DTRAIN_INSTALL_CMAKEDIR}
+                              PATH_VARS DTRAIN_LICENSE_FILE)
 # 0.x: a minor version may change the API, so 0.1.x satisfies find_package(dtrain 0.1) and 0.2 does not.
 write_basic_package_version_file(${PROJECT_BINARY_DIR}/dtrainConfigVersion.cmake
                                  COMPATIBILITY SameMinorVersion)
