@@ -5,6 +5,7 @@
 #include <gtest/gtest.h>
 #include <torch/torch.h>
 
+#include <chrono>
 #include <cmath>
 #include <filesystem>
 #include <fstream>
@@ -281,6 +282,46 @@ TEST(VideoLoader, SkipsAndCountsBrokenVideosAndItsBatchesDoNotDependOnItsThreads
       EXPECT_EQ(w.sum().item<int64_t>(), 0);
     }
   EXPECT_GE(failed, 2);
+}
+
+// VideoLoaderOptions::max_retries: a sample whose video fails is drawn from up to max_retries other videos,
+// then the batch fails. With every video missing, sample 0 of batch 0 is tried on exactly 1 + max_retries
+// videos: the error says how many failed in a row, and the epoch's counts have that many failures and no
+// clip. One thread and a prefetch of one: batch 0 is the only batch decoded, and nothing after its error.
+TEST(VideoLoader, MaxRetriesBoundsTheVideosTriedForASample) {
+  TempDir dir;
+  smallVideoData(dir.path());
+  const auto ds = milnce::Dataset::load(dir.path());
+  for (const auto& v : ds.videos) fs::remove(v.file);
+  for (int retries : {0, 1, 3}) {
+    milnce::VideoLoaderOptions vo;
+    vo.threads = 1;
+    vo.prefetch = 1;
+    vo.max_retries = retries;
+    vo.timeout = dtrain::test::scaled(std::chrono::milliseconds(30000));
+    milnce::VideoLoader loader(ds, smallClips(), vo);
+    loader.start({{0, 1, 2}, {3, 4, 5}}, 7);
+    std::string err = "no VideoError";
+    try {
+      loader.next();
+    } catch (const milnce::VideoError& e) {
+      err = e.what();
+    }
+    const std::string want = fmt::format("batch 0 sample 0: {} videos in a row failed to decode", retries + 1);
+    EXPECT_NE(err.find(want), std::string::npos) << "max_retries " << retries << ": " << err;
+    EXPECT_NE(err.find("cannot open"), std::string::npos) << err;
+    const auto s = loader.takeStats();
+    EXPECT_EQ(s.failures, retries + 1) << "max_retries " << retries;
+    EXPECT_EQ(s.clips, 0) << "max_retries " << retries;
+    EXPECT_EQ(s.batches, 0) << "max_retries " << retries;
+    EXPECT_GE(s.failed.size(), 1u);
+    EXPECT_LE(s.failed.size(), static_cast<size_t>(retries + 1));  // distinct files among the tries
+  }
+  // A negative budget is refused, naming it.
+  milnce::VideoLoaderOptions bad;
+  bad.max_retries = -1;
+  EXPECT_NE(dtrain::test::errorOf([&] { milnce::VideoLoader(ds, smallClips(), bad); }).find("max_retries >= 0"),
+            std::string::npos);
 }
 
 // `milnce train --raw-video` on 2 ranks (dtrain-run) over videos of which three are broken: training goes
