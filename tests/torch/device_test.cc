@@ -108,6 +108,76 @@ TEST(DeviceTensors, HostPathAtWorldThree) {
   test::expectAllOk(results);
 }
 
+// What every rank's inputs reduce to under `op`: the reference the host path is compared with.
+at::Tensor reduced(const at::Tensor& stacked, comm::ReduceOp op) {
+  switch (op) {
+    case comm::ReduceOp::sum: return stacked.sum(0);
+    case comm::ReduceOp::avg: return stacked.mean(0);
+    case comm::ReduceOp::min: return stacked.amin(0);
+    case comm::ReduceOp::max: return stacked.amax(0);
+    case comm::ReduceOp::prod: return stacked.prod(0);
+  }
+  return {};
+}
+
+// "9 8": a 1-d tensor's values on one line, for the messages.
+std::string valuesOf(const at::Tensor& t) {
+  std::string s;
+  for (int64_t i = 0; i < t.numel(); ++i) s += fmt::format("{}{:g}", i ? " " : "", t[i].item<double>());
+  return s;
+}
+
+// Rank r's input of n elements: small whole numbers (products stay exact) that differ across the ranks in
+// every element, so that every op gives another result.
+at::Tensor inputOf(int rank, int64_t n) {
+  return (torch::arange(n, torch::kDouble) * 3 + rank * 7).remainder(5) + 1;
+}
+
+// Every reduce op through every host-path collective that reduces, at world 3: allreduce in place and out
+// of place (7 elements: not a multiple of the world), reduceScatter (even blocks of 2) and, through
+// onHost, reduceScatterv (uneven blocks of 1, 2 and 3). Each result is compared with the op applied to
+// every rank's input here.
+TEST(DeviceTensors, HostPathAppliesEveryReduceOpAtWorldThree) {
+  test::StoreServer server;
+  constexpr int world = 3;
+  auto results = test::runRanks(world, [&](int rank) {
+    auto pg = comm::ProcessGroup::create(server.client(), rank, world);
+    auto all = [&](int64_t n) {
+      std::vector<at::Tensor> each;
+      for (int r = 0; r < world; ++r) each.push_back(inputOf(r, n));
+      return torch::stack(each);
+    };
+    for (comm::ReduceOp op : {comm::ReduceOp::sum, comm::ReduceOp::avg, comm::ReduceOp::min, comm::ReduceOp::max,
+                              comm::ReduceOp::prod}) {
+      const std::string name = comm::reduceOpName(op);
+      const at::Tensor want7 = reduced(all(7), op), want6 = reduced(all(6), op);
+      auto t = inputOf(rank, 7);
+      device::allreduce(*pg, t, op)->wait();
+      EXPECT_TRUE(torch::allclose(t, want7))
+          << name << " allreduce in place: " << valuesOf(t) << ", expected " << valuesOf(want7);
+      auto out = torch::empty({7}, torch::kDouble);
+      device::allreduce(*pg, inputOf(rank, 7), out, op)->wait();
+      EXPECT_TRUE(torch::allclose(out, want7))
+          << name << " allreduce: " << valuesOf(out) << ", expected " << valuesOf(want7);
+      auto part = torch::empty({2}, torch::kDouble);
+      device::reduceScatter(*pg, inputOf(rank, 6), part, op)->wait();
+      const at::Tensor mine = want6.narrow(0, 2 * rank, 2);
+      EXPECT_TRUE(torch::allclose(part, mine))
+          << name << " reduceScatter: " << valuesOf(part) << ", expected " << valuesOf(mine);
+      // Uneven: rank r gets block r of r + 1 elements (offsets 0, 1, 3).
+      const std::vector<size_t> counts{1, 2, 3};
+      auto piece = torch::empty({rank + 1}, torch::kDouble);
+      device::onHost(*pg, inputOf(rank, 6), piece, [&](const void* in, void* o) {
+        return pg->reduceScatterv(in, o, counts, comm::DType::f64, op);
+      })->wait();
+      const at::Tensor block = want6.narrow(0, rank * (rank + 1) / 2, rank + 1);
+      EXPECT_TRUE(torch::allclose(piece, block))
+          << name << " reduceScatterv: " << valuesOf(piece) << ", expected " << valuesOf(block);
+    }
+  });
+  test::expectAllOk(results);
+}
+
 // The path choice is a pure function of every rank's place (path.h).
 TEST(PathChoice, FromEveryRanksPlace) {
   using device::Path;
