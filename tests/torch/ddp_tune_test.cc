@@ -7,6 +7,7 @@
 
 #include <cstdlib>
 #include <fstream>
+#include <set>
 
 #include "ddp_test_util.h"
 #include "dtrain/comm/error.h"
@@ -72,6 +73,7 @@ TEST(DdpTune, TriesEveryLayoutKeepsTheFastestTrainsAsOneProcessAndCaches) {
     EXPECT_EQ(ddp.tuning().state, Kind::off);  // nothing before the first pass
     torch::optim::SGD opt(net->parameters(), 0.05), ref_opt(ref->parameters(), 0.05);
     int steps = 0;
+    std::set<std::vector<std::vector<size_t>>> tried;  // the layouts the probing passes ran with
     do {
       step(net, opt, steps, rank, world, world);
       step(ref, ref_opt, steps, rank, 0, world);
@@ -79,6 +81,7 @@ TEST(DdpTune, TriesEveryLayoutKeepsTheFastestTrainsAsOneProcessAndCaches) {
       if (steps == 1) {
         ASSERT_EQ(ddp.tuning().state, Kind::probing);
       }
+      if (ddp.tuning().state == Kind::probing) tried.insert(ddp.bucketLayout());
     } while (ddp.tuning().state == Kind::probing && steps < 200);
     const DDPTuning t = ddp.tuning();
     ASSERT_EQ(t.state, Kind::tuned);
@@ -96,6 +99,29 @@ TEST(DdpTune, TriesEveryLayoutKeepsTheFastestTrainsAsOneProcessAndCaches) {
       EXPECT_GT(t.candidates[c].buckets, 0u);
     }
     EXPECT_EQ(configured, 1) << "the configured 25 MiB is one of the layouts";
+    // Each candidate, not only the winner: its caps, with the first bucket's at min(cap, 1 MiB), and how
+    // many buckets they make of the ten parameters (gradients come last layer first, 9 down to 0; a layer
+    // is its 2 MiB weight and its 4 KiB bias). 2 MiB gives 1 MiB's layout and 16 and 64 MiB give 8 MiB's,
+    // which is the configured 25 MiB's: each layout counts once, under the sizes that named it first (the
+    // configured ones win their own).
+    struct Want {
+      size_t mib, first_mib, buckets;
+      bool configured;
+    };
+    const std::vector<Want> want{{1, 1, 5, false}, {4, 1, 3, false}, {25, 1, 2, true}};
+    ASSERT_EQ(n, want.size());
+    for (size_t c = 0; c < n; ++c) {
+      EXPECT_EQ(t.candidates[c].bucket_bytes, want[c].mib << 20) << "candidate " << c;
+      EXPECT_EQ(t.candidates[c].first_bucket_bytes, want[c].first_mib << 20) << "candidate " << c;
+      EXPECT_EQ(t.candidates[c].buckets, want[c].buckets) << "candidate " << c;
+      EXPECT_EQ(t.candidates[c].configured, want[c].configured) << "candidate " << c;
+    }
+    // ... and the buckets each probing pass ran with are those three layouts, parameter by parameter.
+    const std::set<std::vector<std::vector<size_t>>> layouts{
+        {{9, 8}, {7, 6}, {5, 4}, {3, 2}, {1, 0}},
+        {{9, 8}, {7, 6, 5, 4}, {3, 2, 1, 0}},
+        {{9, 8}, {7, 6, 5, 4, 3, 2, 1, 0}}};
+    EXPECT_EQ(tried, layouts) << ::testing::PrintToString(tried);
     EXPECT_EQ(t.bucket_bytes, t.candidates[best].bucket_bytes);
     EXPECT_EQ(t.first_bucket_bytes, t.candidates[best].first_bucket_bytes);
     EXPECT_EQ(ddp.bucketLayout().size(), t.candidates[best].buckets);
