@@ -10,6 +10,7 @@
 #include <regex>
 #include <thread>
 
+#include "comm/transport/transport.h"
 #include "comm_test_util.h"
 #include "dtrain/comm/error.h"
 
@@ -147,6 +148,47 @@ TEST(Mpi, AFailedRankIsNamedByTheOthers) {
     }
     std::string err = errorOf([&] { pg->allreduce(&x, 1, DType::i64)->wait(); });
     EXPECT_NE(err.find("rank 1 gave up on purpose"), std::string::npos) << err;
+  });
+  expectAllOk(results);
+}
+
+// The transport itself after a failure (the group above it keeps its first error and never calls it
+// again, so only a direct use shows this): a failed run marks it broken, and the next run fails at once,
+// saying so, before it posts anything (a peer still settling the failed run must not match the new run's
+// messages). The failure is an op to a peer outside the group, on both ranks.
+TEST(Mpi, ATransportThatFailedRefusesTheNextRunAtOnce) {
+  if (!mpiRunner()) return relaunch(2);
+  StoreServer server;
+  auto results = runRanks(2, [&](int rank) {
+    using namespace comm::transport;
+    auto store = server.client();
+    TransportOptions o;
+    o.timeout = std::chrono::seconds(20);
+    auto t = createTransport("mpi", *store, rank, 2, o);
+    std::vector<char> buf(64, static_cast<char>(rank));
+    Label label;
+    label.what = "bad op";
+    label.timeout = std::chrono::seconds(20);
+    std::vector<Op> bad{sendOp(5, 0, buf.data(), buf.size())};
+    const std::string first = errorOf([&] { t->run(bad, Clock::now() + scaled(std::chrono::seconds(20)), label); });
+    EXPECT_NE(first.find("bad op: op to peer 5 in a group of 2"), std::string::npos) << first;
+    label.what = "next op";
+    std::vector<Op> next{rank == 0 ? sendOp(1, 0, buf.data(), buf.size()) : recvOp(0, 0, buf.data(), buf.size())};
+    const auto t0 = Clock::now();
+    std::string again = "no IoError";
+    try {
+      t->run(next, t0 + scaled(std::chrono::seconds(5)), label);
+    } catch (const IoError& e) {
+      again = e.what();
+    } catch (const std::exception& e) {
+      again = std::string("not an IoError: ") + e.what();
+    }
+    const double secs = std::chrono::duration<double>(Clock::now() - t0).count();
+    EXPECT_NE(again.find(fmt::format("[rank {}] next op: the mpi transport failed earlier and cannot be used again",
+                                     rank)),
+              std::string::npos) << again;
+    EXPECT_LT(secs, 1.0 * timeScale()) << "the second run waited";
+    EXPECT_EQ(buf[0], static_cast<char>(rank)) << "the second run received";
   });
   expectAllOk(results);
 }
