@@ -7,10 +7,12 @@
 
 #include <chrono>
 #include <cmath>
+#include <cstdint>
 #include <filesystem>
 #include <fstream>
 #include <regex>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include "dtrain/checkpoint.h"
@@ -99,6 +101,46 @@ TEST(S3DG, AStateDictThatDoesNotFitIsRefusedByName) {
   EXPECT_NE(mixed.find("'n' is a"), std::string::npos) << mixed;
 }
 
+// The width multiplier rounds each channel count to the nearest (half up), at least 4, and leaves it as it
+// is at 1.0 (the parity tests above use 0.25, where every count of S3D-G divides exactly). A width outside
+// (0, 4], a clip that is not [B, 3, T, H, W] and, with space to depth, an odd T, H or W are refused by name.
+TEST(S3DG, TheWidthRoundsChannelCountsAndBadOptionsOrShapesAreRefused) {
+  EXPECT_EQ(milnce::scaledChannels(64, 1.0), 64);
+  EXPECT_EQ(milnce::scaledChannels(100, 0.125), 13);  // 12.5
+  EXPECT_EQ(milnce::scaledChannels(192, 0.3), 58);    // 57.6
+  EXPECT_EQ(milnce::scaledChannels(200, 0.3), 60);
+  EXPECT_EQ(milnce::scaledChannels(16, 0.125), 4);    // 2, at least 4
+  for (double width : {0.0, -1.0, 4.5}) {
+    milnce::S3DOptions o;
+    o.width = width;
+    const std::string err = dtrain::test::errorOf([&] { milnce::S3D net(o); });
+    EXPECT_NE(err.find(fmt::format("width multiplier {} is not in (0, 4]", width)), std::string::npos) << err;
+  }
+  milnce::S3DOptions o;
+  o.width = 0.125;
+  o.num_classes = 8;
+  milnce::S3D net(o);
+  torch::NoGradGuard no_grad;
+  auto refusal = [&](const at::Tensor& clip) {  // InvalidArgument's message (libtorch's own error is not one)
+    try {
+      net->forward(clip);
+    } catch (const dtrain::InvalidArgument& e) {
+      return std::string(e.what());
+    } catch (const std::exception& e) {
+      return std::string("not an InvalidArgument: ") + e.what();
+    }
+    return std::string("accepted");
+  };
+  const std::string odd = refusal(torch::zeros({1, 3, 5, 32, 32}));
+  EXPECT_NE(odd.find("space to depth needs an even number of frames, height and width; got T=5 H=32 W=32"),
+            std::string::npos) << odd;
+  const std::string odd_w = refusal(torch::zeros({1, 3, 8, 32, 31}));
+  EXPECT_NE(odd_w.find("got T=8 H=32 W=31"), std::string::npos) << odd_w;
+  const std::string gray = refusal(torch::zeros({1, 1, 8, 32, 32}));
+  EXPECT_NE(gray.find("expected a video [B, 3, T, H, W], got 1x1x8x32x32"), std::string::npos) << gray;
+  EXPECT_EQ(net->forward(torch::zeros({2, 3, 8, 32, 32})).video_embedding.sizes(), (std::vector<int64_t>{2, 8}));
+}
+
 // A video of known frames: frame f is split at the middle, left half grey level 8f, right half 255 - 8f.
 std::string writeKnownVideo(const std::string& path, int frames, int size, int fps) {
   milnce::VideoWriter w(path, size, size, fps);
@@ -163,6 +205,95 @@ TEST(Video, TheReaderDecodesWhatTheWriterWroteAtTheAskedTimes) {
   // A crop larger than the video is a bad request, not a decoding failure.
   c.size = 64;
   EXPECT_THROW(r.readClip(c), dtrain::InvalidArgument);
+}
+
+// x places the crop window across (y down): at x = 0 its columns are the video's 0-31, so its left half
+// is the video's left (level 80 at 1 s) and its right half straddles the middle; at x = 1 (columns 16-47)
+// the left half straddles and the right half is the video's right (175). A clip that starts after the
+// video ends has no frame: a VideoError, not a clip of zeros. The writer takes even sizes and a positive
+// rate only, and no frame after finish().
+TEST(Video, TheCropFollowsXAClipPastTheEndFailsAndTheWriterRefusesBadInput) {
+  TempDir dir;
+  const std::string path = writeKnownVideo(dir.path() + "/known.mp4", 30, 48, 10);
+  milnce::VideoReader r(path);
+  milnce::ClipSpec c;
+  c.start = 1.0;
+  c.frames = 1;
+  c.size = 32;
+  c.y = 0.5;
+  c.x = 0;
+  auto clip = r.readClip(c);
+  EXPECT_NEAR(halfMean(clip, 0, 32, true), 80, 4);
+  EXPECT_NEAR(halfMean(clip, 0, 32, false), (80 + 175) / 2.0, 12);
+  c.x = 1;
+  clip = r.readClip(c);
+  EXPECT_NEAR(halfMean(clip, 0, 32, true), (80 + 175) / 2.0, 12);
+  EXPECT_NEAR(halfMean(clip, 0, 32, false), 175, 4);
+  c.start = 10;
+  const std::string past = dtrain::test::errorOf([&] { r.readClip(c); });
+  EXPECT_NE(past.find("known.mp4: no frame decoded for a clip at 10.00 s"), std::string::npos) << past;
+  for (const auto& bad : std::vector<std::tuple<int, int, int>>{{33, 32, 10}, {32, 31, 10}, {32, 32, 0}}) {
+    const auto [w, h, fps] = bad;
+    const std::string err = dtrain::test::errorOf(
+        [&] { milnce::VideoWriter(dir.path() + "/bad.mp4", std::get<0>(bad), std::get<1>(bad), std::get<2>(bad)); });
+    EXPECT_NE(err.find(fmt::format("{}x{} at {} fps (even sizes, positive rate)", w, h, fps)), std::string::npos)
+        << err;
+  }
+  milnce::VideoWriter done(dir.path() + "/done.mp4", 32, 32, 10);
+  std::vector<uint8_t> rgb(32 * 32 * 3, 100);
+  done.write(rgb.data());
+  done.finish();
+  const std::string late = dtrain::test::errorOf([&] { done.write(rgb.data()); });
+  EXPECT_NE(late.find("done.mp4: write after finish"), std::string::npos) << late;
+}
+
+// The file's bytes, and a 32-bit big-endian field of an mp4 box in them.
+std::string fileBytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  return std::string((std::istreambuf_iterator<char>(in)), {});
+}
+uint32_t bigEndian32(const std::string& b, size_t at) {
+  uint32_t v = 0;
+  for (size_t i = 0; i < 4; ++i) v = v << 8 | static_cast<uint8_t>(b[at + i]);
+  return v;
+}
+
+// A clip that starts between two key frames (one a second here) shows the frames of its own times: the
+// seek lands on the key frame before the start and decodes on from there (not on the next key frame). And
+// a container whose header ends the video before its last frame's interval (mvhd's duration set to 2.5 s;
+// the frames run to 2.9 s, each lasting 0.1 s) still shows that last frame for its interval: 5 frames of
+// a clip at 2.5 s, then zeros, as with the true duration.
+TEST(Video, AClipBetweenKeyFramesAndTheLastFrameOfAContainerThatEndsEarly) {
+  TempDir dir;
+  const std::string path = writeKnownVideo(dir.path() + "/known.mp4", 30, 48, 10);
+  milnce::ClipSpec c;
+  c.start = 1.5;  // frames 15, 16, 17
+  c.frames = 3;
+  c.fps = 10;
+  c.size = 32;
+  {
+    milnce::VideoReader r(path);
+    const auto clip = r.readClip(c);
+    for (int k = 0; k < 3; ++k) EXPECT_NEAR(halfMean(clip, k, 32, true), 8 * (15 + k), 4) << "frame " << k;
+  }
+  std::string bytes = fileBytes(path);
+  const size_t mvhd = bytes.find("mvhd");
+  ASSERT_NE(mvhd, std::string::npos);
+  ASSERT_EQ(bytes[mvhd + 4], 0) << "mvhd version 1 (64-bit times)";
+  const uint32_t timescale = bigEndian32(bytes, mvhd + 16), shorter = timescale / 2 * 5;  // 2.5 s
+  ASSERT_GT(bigEndian32(bytes, mvhd + 20), shorter);
+  for (size_t i = 0; i < 4; ++i) bytes[mvhd + 20 + i] = static_cast<char>(shorter >> (24 - 8 * i));
+  const std::string cut = dir.path() + "/ends-early.mp4";
+  std::ofstream(cut, std::ios::binary) << bytes;
+  milnce::VideoReader r(cut);
+  ASSERT_NEAR(r.info().duration, 2.5, 0.01);
+  c.start = 2.5;
+  c.frames = 8;
+  int decoded = 0;
+  const auto clip = r.readClip(c, &decoded);
+  EXPECT_EQ(decoded, 5);
+  EXPECT_NEAR(halfMean(clip, 4, 32, true), 8 * 29, 4);
+  EXPECT_EQ(halfMean(clip, 5, 32, true), 0);
 }
 
 TEST(Video, MissingCorruptAndTruncatedFilesAreVideoErrorsNamingTheFile) {
