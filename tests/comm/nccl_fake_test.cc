@@ -133,8 +133,12 @@ class FakeApi : public comm::nccl::DeviceApi {
                                             "socket closed by rank 1");
     return {};
   }
-  Status launch(Handle c, Handle, const comm::nccl::Launch&) override {
+  Status launch(Handle c, Handle, const comm::nccl::Launch& call) override {
     Inside in(*this, c);
+    {
+      std::lock_guard<std::mutex> g(mu_);
+      launched_.push_back(call);
+    }
     if (issuing_.exchange(true)) ++overlapping_issues;
     if (launch_sleep_us > 0) std::this_thread::sleep_for(std::chrono::microseconds(launch_sleep_us.load()));
     issuing_ = false;
@@ -171,6 +175,12 @@ class FakeApi : public comm::nccl::DeviceApi {
     return {};
   }
 
+  // What was launched, in order.
+  std::vector<comm::nccl::Launch> launched() {
+    std::lock_guard<std::mutex> g(mu_);
+    return launched_;
+  }
+
   // Fires the end events of the ops that hang.
   void fireAll() {
     std::lock_guard<std::mutex> g(mu_);
@@ -203,6 +213,7 @@ class FakeApi : public comm::nccl::DeviceApi {
   std::atomic<int> pending_launch_polls_{0};
   std::mutex mu_;
   std::set<Event*> hung_;
+  std::vector<comm::nccl::Launch> launched_;
 };
 
 GroupOptions options(std::chrono::milliseconds timeout, bool check = false) {
@@ -269,6 +280,62 @@ TEST(NcclFake, OpsCompleteInOrderAndTheCallersDeviceIsKept) {
   EXPECT_EQ(api->misuse.load(), 0);
   EXPECT_EQ(api->events_live.load(), 0) << "events leaked";
   t_device = 0;
+}
+
+// What each call hands NCCL is what it was asked: the collective, the buffers, the count, the dtype, every
+// reduce op and the root.
+TEST(NcclFake, EachCallLaunchesWhatItWasAsked) {
+  OneRank w(5s);
+  auto api = std::make_shared<FakeApi>();
+  auto nccl = comm::nccl::createComm(*w.pg, 0, api);
+  std::vector<double> in(12, 1.0), out(12);
+  using comm::nccl::Call;
+  auto expectLast = [&](Call call, const void* i, void* o, size_t count, DType t, ReduceOp op,
+                        const std::string& what) {
+    const auto all = api->launched();
+    ASSERT_FALSE(all.empty()) << what;
+    const comm::nccl::Launch& l = all.back();
+    EXPECT_EQ(l.call, call) << what;
+    EXPECT_EQ(l.in, i) << what;
+    EXPECT_EQ(l.out, o) << what;
+    EXPECT_EQ(l.count, count) << what;
+    EXPECT_EQ(l.dtype, t) << what;
+    if (call == Call::allreduce || call == Call::reduce_scatter) {
+      EXPECT_EQ(l.op, op) << what;
+    }
+  };
+  for (ReduceOp op : {ReduceOp::sum, ReduceOp::avg, ReduceOp::min, ReduceOp::max, ReduceOp::prod}) {
+    const std::string name = comm::reduceOpName(op);
+    EXPECT_EQ(errorOf(nccl->allreduce(in.data(), out.data(), 12, DType::f64, op, nullptr)), "");
+    expectLast(Call::allreduce, in.data(), out.data(), 12, DType::f64, op, "allreduce " + name);
+    EXPECT_EQ(errorOf(nccl->reduceScatter(in.data(), out.data(), 12, DType::f32, op, nullptr)), "");
+    expectLast(Call::reduce_scatter, in.data(), out.data(), 12, DType::f32, op, "reduceScatter " + name);
+  }
+  EXPECT_EQ(errorOf(nccl->allgather(in.data(), out.data(), 5, DType::i32, nullptr)), "");
+  expectLast(Call::allgather, in.data(), out.data(), 5, DType::i32, ReduceOp::sum, "allgather");
+  EXPECT_EQ(errorOf(nccl->broadcast(out.data(), 7, DType::bf16, 0, nullptr)), "");
+  expectLast(Call::broadcast, out.data(), out.data(), 7, DType::bf16, ReduceOp::sum, "broadcast");
+  EXPECT_EQ(api->launched().back().root, 0);
+  EXPECT_EQ(api->launches.load(), 12);
+}
+
+// A broadcast's root must be a rank of the group: refused before anything is launched, naming it, and the
+// communicator stays usable. So must the device: cuda:N of N visible does not exist.
+TEST(NcclFake, ARootOrADeviceOutsideTheRangeIsRefused) {
+  OneRank w(5s);
+  auto api = std::make_shared<FakeApi>();
+  auto nccl = comm::nccl::createComm(*w.pg, 0, api);
+  std::vector<float> buf(4);
+  for (int root : {1, -1}) {
+    const std::string e = test::errorOf([&] { nccl->broadcast(buf.data(), 4, DType::f32, root, nullptr); });
+    EXPECT_NE(e.find(fmt::format("nccl broadcast: root {} outside the group of 1", root)), std::string::npos) << e;
+  }
+  EXPECT_EQ(api->launches.load(), 0);
+  EXPECT_EQ(errorOf(nccl->broadcast(buf.data(), 4, DType::f32, 0, nullptr)), "");
+  auto other = std::make_shared<FakeApi>();
+  const std::string e = test::errorOf([&] { comm::nccl::createComm(*w.pg, 4, other); });
+  EXPECT_NE(e.find("cuda:4 does not exist (4 visible)"), std::string::npos) << e;
+  EXPECT_EQ(other->aborts.load() + other->launches.load(), 0);
 }
 
 // An op whose end never comes: the deadline error names the op, its sequence number, the GPU and the
