@@ -253,6 +253,23 @@ TEST(Launcher, GpuPerWorkerGivesEachWorkerOneGpu) {
   EXPECT_NE(r.out.find("gpu 0=7"), std::string::npos) << r.describe();  // without the flag: inherited as it is
 }
 
+// On a node other than the first, the GPU follows LOCAL_RANK, not RANK: ranks 3, 4 and 5 of node 1 see the
+// node's GPUs 0, 1 and 2 of theirs (with CUDA_VISIBLE_DEVICES: its 1st, 2nd and 1st again). Node 1 hosts no
+// store, so nothing needs to listen on the port.
+TEST(Launcher, GpuPerWorkerFollowsTheLocalRankOnEveryNode) {
+  const char* print = "echo \"gpu $RANK/$LOCAL_RANK=${CUDA_VISIBLE_DEVICES-unset}\"";
+  const std::vector<std::string> node1{"--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr",
+                                       "127.0.0.1", "--master-port", "29999", "--gpu-per-worker", "bash", "-c", print};
+  auto r = run(node1, {{"CUDA_VISIBLE_DEVICES", "3,5"}});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  for (const char* want : {"gpu 3/0=3\n", "gpu 4/1=5\n", "gpu 5/2=3\n"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << r.describe();
+  r = run(node1, {{"CUDA_VISIBLE_DEVICES", std::nullopt}});
+  ASSERT_EQ(r.exit_code, 0) << r.describe();
+  for (const char* want : {"gpu 3/0=0\n", "gpu 4/1=1\n", "gpu 5/2=2\n"})
+    EXPECT_NE(r.out.find(want), std::string::npos) << want << r.describe();
+}
+
 TEST(Launcher, NodeRankOffsetsRanks) {
   // Node 1 hosts no store, so nothing needs to listen on this port.
   auto r = run({"--nproc-per-node", "3", "--nnodes", "2", "--node-rank", "1", "--master-addr", "127.0.0.1",
