@@ -1,7 +1,8 @@
 // The NCCL communicator's host-side logic (src/comm/nccl/nccl_comm.cc) driven through a fake of the CUDA
 // and NCCL calls (src/comm/nccl/device_api.h): the watchdog, the one failure path (abort first, then fail
-// the pending ops), teardown, the issue order and the caller's device. No GPU needed; CI runs these under
-// ASan + UBSan and ThreadSanitizer too (scripts/sanitize.sh).
+// the pending ops), teardown, the issue order, the caller's device and what each call launches (its
+// collective, buffers, count, dtype, reduce op and root; a root or device out of range is refused). No
+// GPU needed; CI runs these under ASan + UBSan and ThreadSanitizer too (scripts/sanitize.sh).
 #include <gtest/gtest.h>
 
 #include <atomic>

@@ -1,6 +1,7 @@
 // The raw-video path of the MIL-NCE job: S3D-G against a Python port of the reference (state_dict loaded
-// by name, outputs within 1e-5), FFmpeg decoding (timing, crops, flips, padding, broken files), the
-// prefetching loader (skips and counts broken videos, batches independent of its threads) and a 2-rank
+// by name, outputs within 1e-5; its width rounding and refusals), FFmpeg decoding (timing, seeks between
+// key frames, crops, flips, padding, broken files) and encoding (its refusals), the prefetching loader
+// (skips and counts broken videos, its retry budget, batches independent of its threads) and a 2-rank
 // `milnce train --raw-video` on generated videos with a corrupt, a truncated and a missing file.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
