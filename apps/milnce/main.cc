@@ -13,6 +13,8 @@
 #include <CLI/CLI.hpp>
 #include <cstdio>
 #include <fstream>
+#include <optional>
+#include <vector>
 
 #include <nlohmann/json.hpp>
 
@@ -97,6 +99,72 @@ CLI::App* addGenVideo(CLI::App& app, milnce::GenOptions& gv) {
   genv->add_option("--word-dim", gv.word_dim, "word vector dimension E")->check(CLI::PositiveNumber);
   addProgressOption(genv, gv.progress);
   return genv;
+}
+
+// embed: the trained model's embeddings of videos or sentences (pretrained.h's EmbedOptions).
+CLI::App* addEmbed(CLI::App& app, milnce::EmbedOptions& em) {
+  auto* emb = app.add_subcommand("embed", "video or sentence embeddings of the HowTo100M reference's trained model, "
+                                          "as .npy");
+  emb->add_option("--weights", em.weights, "the trained weights (a PyTorch state_dict: s3d_howto100m.pth)")->required();
+  emb->add_option("--dict", em.dict, "its word dictionary (s3d_dict.npy, or one word per line): needed for --text");
+  auto* emb_videos = emb->add_option("--videos", em.videos, "embed every video file of this directory (by name)");
+  emb->add_option("--text", em.texts, "embed this sentence (repeat for more)")->excludes(emb_videos);
+  emb->add_option("--out", em.out, "embeddings, .npy float32 [N, D]; OUT.txt names each row's video or sentence")
+      ->required();
+  emb->add_option("--clips-out", em.clips_out, "videos: also the decoded clips, .npy uint8 [N, 3, T, S, S]");
+  emb->add_option("--frames", em.clip.frames, "frames per clip")->check(CLI::PositiveNumber);
+  emb->add_option("--fps", em.clip.fps, "frames per second decoded")->check(CLI::PositiveNumber);
+  emb->add_option("--size", em.clip.size, "clip height and width in pixels")->check(CLI::PositiveNumber);
+  emb->add_option("--start", em.clip.start, "seconds into each video")->check(CLI::NonNegativeNumber);
+  emb->add_flag("--crop-only,!--crop-and-scale", em.clip.crop_only,
+                "a centred size x size window, or the largest centred square scaled to size (the default)");
+  emb->add_option("--max-words", em.max_words, "words per sentence (pad or cut; the reference: 16)")
+      ->check(CLI::PositiveNumber);
+  emb->add_option("--batch", em.batch, "clips per forward pass")->check(CLI::PositiveNumber);
+  emb->add_option("--device", em.device, "cpu, cuda, cuda:N or auto");
+  return emb;
+}
+
+// eval: retrieval of --run's newest checkpoint, --checkpoint, or --weights (with --dict).
+void runEval(milnce::TrainOptions e, const std::string& checkpoint, std::string eval_json, bool run_given) {
+  auto data = milnce::Dataset::load(e.data);
+  auto mo = e.model;
+  mo.feature_dim = data.feature_dim;
+  mo.raw_video = e.model.raw_video = data.raw_video;
+  std::optional<milnce::Pretrained> weights;
+  if (!e.init.empty()) {
+    weights = milnce::readPretrained(e.init, e.dict);
+    milnce::adoptPretrained(*weights, mo, data);
+  } else if (!e.dict.empty()) {
+    throw dtrain::InvalidArgument(fmt::format("--dict {}: a dictionary goes with its weights (--weights FILE)", e.dict));
+  }
+  milnce::MilNceNet model(data.word_vectors, mo);
+  std::vector<dtrain::CheckpointState> parts;
+  if (weights) {
+    milnce::loadPretrained(model, *weights);
+    parts.emplace_back();  // epoch 0: the weights as trained elsewhere
+  } else {
+    parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
+    if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
+    milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
+  }
+  model->to(dtrain::selectDevice(e.device));
+  const dtrain::CheckpointState* st = &parts[0];
+  dtrain::ProgressOptions po;
+  po.mode = e.progress;
+  po.unit = "clip";
+  dtrain::Progress progress("eval", static_cast<int64_t>(data.eval_clips.size()), po);
+  auto r = milnce::evaluate(model, data, e.loader, e.eval_windows, &progress);
+  std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
+              milnce::formatRetrieval(weights ? std::string("weights") : fmt::format("epoch {}", st->epoch), r).c_str(),
+              milnce::chanceRow(r.clips).c_str());
+  if (eval_json.empty() && weights && !run_given) return;  // --weights alone: printed only
+  if (eval_json.empty())
+    eval_json = weights ? fmt::format("{}/eval-weights.json", e.out) : fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
+  nlohmann::json j = {{"epoch", st->epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
+                      {"median_rank", r.median_rank}, {"chance_R@10", std::min(1.0, 10.0 / std::max(1, r.clips))}};
+  std::ofstream(eval_json) << j.dump(2) << "\n";
+  std::printf("wrote %s\n", eval_json.c_str());
 }
 
 }  // namespace
@@ -185,25 +253,7 @@ int main(int argc, char** argv) {
   addModelOptions(ev, e.model);
 
   milnce::EmbedOptions em;
-  auto* emb = app.add_subcommand("embed", "video or sentence embeddings of the HowTo100M reference's trained model, "
-                                          "as .npy");
-  emb->add_option("--weights", em.weights, "the trained weights (a PyTorch state_dict: s3d_howto100m.pth)")->required();
-  emb->add_option("--dict", em.dict, "its word dictionary (s3d_dict.npy, or one word per line): needed for --text");
-  auto* emb_videos = emb->add_option("--videos", em.videos, "embed every video file of this directory (by name)");
-  emb->add_option("--text", em.texts, "embed this sentence (repeat for more)")->excludes(emb_videos);
-  emb->add_option("--out", em.out, "embeddings, .npy float32 [N, D]; OUT.txt names each row's video or sentence")
-      ->required();
-  emb->add_option("--clips-out", em.clips_out, "videos: also the decoded clips, .npy uint8 [N, 3, T, S, S]");
-  emb->add_option("--frames", em.clip.frames, "frames per clip")->check(CLI::PositiveNumber);
-  emb->add_option("--fps", em.clip.fps, "frames per second decoded")->check(CLI::PositiveNumber);
-  emb->add_option("--size", em.clip.size, "clip height and width in pixels")->check(CLI::PositiveNumber);
-  emb->add_option("--start", em.clip.start, "seconds into each video")->check(CLI::NonNegativeNumber);
-  emb->add_flag("--crop-only,!--crop-and-scale", em.clip.crop_only,
-                "a centred size x size window, or the largest centred square scaled to size (the default)");
-  emb->add_option("--max-words", em.max_words, "words per sentence (pad or cut; the reference: 16)")
-      ->check(CLI::PositiveNumber);
-  emb->add_option("--batch", em.batch, "clips per forward pass")->check(CLI::PositiveNumber);
-  emb->add_option("--device", em.device, "cpu, cuda, cuda:N or auto");
+  auto* emb = addEmbed(app, em);
 
   CLI11_PARSE(app, argc, argv);
   try {
@@ -218,44 +268,7 @@ int main(int argc, char** argv) {
     } else if (*emb) {
       milnce::embed(em);
     } else if (*ev) {
-      auto data = milnce::Dataset::load(e.data);
-      auto mo = e.model;
-      mo.feature_dim = data.feature_dim;
-      mo.raw_video = e.model.raw_video = data.raw_video;
-      std::optional<milnce::Pretrained> weights;
-      if (!e.init.empty()) {
-        weights = milnce::readPretrained(e.init, e.dict);
-        milnce::adoptPretrained(*weights, mo, data);
-      } else if (!e.dict.empty()) {
-        throw dtrain::InvalidArgument(fmt::format("--dict {}: a dictionary goes with its weights (--weights FILE)", e.dict));
-      }
-      milnce::MilNceNet model(data.word_vectors, mo);
-      std::vector<dtrain::CheckpointState> parts;
-      if (weights) {
-        milnce::loadPretrained(model, *weights);
-        parts.emplace_back();  // epoch 0: the weights as trained elsewhere
-      } else {
-        parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
-        if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
-        milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
-      }
-      model->to(dtrain::selectDevice(e.device));
-      const dtrain::CheckpointState* st = &parts[0];
-      dtrain::ProgressOptions po;
-      po.mode = e.progress;
-      po.unit = "clip";
-      dtrain::Progress progress("eval", static_cast<int64_t>(data.eval_clips.size()), po);
-      auto r = milnce::evaluate(model, data, e.loader, e.eval_windows, &progress);
-      std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
-                  milnce::formatRetrieval(weights ? std::string("weights") : fmt::format("epoch {}", st->epoch), r).c_str(),
-                  milnce::chanceRow(r.clips).c_str());
-      if (eval_json.empty() && weights && ev_run->count() == 0) return 0;  // --weights alone: printed only
-      if (eval_json.empty())
-        eval_json = weights ? fmt::format("{}/eval-weights.json", e.out) : fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
-      nlohmann::json j = {{"epoch", st->epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
-                          {"median_rank", r.median_rank}, {"chance_R@10", std::min(1.0, 10.0 / std::max(1, r.clips))}};
-      std::ofstream(eval_json) << j.dump(2) << "\n";
-      std::printf("wrote %s\n", eval_json.c_str());
+      runEval(e, checkpoint, eval_json, ev_run->count() > 0);
     }
   } catch (const std::exception& ex) {
     std::fprintf(stderr, "milnce: %s\n", ex.what());
