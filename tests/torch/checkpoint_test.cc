@@ -3,6 +3,7 @@
 // writing; shape mismatches; and that Python's torch.load reads the file.
 #include <gtest/gtest.h>
 #include <torch/torch.h>
+#include <torch/version.h>
 
 #include <array>
 #include <cstdio>
@@ -562,8 +563,13 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
       "print(d['optimizer'].dtype, d['optimizer'].numel() > 0, d['rng'].dtype)\n"
       "torch.set_rng_state(d['rng'])\n"
       "print(' '.join(repr(v) for v in torch.rand(4).tolist()))\n"
-      "w = torch.load('" + path + "', weights_only=True)  # the default from PyTorch 2.6; an argument since 1.13\n"
-      "print('weights only:', sorted(w.keys()) == sorted(d.keys()), torch.equal(w['model']['fc.weight'], "
+      // weights_only=True: the default from PyTorch 2.6. 1.13's weights-only unpickler (opt-in) has no
+      // BINFLOAT, so it refuses any pickled float, Python's own torch.save of one included.
+      "if int(torch.__version__.split('.')[0]) < 2:\n"
+      "    print('weights only: not on', torch.__version__[:4])\n"
+      "else:\n"
+      "    w = torch.load('" + path + "', weights_only=True)\n"
+      "    print('weights only:', sorted(w.keys()) == sorted(d.keys()), torch.equal(w['model']['fc.weight'], "
       "d['model']['fc.weight']))\n");
   std::istringstream lines(out);
   std::string line;
@@ -585,7 +591,11 @@ TEST(Checkpoint, PythonTorchLoadReadsIt) {
     nums >> v;
     EXPECT_EQ(v, static_cast<double>(rand_after_restore[i].item<float>())) << "draw " << i << "\n" << out;
   }
+#if TORCH_VERSION_MAJOR >= 2  // the parity Python is the wheel's PyTorch 2.x (DTRAIN_TEST_PYTHON)
   EXPECT_EQ(next(), "weights only: True True");
+#else  // Debian's python3-torch 1.13
+  EXPECT_EQ(next(), "weights only: not on 1.13");
+#endif
   // Nothing for a weights-only load to allow-list: the pickle names no torch.jit._pickle builder (the
   // optimizer's entry, a tensor of torch::save's bytes, is data to torch.load and may name anything).
   std::ifstream f(path, std::ios::binary);
