@@ -9,6 +9,12 @@ export LIZARD_PYTHON=${LIZARD_PYTHON:-$(cd "$(dirname "$script")/.." && pwd)/.ve
 fake=$(mktemp -d); trap 'rm -rf "$fake"' EXIT
 mkdir -p "$fake"/{scripts,src/comm/transport/x,tools/t,apps,benches,include,build}
 cp "$script" "$fake/scripts/check_structure.sh"
+# The api-docs check: its script and Doxyfile as they are, with a front page of its own.
+repo=$(cd "$(dirname "$script")/.." && pwd)
+cp "$repo/scripts/check_api_docs.sh" "$fake/scripts/"
+mkdir -p "$fake/docs/api"
+cp "$repo/docs/api/Doxyfile" "$fake/docs/api/"
+printf '# Fake\n\nA tree for the structural checks.\n' >"$fake/docs/api/mainpage.md"
 cd "$fake"
 
 db() {  # db INCLUDE_DIR: compile_commands.json with the one tool source compiled with -I INCLUDE_DIR
@@ -27,6 +33,8 @@ printf '#include <cstdlib>\nconst char* a() { return std::getenv("A"); }\n' >src
 printf '#include <cstdlib>\nconst char* b() { return std::getenv("B"); }\n' >src/b.cc
 mkdir -p include/dtrain
 printf '#if TORCH_VERSION_MAJOR >= 2\n#endif\n' >include/dtrain/compat.h      # the one place allowed
+printf '/// @file\n/// A header.\n#pragma once\n/// The namespace.\nnamespace dtrain {\nint undocumented();\n}\n' \
+  >include/dtrain/api.h
 printf 'int v() {\n#if TORCH_VERSION_MAJOR >= 2\n  return 2;\n#endif\n}\n' >src/v.cc
 cat >src/comm/transport/x/t.cc <<'EOF'
 #include "comm/collectives/kernels.h"
@@ -51,11 +59,13 @@ expect "FAIL tool-includes: tools/t/t.cc is compiled with $fake/src on its inclu
 expect "FAIL transport-algos: src/comm/transport/x/t.cc:1: includes comm/collectives/kernels.h"
 expect "FAIL transport-algos: src/comm/transport/x/t.cc:4: collective 'allreduce'"
 expect "FAIL torch-version: src/v.cc:2: only include/dtrain/compat.h tests libtorch's version"
+expect "FAIL api-docs: include/dtrain/api.h:6: error: Member undocumented() (function) of namespace dtrain is not documented."
 n=$(grep -c '^FAIL' <<<"$out" || true)
-[[ $n == 8 ]] || { echo "expected 8 offenders (the comment and the string are not code), got $n"; fails=1; }
+[[ $n == 9 ]] || { echo "expected 9 offenders (the comment and the string are not code), got $n"; fails=1; }
 
 # ---- the same tree without offenders ----
 rm apps/big.h src/b.cc src/comm/transport/x/t.cc src/v.cc
+sed -i 's|^int undocumented();|/// Now documented.\nint undocumented();|' include/dtrain/api.h
 printf 'int f() { return 1; }\nint main() { return f(); }\n' >tools/t/t.cc
 db "$fake/include"
 rc=0
