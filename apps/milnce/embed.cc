@@ -79,18 +79,18 @@ at::Tensor embed(const EmbedOptions& o) {
     const int64_t n = static_cast<int64_t>(files.size()), s = o.clip.size, t = o.clip.frames;
     at::Tensor clips = torch::empty({n, 3, t, s, s}, torch::kByte);
     std::vector<at::Tensor> parts;
-    for (int64_t i = 0; i < n; ++i) {
-      VideoReader r(files[static_cast<size_t>(i)].string());
-      const auto bytes = r.readClip(o.clip);
-      std::memcpy(clips[i].data_ptr(), bytes.data(), bytes.size());
-      names.push_back(files[static_cast<size_t>(i)].filename().string());
-      if ((i + 1) % o.batch == 0 || i + 1 == n) {
-        const int64_t first = i + 1 - ((i + 1) % o.batch == 0 ? o.batch : (i + 1) % o.batch);
-        const at::Tensor x = clips.slice(0, first, i + 1).to(device).to(torch::kFloat).div_(255.0);
-        parts.push_back(net->forward(x).video_embedding.cpu());
-        std::printf("embedded %lld of %lld videos\n", static_cast<long long>(i + 1), static_cast<long long>(n));
-        std::fflush(stdout);
+    for (int64_t first = 0; first < n; first += o.batch) {
+      const int64_t end = std::min(n, first + o.batch);
+      for (int64_t i = first; i < end; ++i) {
+        const auto& file = files[static_cast<size_t>(i)];
+        const auto bytes = VideoReader(file.string()).readClip(o.clip);
+        std::memcpy(clips[i].data_ptr(), bytes.data(), bytes.size());
+        names.push_back(file.filename().string());
       }
+      const at::Tensor x = clips.slice(0, first, end).to(device).to(torch::kFloat).div_(255.0);
+      parts.push_back(net->forward(x).video_embedding.cpu());
+      std::printf("embedded %lld of %lld videos\n", static_cast<long long>(end), static_cast<long long>(n));
+      std::fflush(stdout);
     }
     out = torch::cat(parts);
     if (!o.clips_out.empty()) writeNpy(o.clips_out, clips);

@@ -142,26 +142,25 @@ void runEval(milnce::TrainOptions e, const std::string& checkpoint, std::string 
   std::vector<dtrain::CheckpointState> parts;
   if (weights) {
     milnce::loadPretrained(model, *weights);
-    parts.emplace_back();  // epoch 0: the weights as trained elsewhere
   } else {
     parts = milnce::loadCheckpoint(e.out + "/checkpoints", checkpoint);
     if (parts.empty()) throw dtrain::InvalidArgument(fmt::format("no checkpoint found in {}/checkpoints", e.out));
     milnce::restoreCheckpointModel(model, data, e, parts, checkpoint.empty() ? e.out + "/checkpoints" : checkpoint);
   }
   model->to(dtrain::selectDevice(e.device));
-  const dtrain::CheckpointState* st = &parts[0];
+  const int64_t epoch = weights ? 0 : parts[0].epoch;  // the weights: trained elsewhere, epoch 0 here
   dtrain::ProgressOptions po;
   po.mode = e.progress;
   po.unit = "clip";
   dtrain::Progress progress("eval", static_cast<int64_t>(data.eval_clips.size()), po);
   auto r = milnce::evaluate(model, data, e.loader, e.eval_windows, &progress);
   std::printf("%s\n%s\n%s\n", milnce::retrievalHeader(r.clips).c_str(),
-              milnce::formatRetrieval(weights ? std::string("weights") : fmt::format("epoch {}", st->epoch), r).c_str(),
+              milnce::formatRetrieval(weights ? std::string("weights") : fmt::format("epoch {}", epoch), r).c_str(),
               milnce::chanceRow(r.clips).c_str());
   if (eval_json.empty() && weights && !run_given) return;  // --weights alone: printed only
   if (eval_json.empty())
-    eval_json = weights ? fmt::format("{}/eval-weights.json", e.out) : fmt::format("{}/eval-epoch{}.json", e.out, st->epoch);
-  nlohmann::json j = {{"epoch", st->epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
+    eval_json = weights ? fmt::format("{}/eval-weights.json", e.out) : fmt::format("{}/eval-epoch{}.json", e.out, epoch);
+  nlohmann::json j = {{"epoch", epoch}, {"clips", r.clips}, {"R@1", r.r1}, {"R@5", r.r5}, {"R@10", r.r10},
                       {"median_rank", r.median_rank}, {"chance_R@10", std::min(1.0, 10.0 / std::max(1, r.clips))}};
   std::ofstream(eval_json) << j.dump(2) << "\n";
   std::printf("wrote %s\n", eval_json.c_str());
