@@ -61,6 +61,9 @@ class Launch {
       }
       ::dup2(out[1], 1);
       ::dup2(err[1], 2);
+      // As from an interactive shell: a test started in the background (nohup, `&` in a script)
+      // inherits SIGINT ignored, and an ignored signal never reaches the launcher to be forwarded.
+      for (int s : {SIGINT, SIGTERM, SIGHUP}) ::signal(s, SIG_DFL);
       std::vector<char*> argv{const_cast<char*>(kLauncher)};
       for (const auto& a : args) argv.push_back(const_cast<char*>(a.c_str()));
       argv.push_back(nullptr);
