@@ -119,8 +119,11 @@ def named(output, rank, fault):
         return False
     if fault in ("corrupt-checkpoint", "disk-full"):
         return True  # the cause is a file or the disk, named in the message; no rank is at fault
+    # The launcher's prefix on each line a process printed ("[rank 1]: ", "[server 0]: ") says who printed
+    # the line, not whom it blames: only the messages themselves count.
+    said = re.sub(r"^\[(rank|server) \d+\]: ", "", output, flags=re.M)
     # (the parameter server names a stopped worker "workers [r]")
-    return re.search(rf"rank {rank}\b|workers? \[?{rank}\b", output) is not None
+    return re.search(rf"rank {rank}\b|workers? \[?{rank}\b", said) is not None
 
 
 def final_metrics(out):

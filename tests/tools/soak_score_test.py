@@ -44,6 +44,10 @@ def test_named():
     stuck = "[rank 0]: allreduce seq=41 f32 x 1000 timed out after 10s waiting for rank 1 (10.0.0.2:41233)"
     check(soak.named(stuck, 1, "sigstop"), "named: a stopped rank 1, as the timeout names it")
     check(not soak.named(stuck, 1, "sigkill"), "named: a timeout is not the cause of a SIGKILL")
+    check(not soak.named("[rank 1]: allreduce timed out after 10s", 1, "sigstop"),
+          "named: the launcher's '[rank 1]: ' prefix says who printed the line, not whom it blames")
+    check(soak.named("[rank 0]: allreduce timed out after 10s waiting for rank 1", 1, "sigstop"),
+          "named: rank 1 named in a line rank 0 printed")
     check(soak.named("cut: connection reset by peer rank 1", 1, "cut-link"), "named: a cut link")
     ps = "ps: worker timed out: workers [1] did not push step 5"
     check(soak.named(ps, 1, "sigstop"), "named: the parameter server's 'workers [1]'")
