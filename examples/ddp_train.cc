@@ -13,6 +13,7 @@
 //   --optimizer sgd|lamb|lars    SGD with momentum (default), or a large-batch optimizer (dtrain/optim.h)
 //   --local-sgd N                gradients averaged within each machine, parameters across all every N steps
 //   --batch B                    samples per rank and step (64)
+//   --epochs E                   passes over the data (5)
 //   --lr LR                      learning rate at 64 samples per step (0.05 with sgd and lars, 0.005 with lamb)
 //   --scale-lr                   the linear scaling rule: LR x global batch / 64, warmed up over the first epoch
 //
@@ -45,6 +46,7 @@ TORCH_MODULE(Net);
 struct Args {
   std::string metrics, hook = "none", optimizer = "sgd", device = "cpu";
   int64_t batch = 64, local_sgd = 0;
+  int epochs = 5;
   double lr = -1;  // -1: the optimizer's default
   bool scale_lr = false;
 };
@@ -61,6 +63,7 @@ Args parse(int argc, char** argv) {
     else if (arg == "--comm-hook") a.hook = value(i);
     else if (arg == "--optimizer") a.optimizer = value(i);
     else if (arg == "--batch") a.batch = std::stoll(value(i));
+    else if (arg == "--epochs") a.epochs = std::stoi(value(i));
     else if (arg == "--local-sgd") a.local_sgd = std::stoll(value(i));
     else if (arg == "--lr") a.lr = std::stod(value(i));
     else if (arg == "--scale-lr") a.scale_lr = true;
@@ -69,7 +72,8 @@ Args parse(int argc, char** argv) {
   }
   if (a.optimizer != "sgd" && a.optimizer != "lamb" && a.optimizer != "lars")
     throw std::invalid_argument("--optimizer '" + a.optimizer + "': expected sgd, lamb or lars");
-  if (a.batch < 1 || a.local_sgd < 0) throw std::invalid_argument("--batch must be >= 1 and --local-sgd >= 0");
+  if (a.batch < 1 || a.epochs < 1 || a.local_sgd < 0)
+    throw std::invalid_argument("--batch and --epochs must be >= 1, --local-sgd >= 0");
   if (a.lr < 0) a.lr = a.optimizer == "lamb" ? 0.005 : 0.05;
   return a;
 }
@@ -95,7 +99,7 @@ int main(int argc, char** argv) try {
   std::unique_ptr<dtrain::MetricsLog> log;  // docs/OBSERVABILITY.md: a run record, then one per step
   if (!metrics.empty() && dist.isMain()) {
     log = std::make_unique<dtrain::MetricsLog>(metrics);
-    log->writeRun("example-ddp", dist.size(), dtrain::Record().set("batch", args.batch).set("lr", args.lr).set("epochs", 5)
+    log->writeRun("example-ddp", dist.size(), dtrain::Record().set("batch", args.batch).set("lr", args.lr).set("epochs", args.epochs)
                                                     .set("comm_hook", args.hook).set("optimizer", args.optimizer)
                                                     .set("local_sgd", args.local_sgd).set("scale_lr", args.scale_lr)
                                                     .set("device", device.str()));
@@ -132,7 +136,7 @@ int main(int argc, char** argv) try {
   int64_t step = 0;
   dtrain::Stopwatch step_time;
   dtrain::BytesSentMeter sent;
-  for (int epoch = 0; epoch < 5; ++epoch) {
+  for (int epoch = 0; epoch < args.epochs; ++epoch) {
     sampler.setEpoch(epoch);
     step_time.lap();  // step times leave out the accuracy check below
     auto idx = torch::tensor(sampler.indices(), torch::kLong).to(device);

@@ -51,14 +51,16 @@ def workload(rig, name, out):
         return [f"{b}/dtrain-bench", "allreduce", "--min-bytes", "4", "--max-bytes", "4M", "--factor", "4",
                 "--iters", "0", "--seconds", "1.5", "--progress", "off"], [], env
     if name == "ddp":
-        return [f"{b}/example-ddp", "--batch", "2"], [], env  # 5 epochs of small steps: some 20 s
+        return [f"{b}/example-ddp", "--batch", "2", "--epochs", "40"], [], env  # small steps: some 15 s
     if name == "ps":
         return [f"{b}/example-ps-ctr", "6"], ["--servers", "1"], env
     if name == "pipeline":
         return [f"{b}/dtrain-bench", "pipeline", "--layers", "8", "--width", "256", "--batch", "64", "--steps", "600",
                 "--warmup", "2", "--micro", "4", "--progress", "off"], [], env
-    args = [f"{b}/milnce", "train", "--data", rig.data, "--out", out, "--epochs", "10", "--checkpoint-every", "4",
-            "--keep", "3", "--progress", "lines", "--resume"]
+    # 40 epochs of 16 steps (some 12 s), a checkpoint every 8 steps: the faults' moments (0.5-4 s) come while
+    # it trains, and the corrupt-checkpoint trials' first 20 steps leave two checkpoints
+    args = [f"{b}/milnce", "train", "--data", rig.data, "--out", out, "--epochs", "40", "--batch", "8",
+            "--checkpoint-every", "8", "--keep", "3", "--progress", "lines", "--resume"]
     if name == "zero2":
         args += ["--zero", "2", "--optimizer", "adam", "--comm-hook", "none"]
     return args, [], env
@@ -197,7 +199,7 @@ def standalone_trial(rig, t, tdir):
     if t["fault"] == "corrupt-checkpoint":
         # An interrupted run leaves checkpoints; the newest is damaged; the resume is the trial.
         pre = subprocess.run([f"{rig.bin}/dtrain-run", "--standalone", "--nproc-per-node", "2"] + prog +
-                             ["--stop-after-steps", "6"], capture_output=True, text=True, timeout=600,
+                             ["--stop-after-steps", "20"], capture_output=True, text=True, timeout=600,
                              env=dict(os.environ, **env))
         t["prepare_rc"] = pre.returncode
         t["damage"] = damage_newest(out, t["seed"])
@@ -222,6 +224,8 @@ def standalone_trial(rig, t, tdir):
                         os.kill(victim, signal.SIGKILL if t["fault"] == "sigkill" else signal.SIGSTOP)
             elif t["fault"] == "corrupt-checkpoint":
                 fault_at = time.time()
+            if fault_at is None:
+                t["error"] = "the workload ended before the fault came (too short for the trial)"
             t["timeout_s"] = timeout_of(rig, t["workload"])
             limit = 2 * t["timeout_s"] + rig.grace + (600 if t["restarts"] else 60)
             stopped = {}
