@@ -227,6 +227,15 @@ struct Batch {
 Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
                 std::mt19937_64& rng);
 
+// The random numbers of one training clip: a stream of its own for (epoch_seed, video_index), so the clip
+// a sample draws in an epoch depends on neither the rank that reads it, nor its batch, nor where a resumed
+// run started (a run resumed mid-epoch continues as the uninterrupted run would have).
+std::mt19937_64 clipRng(uint64_t epoch_seed, int64_t video_index);
+
+// makeBatch() with each index's sample drawn from clipRng(epoch_seed, index).
+Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
+                uint64_t epoch_seed);
+
 // ---- evaluation (Youcook_DataLoader) ----
 
 // [windows, clip_steps, F]: `windows` clips of clip_steps rows whose starts are evenly spaced over the clip

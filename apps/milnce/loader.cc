@@ -196,8 +196,11 @@ Sample sample(const Dataset& ds, size_t video_index, const LoaderOptions& opts, 
   return s;
 }
 
-Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
-                std::mt19937_64& rng) {
+namespace {
+// makeBatch's loop, sample i drawn from rngFor(i).
+template <typename RngFor>
+Batch makeBatchWith(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
+                    RngFor&& rngFor) {
   checkLoader(opts);
   const int64_t B = static_cast<int64_t>(video_indices.size()), n = clipElements(ds, opts);
   Batch b;
@@ -208,12 +211,34 @@ Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, co
     const int64_t idx = video_indices[static_cast<size_t>(i)];
     if (idx < 0) throw InvalidArgument(fmt::format("milnce: makeBatch: negative video index {}", idx));
     int64_t* text = tp + i * opts.num_candidates * opts.max_words;
+    std::mt19937_64& rng = rngFor(idx);
     if (ds.raw_video)
       sampleVideoInto(ds, static_cast<size_t>(idx), opts, rng, b.video.data_ptr<uint8_t>() + i * n, text, nullptr);
     else
       sampleInto(ds, static_cast<size_t>(idx), opts, rng, b.video.data_ptr<float>() + i * n, text, nullptr);
   }
   return b;
+}
+}  // namespace
+
+Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
+                std::mt19937_64& rng) {
+  return makeBatchWith(ds, video_indices, opts, [&](int64_t) -> std::mt19937_64& { return rng; });
+}
+
+std::mt19937_64 clipRng(uint64_t epoch_seed, int64_t video_index) {
+  std::seed_seq seq{static_cast<uint32_t>(epoch_seed), static_cast<uint32_t>(epoch_seed >> 32),
+                    static_cast<uint32_t>(video_index), static_cast<uint32_t>(static_cast<uint64_t>(video_index) >> 32)};
+  return std::mt19937_64(seq);
+}
+
+Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,
+                uint64_t epoch_seed) {
+  std::mt19937_64 rng;
+  return makeBatchWith(ds, video_indices, opts, [&](int64_t idx) -> std::mt19937_64& {
+    rng = clipRng(epoch_seed, idx);
+    return rng;
+  });
 }
 
 // ---- evaluation ----

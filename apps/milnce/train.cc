@@ -188,6 +188,7 @@ class Job {
       if (!loss) return finishSnapshots(first_step);  // stopped mid-epoch (stop_after_steps)
       epoch_ = epoch + 1;
       checkpoint(*loss, 0, /*disk=*/true, /*memory=*/true);
+      if (stopNow()) return finishSnapshots(first_step);
       const bool last = epoch_ == last_epoch;
       if (o_.eval && !last && o_.eval_every > 0 && epoch_ % o_.eval_every == 0)
         if (auto r = evaluateAndLog()) {
@@ -366,16 +367,18 @@ class Job {
     return r;
   }
 
+  // Whether --stop-after-steps stops the run here.
+  bool stopNow() const { return o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps; }
+
   // One epoch of optimizer steps from global sample `start` on, each logged; returns the mean loss, or
   // nothing when stop_after_steps stopped it.
   std::optional<double> trainEpoch(int epoch, int64_t start) {
     sampler_.setEpoch(epoch, start);
     const auto idx = sampler_.indices();
     const int64_t steps = static_cast<int64_t>(idx.size()) / o_.batch / accum_;
-    // The loader's randomness depends only on (seed, epoch, rank, start): a run resumed at an epoch's
-    // start draws the same clips.
-    std::mt19937_64 rng(o_.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull +
-                        static_cast<uint64_t>(dist_.rank()) + static_cast<uint64_t>(start) * 104729ull);
+    // A clip's randomness depends only on (seed, epoch, video) (clipRng): a run resumed anywhere, at any
+    // world size, draws the clips the uninterrupted run would have.
+    const uint64_t epoch_seed = o_.seed * 1000003ull + static_cast<uint64_t>(epoch) * 7919ull;
     dtrain::ProgressOptions po;
     po.mode = main_ ? o_.progress : dtrain::ProgressOptions::Mode::off;
     po.unit = "step";
@@ -391,7 +394,7 @@ class Job {
     if (video_loader_) {  // raw video: the loader threads decode the epoch's micro-batches ahead, in order
       std::vector<std::vector<int64_t>> micro;
       for (int64_t m = 0; m < steps * accum_; ++m) micro.push_back(rowsOf(m));
-      video_loader_->start(std::move(micro), rng());
+      video_loader_->start(std::move(micro), epoch_seed);
     }
     for (int64_t s = 0; s < steps; ++s) {
       double loss = 0;
@@ -408,7 +411,7 @@ class Job {
         dtrain::Stopwatch waited;
         Batch batch = [&] {
           DTRAIN_SPAN("data.wait", "data");
-          return video_loader_ ? video_loader_->next() : makeBatch(data_, rows, o_.loader, rng);
+          return video_loader_ ? video_loader_->next() : makeBatch(data_, rows, o_.loader, epoch_seed);
         }();
         wait_s += waited.seconds();
         loss += trainer_.lossAndBackward(batch, /*sync=*/a + 1 == accum_) / accum_;
@@ -429,7 +432,7 @@ class Job {
       const bool disk = more && o_.checkpoint_every > 0 && step_ % o_.checkpoint_every == 0;
       const bool memory = more && o_.snapshot_every > 0 && step_ % o_.snapshot_every == 0;
       if (disk || memory) checkpoint(loss_sum / (s + 1), start + (s + 1) * global_batch, disk, memory);
-      if (o_.stop_after_steps > 0 && step_ >= o_.stop_after_steps) return std::nullopt;
+      if (more && stopNow()) return std::nullopt;  // (at the epoch's last step: after its checkpoint, below)
     }
     if (video_loader_) reportLoader(epoch, epoch_time.seconds());
     return loss_sum / std::max<int64_t>(steps, 1);

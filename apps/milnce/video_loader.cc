@@ -52,10 +52,8 @@ struct VideoLoader::Impl {
     b.text = at::empty({B, lo.num_candidates, lo.max_words}, at::kLong);
     const int64_t clip_bytes = b.video[0].numel(), text_len = b.text[0].numel();
     for (int64_t i = 0; i < B; ++i) {
-      std::seed_seq seq{static_cast<uint32_t>(s), static_cast<uint32_t>(s >> 32), static_cast<uint32_t>(n),
-                        static_cast<uint32_t>(n >> 32), static_cast<uint32_t>(i)};
-      std::mt19937_64 rng(seq);
       int64_t video = rows[static_cast<size_t>(i)];
+      std::mt19937_64 rng = clipRng(s, video);
       for (int attempt = 0;; ++attempt) {
         try {
           const Sample smp = sample(data, static_cast<size_t>(video), lo, rng);

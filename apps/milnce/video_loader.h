@@ -48,8 +48,9 @@ class VideoLoader {
   VideoLoader(const VideoLoader&) = delete;
   VideoLoader& operator=(const VideoLoader&) = delete;
 
-  // Starts an epoch: `batches` (lists of indices into data.videos) are decoded in order; sample i of
-  // batch n draws from std::mt19937_64 seeded by (seed, n, i), so a batch does not depend on the threads.
+  // Starts an epoch: `batches` (lists of indices into data.videos) are decoded in order; video v's sample
+  // draws from clipRng(seed, v) (data.h), so a batch depends neither on the threads nor on where the epoch
+  // started, and equals makeBatch(data, rows, lo, seed).
   // Batches of an unfinished earlier epoch are dropped.
   void start(std::vector<std::vector<int64_t>> batches, uint64_t seed);
   // The next batch, in order. `waited` gets the seconds spent waiting for it. TimeoutError after

@@ -146,6 +146,7 @@ std::string straightAndResumed(const std::string& dir, TrainOptions o, const std
   o.stop_after = 2;
   train(one, o);
   o.stop_after = 0;
+  o.stop_after_steps = 0;
   o.resume = true;
   testing::internal::CaptureStdout();
   train(one, o);
@@ -170,6 +171,28 @@ TEST(MilNceTraining, ResumeContinuesBitForBit) {
   auto sb = dtrain::Checkpointer(dir.path() + "/resumed/checkpoints").loadLatest();
   ASSERT_TRUE(sa && sb);
   for (const auto& [name, t] : sa->model) EXPECT_TRUE(torch::equal(t, sb->model.at(name))) << name;
+}
+
+// Stopped mid-epoch instead (7 steps an epoch: after step 10, checkpointed) and resumed: the clips drawn
+// after the resume are the ones the uninterrupted run drew (clipRng), so every step's loss is the same.
+TEST(MilNceTraining, ResumeMidEpochContinuesBitForBit) {
+  dtrain::test::TempDir dir;
+  const std::string out = straightAndResumed(dir.path(), TrainOptions{}, [](TrainOptions& o) {
+    o.checkpoint_every = 1;
+    o.stop_after_steps = 10;
+  });
+  EXPECT_NE(out.find("resumed from epoch 1, step 10, sample 48 of the epoch"), std::string::npos) << out;
+  expectSameLosses(dir.path());
+}
+
+// --stop-after-steps at an epoch's last step stops after the epoch's checkpoint, so the resume starts at
+// the next epoch with nothing lost or repeated.
+TEST(MilNceTraining, StopAfterTheLastStepOfAnEpochKeepsItsCheckpoint) {
+  dtrain::test::TempDir dir;
+  const std::string out =
+      straightAndResumed(dir.path(), TrainOptions{}, [](TrainOptions& o) { o.stop_after_steps = 7; });
+  EXPECT_NE(out.find("resumed from epoch 1, step 7, sample 0 of the epoch"), std::string::npos) << out;
+  expectSameLosses(dir.path());
 }
 
 // The same with no disk at all: stopped after 2 epochs, resumed from the snapshot a dtrain-run agent's
