@@ -49,7 +49,7 @@ def workload(rig, name, out):
     if name in ("collectives-tcp", "collectives-shm"):
         env["DTRAIN_TRANSPORT"] = name.split("-")[1]
         return [f"{b}/dtrain-bench", "allreduce", "--min-bytes", "4", "--max-bytes", "4M", "--factor", "4",
-                "--iters", "0", "--seconds", "1.5", "--progress", "off"], [], env
+                "--iters", "0", "--seconds", "8", "--progress", "off"], [], env  # some 10 s
     if name == "ddp":
         return [f"{b}/example-ddp", "--batch", "2", "--epochs", "40"], [], env  # small steps: some 15 s
     if name == "ps":
