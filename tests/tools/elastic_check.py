@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Checks an elastic MIL-NCE run that lost (or gained) nodes and resumed from checkpoints.
 
-  elastic_check.py RUN_DIR REF_DIR SAMPLES_PER_EPOCH CHECKPOINT_EVERY
+  elastic_check.py RUN_DIR REF_DIR[,REF_DIR...] SAMPLES_PER_EPOCH CHECKPOINT_EVERY
 
 RUN_DIR/samples-rank<r>.txt has one line per micro-batch, "epoch E step S: i j ...", appended by
 whichever process was rank r in each round (milnce train --log-samples), each process's lines after
@@ -13,8 +13,9 @@ Checks, printing what it found:
     sample index exactly once;
   - lost steps: the steps past the resume point that the lost round had reached are at most
     CHECKPOINT_EVERY;
-  - the held-out accuracy (mean of R@1, R@5, R@10) of RUN_DIR/eval.json is within 1 point of
-    REF_DIR's (an uninterrupted run).
+  - the held-out accuracy (mean of R@1, R@5, R@10) of RUN_DIR/eval.json is within 1 point of the
+    range the REF_DIRs' span (uninterrupted runs at the world sizes the elastic run trained at: the same
+    global batch split otherwise gives another, equally good, result).
 Exit 1 with the first failure.
 """
 import collections
@@ -94,16 +95,21 @@ def main():
     if lost_max > every:
         fail(f"{lost_max} optimizer steps lost, more than the checkpoint interval {every}")
     got = json.load(open(os.path.join(run, "eval.json")))["after"]
-    want = json.load(open(os.path.join(ref, "eval.json")))["after"]
-    print("elastic_check: held-out after training: " +
-          ", ".join(f"{k} {100 * got[k]:.1f}% (uninterrupted {100 * want[k]:.1f}%)" for k in ("R@1", "R@5", "R@10")))
-    # Held-out accuracy: the mean of R@1, R@5 and R@10. A single recall moves by more than a point between
-    # two uninterrupted runs that differ only in world size (same global batch: R@10 38.4% at 3 ranks and
-    # 40.1% at 2 on this data), so the bound is on the mean.
+    refs = [json.load(open(os.path.join(r, "eval.json")))["after"] for r in ref.split(",")]
+    for r, want in zip(ref.split(","), refs):
+        print(f"elastic_check: held-out after training: " +
+              ", ".join(f"{k} {100 * got[k]:.1f}% ({os.path.basename(r)} {100 * want[k]:.1f}%)"
+                        for k in ("R@1", "R@5", "R@10")))
+    # Held-out accuracy: the mean of R@1, R@5 and R@10. The same global batch split over another number of
+    # ranks (MIL-NCE's negatives are each micro-batch's clips) trains to another result: on this data the
+    # mean recall of uninterrupted runs was 21.9% at 3 ranks and 20.3% at 2. The bound is on the range the
+    # references at the run's world sizes span, widened by a point.
     mean = lambda r: sum(r[k] for k in ("R@1", "R@5", "R@10")) / 3
-    print(f"elastic_check: mean recall {100 * mean(got):.2f}% (uninterrupted {100 * mean(want):.2f}%)")
-    if abs(mean(got) - mean(want)) > 0.01:
-        fail(f"mean recall {100 * mean(got):.2f}% is not within 1 point of the uninterrupted run's {100 * mean(want):.2f}%")
+    lo, hi = min(mean(w) for w in refs), max(mean(w) for w in refs)
+    print(f"elastic_check: mean recall {100 * mean(got):.2f}% (uninterrupted {100 * lo:.2f}%-{100 * hi:.2f}%)")
+    if not lo - 0.01 <= mean(got) <= hi + 0.01:
+        fail(f"mean recall {100 * mean(got):.2f}% is not within 1 point of the uninterrupted runs' "
+             f"{100 * lo:.2f}%-{100 * hi:.2f}%")
     print("elastic_check: ok")
 
 

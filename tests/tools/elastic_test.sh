@@ -59,20 +59,25 @@ export OMP_NUM_THREADS=1 OPENBLAS_NUM_THREADS=1 MKL_NUM_THREADS=1
 timeout $((60 * ts)) "$bin/milnce" gen-data --out data --videos 600 --eval-videos 60 --seed 5 >gen.log 2>&1 ||
   { cat gen.log; fail "milnce gen-data failed"; }
 # Global batch 24 = 2 x 3 ranks x accum 4 = 2 x 2 x 6 = 2 x 4 x 3: the same at every size the job takes.
-train=(train --data "$work/data" --epochs 30 --batch 2 --accum 4 --no-progress --log-samples --snapshot-every 5)
+train=(train --data "$work/data" --epochs 30 --batch 2 --no-progress --log-samples --snapshot-every 5)
 # What each scenario adds: disk checkpoints or none; ZeRO stage 2 or DDP.
 declare -A extra=([kill]="--checkpoint-every 5" [cut]="--checkpoint-every 5" [join]="--checkpoint-every 5"
                   [etcd]="--checkpoint-every 5 --zero 2" [memory]="--no-checkpoints")
-# The uninterrupted references: DDP, and ZeRO stage 2 when the etcd scenario runs.
+# The uninterrupted references, at the 3 ranks every scenario starts with and at the size it ends with
+# (2, or 4 for join; the global batch kept by --accum): DDP, and ZeRO stage 2 for the etcd scenario.
 reference() {
-  local name=$1
-  shift
-  timeout $((200 * ts)) "$bin/dtrain-run" --standalone --nproc-per-node 3 "$bin/milnce" "${train[@]}" "$@" --out "$work/$name" \
-    >"$name.log" 2>&1 || { tail -20 "$name.log"; fail "the uninterrupted reference run $name failed"; }
-  echo "elastic_test: reference $name (uninterrupted, 3 ranks): $(grep 'after training' "$name.log")"
+  local name=$1 n=$2
+  shift 2
+  timeout $((200 * ts)) "$bin/dtrain-run" --standalone --nproc-per-node "$n" "$bin/milnce" "${train[@]}" \
+    --accum $((12 / n)) "$@" --out "$work/$name" >"$name.log" 2>&1 ||
+    { tail -20 "$name.log"; fail "the uninterrupted reference run $name failed"; }
+  echo "elastic_test: reference $name (uninterrupted, $n ranks): $(grep 'after training' "$name.log")"
 }
-reference ref
-[[ " ${scenarios[*]} " == *" etcd "* ]] && reference ref-zero2 --zero 2
+has() { [[ " ${scenarios[*]} " == *" $1 "* ]]; }
+reference ref3 3
+if has kill || has cut || has memory; then reference ref2 2; fi
+if has etcd; then reference ref3-zero2 3 --zero 2 && reference ref2-zero2 2 --zero 2; fi
+if has join; then reference ref4 4; fi
 
 # Hosts 0-2 train; host 3 runs etcd (outside the hosts that are killed); join adds host 4.
 cluster up --name "$rig" --hosts 4 --gbit 10 --no-rate-check --owner $$ >/dev/null
@@ -94,7 +99,7 @@ agent() {
   [[ $s == etcd ]] && rdzv=(--rdzv-backend etcd --rdzv-endpoint "$etcd_url")
   cluster exec "$rig" "$h" -- timeout $((240 * ts)) "$bin/dtrain-run" --nnodes 2:4 "${rdzv[@]}" \
     --rdzv-id "$s" --nproc-per-node 1 --max-restarts 1 --heartbeat-timeout $((3 * ts)) --last-call 1 \
-    "$bin/milnce" "${train[@]}" ${extra[$s]} --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
+    "$bin/milnce" "${train[@]}" --accum 4 ${extra[$s]} --out "$work/$s/run" --resume >"$work/$s/h$h.log" 2>&1 &
   pids[$h]=$!
 }
 # Waits (bounded) until rank 0 has begun optimizer step N (its samples log says so).
@@ -172,9 +177,12 @@ for s in "${scenarios[@]}"; do
   if [[ $s == memory && -e $work/$s/run/checkpoints ]]; then
     fail "memory: $work/$s/run/checkpoints exists although the run wrote no disk checkpoints"
   fi
-  reference=ref
-  [[ $s == etcd ]] && reference=ref-zero2
-  /usr/bin/python3 "$src/tests/tools/elastic_check.py" "$work/$s/run" "$work/$reference" 600 5 |
+  case $s in
+    etcd) references="$work/ref3-zero2,$work/ref2-zero2" ;;
+    join) references="$work/ref3,$work/ref4" ;;
+    *) references="$work/ref3,$work/ref2" ;;
+  esac
+  /usr/bin/python3 "$src/tests/tools/elastic_check.py" "$work/$s/run" "$references" 600 5 |
     sed "s/^/  $s: /"
   [[ ${PIPESTATUS[0]} -eq 0 ]] || fail "$s: elastic_check failed"
   echo "elastic_test: $s: ok"
