@@ -16,8 +16,8 @@
 #   memory: no disk checkpoints at all (--no-checkpoints): host 2 is killed and the survivors resume
 #         from the peer-memory snapshot.
 # After each: every epoch's committed steps read each sample once, at most 5 steps were lost, and the
-# held-out accuracy (mean of R@1/5/10) is within 1 point of an uninterrupted 3-process run with the
-# same settings (tests/tools/elastic_check.py).
+# held-out accuracy (mean of R@1/5/10) is within 1 point of the range of uninterrupted runs with the
+# same settings at the world sizes the job trained at (tests/tools/elastic_check.py).
 #
 #   bash tests/tools/elastic_test.sh SOURCE_DIR BIN_DIR [kill|cut|etcd|memory|join ...]   (default: all)
 #
