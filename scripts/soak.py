@@ -225,7 +225,7 @@ def standalone_trial(rig, t, tdir):
             elif t["fault"] == "corrupt-checkpoint":
                 fault_at = time.time()
             if fault_at is None:
-                t["error"] = "the workload ended before the fault came (too short for the trial)"
+                t["error"] = "no fault came: the workload ended, or never started its workers, before it"
             t["timeout_s"] = timeout_of(rig, t["workload"])
             limit = 2 * t["timeout_s"] + rig.grace + (600 if t["restarts"] else 60)
             stopped = {}
