@@ -21,7 +21,8 @@ namespace milnce::detail {
 // An independent stream per (seed, what, index): video i does not depend on how many videos come before.
 enum Stream : uint64_t {
   kVocabStream = 1, kPrototypeStream = 2, kWordVectorStream = 3, kTrainVideo = 4, kEvalVideo = 5,
-  kTrainFrames = 6, kEvalFrames = 7  // gen-video's pictures, apart from the segments and captions
+  kTrainFrames = 6, kEvalFrames = 7,  // gen-video's pictures, apart from the segments and captions
+  kTrainClip = 8                      // a training clip's draws in an epoch (loader.cc: clipRng)
 };
 std::mt19937_64 streamRng(uint64_t seed, Stream what, uint64_t index = 0);
 

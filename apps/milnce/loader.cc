@@ -227,9 +227,7 @@ Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, co
 }
 
 std::mt19937_64 clipRng(uint64_t epoch_seed, int64_t video_index) {
-  std::seed_seq seq{static_cast<uint32_t>(epoch_seed), static_cast<uint32_t>(epoch_seed >> 32),
-                    static_cast<uint32_t>(video_index), static_cast<uint32_t>(static_cast<uint64_t>(video_index) >> 32)};
-  return std::mt19937_64(seq);
+  return streamRng(epoch_seed, kTrainClip, static_cast<uint64_t>(video_index));
 }
 
 Batch makeBatch(const Dataset& ds, const std::vector<int64_t>& video_indices, const LoaderOptions& opts,

@@ -102,7 +102,7 @@ def main():
                         for k in ("R@1", "R@5", "R@10")))
     # Held-out accuracy: the mean of R@1, R@5 and R@10. The same global batch split over another number of
     # ranks (MIL-NCE's negatives are each micro-batch's clips) trains to another result: on this data the
-    # mean recall of uninterrupted runs was 21.9% at 3 ranks and 20.3% at 2. The bound is on the range the
+    # mean recall of uninterrupted runs was 21.0% at 3 ranks and 20.1% at 2. The bound is on the range the
     # references at the run's world sizes span, widened by a point.
     mean = lambda r: sum(r[k] for k in ("R@1", "R@5", "R@10")) / 3
     lo, hi = min(mean(w) for w in refs), max(mean(w) for w in refs)
